@@ -1,0 +1,9 @@
+"""ember: a small, fast LLM inference engine with a vLLM-style API."""
+
+from ember.core.async_llm import AsyncLLM
+from ember.entrypoints.llm import LLM
+from ember.outputs import CompletionOutput, Logprob, RequestOutput
+from ember.sampling_params import OutputKind, SamplingParams
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "OutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

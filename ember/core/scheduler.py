@@ -1,0 +1,103 @@
+"""Continuous batching: every step picks the running sequences' next tokens and admits waiting prompts, within
+max_num_seqs, max_num_batched_tokens and the free KV blocks.
+
+Running sequences go first, in admission order. When the pool cannot give a running sequence its next block, the
+most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
+recomputed (prompt plus what it generated so far), so greedy output is the same as without preemption.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ember.core.block_manager import BlockManager
+from ember.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens of each sequence computed this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling: already holds shared blocks, runs from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget:
+                continue
+            while not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.bm.allocate(seq, seq.num_computed_tokens + n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        if batch.preempted:  # the pool is full: admitting now would only preempt again
+            return batch
+        seats = sum(s.seats() for s in self.running)
+        while self.waiting:
+            seq = self.waiting[0]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget or seats + seq.seats() > self.max_num_seqs:
+                break
+            if not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_tokens)):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+            seats += seq.seats()
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)

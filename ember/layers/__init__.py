@@ -1,0 +1,1 @@
+"""Layers built once and shared by every model family."""

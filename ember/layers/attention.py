@@ -1,0 +1,117 @@
+"""Paged attention over a flat, ragged batch, in plain torch (the CPU backend; CUDA runs the same code).
+
+The KV cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V. Every step
+writes the new tokens' K/V into their slots (``slot_mapping``), then:
+- decode tokens (one query each) are attended together: their blocks are gathered into one padded batch and a
+  length mask hides the padding; grouped-query heads are folded into the query rows, so K/V are never repeated;
+- prefill chunks are attended one sequence at a time, causally, against their whole context in the cache.
+The batch is ordered decodes first, then prefills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    start: int  # first row of this sequence in the flat batch
+    length: int  # query tokens this step
+    context_len: int  # tokens in the cache after this step, these included
+    block_table: torch.Tensor  # [num_blocks_of_seq]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat slot index of every token of the batch
+    num_decode: int  # the first num_decode rows are decode tokens
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
+    decode_context_lens: torch.Tensor | None  # [num_decode]
+    prefills: list[PrefillSpan]
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """[num_decode, 1, 1, S] True where a key may be attended; cached per window across layers."""
+        mask = self._masks.get(window)
+        if mask is None:
+            lens = self.decode_context_lens
+            keys = torch.arange(self.decode_block_tables.shape[1] * block_size, device=lens.device)
+            mask = keys[None, :] < lens[:, None]
+            if window is not None:
+                mask &= keys[None, :] >= (lens[:, None] - window)
+            mask = mask[:, None, None, :]
+            self._masks[window] = mask
+        return mask
+
+
+def _causal_mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:
+    rows = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+    cols = torch.arange(ctx, device=device)[None, :]
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return mask
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float) -> torch.Tensor:
+    """q [B, Hq, L, D], k/v [B, Hkv, S, D]."""
+    if q.shape[1] != k.shape[1]:
+        if _HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+        # bound by the model runner once the pool is allocated
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        T, Hq, D = q.shape
+        Hkv = self.num_kv_heads
+        block_size = self.k_cache.shape[1]
+        self.k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
+        out = q.new_empty(T, Hq, D)
+        nd = meta.num_decode
+        if nd:
+            tables = meta.decode_block_tables
+            kd = self.k_cache[tables].view(nd, -1, Hkv, D).transpose(1, 2)
+            vd = self.v_cache[tables].view(nd, -1, Hkv, D).transpose(1, 2)
+            qd = q[:nd].view(nd, Hkv, Hq // Hkv, D)  # query heads of one KV group become rows
+            mask = meta.decode_mask(self.sliding_window, block_size)
+            out[:nd] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale).view(nd, Hq, D)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.length)
+            qs = q[rows].transpose(0, 1).unsqueeze(0)
+            fresh = span.context_len == span.length
+            if fresh:  # nothing cached before this chunk: attend to the chunk's own K/V
+                ks, vs = k[rows], v[rows]
+            else:
+                ks = self.k_cache[span.block_table].view(-1, Hkv, D)[:span.context_len]
+                vs = self.v_cache[span.block_table].view(-1, Hkv, D)[:span.context_len]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            window = self.sliding_window
+            if fresh and (window is None or span.context_len <= window):
+                o = _sdpa(qs, ks, vs, None, True, self.scale)
+            else:
+                mask = _causal_mask(span.length, span.context_len, window, q.device)
+                o = _sdpa(qs, ks, vs, mask, False, self.scale)
+            out[rows] = o.squeeze(0).transpose(0, 1)
+        return out.view(T, Hq * D)

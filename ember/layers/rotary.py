@@ -1,0 +1,54 @@
+"""Rotary position embedding with a precomputed cos/sin table indexed by each token's position.
+
+Inverse frequencies come from transformers' own RoPE functions for scaled variants (linear, llama3, yarn), so long-
+context checkpoints match the reference; the arithmetic mirrors transformers (float32 tables, rotate-half).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of a transformers config, for both the 4.x and the 5.x attribute names."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported: use one of {_STATIC_ROPE_TYPES}")
+        if rope_type == "default":
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,136 @@
+"""Read a GGUF file of the Llama family with the `gguf` package: config from its metadata, weights dequantized to
+torch tensors under Hugging Face names.
+
+llama.cpp's converter permutes the Q and K projections of `llama` checkpoints for its interleaved RoPE; we undo it
+so that the one rotate-half implementation serves both formats (as transformers does).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+# GGUF general.architecture -> (Hugging Face architecture, model_type)
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+
+_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _value(field: Any) -> Any:
+    if hasattr(field, "contents"):
+        return field.contents()
+    parts = [field.parts[i] for i in field.data]
+    vals = [bytes(p).decode("utf-8") if p.dtype == np.uint8 else p.tolist()[0] for p in parts]
+    return vals[0] if len(vals) == 1 else vals
+
+
+class GGUFCheckpoint:
+    """One GGUF file: its metadata as a transformers config and its tensors under Hugging Face names."""
+
+    def __init__(self, path: str) -> None:
+        from gguf import GGUFReader
+
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as e:  # the reader raises bare ValueError/struct errors on truncated files
+            raise ValueError(f"model file {path!r} is not a readable GGUF file: {e}") from e
+        self.path = path
+        self.meta = {k: _value(f) for k, f in self.reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+        self.gguf_arch = str(self.meta.get("general.architecture"))
+        if self.gguf_arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF general.architecture={self.gguf_arch!r} is not supported: "
+                             f"ember supports {sorted(GGUF_ARCHITECTURES)}")
+        self.architecture, self.model_type = GGUF_ARCHITECTURES[self.gguf_arch]
+
+    def hf_config(self) -> Any:
+        from transformers import AutoConfig
+
+        prefix = self.gguf_arch + "."
+        kwargs: dict[str, Any] = {}
+        for key, name in _CONFIG_KEYS.items():
+            if prefix + key in self.meta:
+                kwargs[name] = self.meta[prefix + key]
+        if "vocab_size" not in kwargs:
+            kwargs["vocab_size"] = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.reader.tensors)
+        scaling = self.meta.get(prefix + "rope.scaling.type")
+        if scaling and scaling != "none":
+            rope = {"rope_type": scaling, "factor": float(self.meta.get(prefix + "rope.scaling.factor", 1.0))}
+            if prefix + "rope.scaling.original_context_length" in self.meta:
+                rope["original_max_position_embeddings"] = int(self.meta[prefix + "rope.scaling.original_context_length"])
+            kwargs["rope_scaling"] = rope
+        if "head_dim" not in kwargs:
+            kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+            field = self.reader.fields.get("tokenizer.ggml." + key)
+            if field is not None:
+                kwargs[name] = int(_value(field))
+        config = AutoConfig.for_model(self.model_type, **kwargs)
+        config.architectures = [self.architecture]
+        return config
+
+    def tensors(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf import dequantize
+
+        permute = self.gguf_arch in ("llama", "mistral")
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in SUPPORTED_QUANT_TYPES:
+                raise ValueError(f"GGUF tensor {t.name} has type {t.tensor_type.name}: "
+                                 f"supported types are {SUPPORTED_QUANT_TYPES}")
+            name = _hf_name(t.name)
+            if name is None:
+                continue
+            w = np.array(dequantize(t.data, t.tensor_type), copy=True)  # the file is mapped read-only
+            if permute and (".q_proj." in name or ".k_proj." in name):
+                heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+                w = _unpermute(w, heads)
+            yield name, torch.from_numpy(w)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _TENSOR_NAMES:
+        return f"{_TENSOR_NAMES[base]}.{kind}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{kind}"
+    return None
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE layout)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,58 @@
+"""Read a Hugging Face checkpoint folder: config.json, *.safetensors (sharded index too), generation_config.json."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def load_hf_config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model={path!r} has no config.json: not a Hugging Face checkpoint folder")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model={path!r}: config.json could not be read ({e})") from e
+
+
+def load_generation_config(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"model={path!r}: shards named in the index are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model={path!r} has no *.safetensors weights")
+    return files
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for file in safetensors_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"model file {file!r} is corrupt: {e}") from e

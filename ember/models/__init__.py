@@ -1,0 +1,19 @@
+"""Model registry: Hugging Face architecture name -> implementation."""
+
+from __future__ import annotations
+
+from ember.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def resolve_architecture(architectures: list[str] | None) -> tuple[str, type]:
+    for arch in architectures or []:
+        if arch in MODEL_REGISTRY:
+            return arch, MODEL_REGISTRY[arch]
+    raise ValueError(f"architectures={architectures!r} is not supported: ember supports {sorted(MODEL_REGISTRY)}")

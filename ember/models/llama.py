@@ -1,0 +1,186 @@
+"""The Llama family in one implementation: Llama / SmolLM2, Mistral, Qwen2 / Qwen2.5 and Qwen3.
+
+The families differ only in switches read from the config: bias on the QKV projection (Qwen2), RMSNorm on each
+query and key head (Qwen3), tied or separate LM head, sliding-window layers. The model sees one flat batch of
+tokens ``[T]`` with their positions and the attention metadata; it never sees padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.layers.activation import silu_and_mul
+from ember.layers.attention import AttentionMetadata, PagedAttention
+from ember.layers.embedding import LMHead, VocabEmbedding
+from ember.layers.linear import Linear, MergedLinear
+from ember.layers.norm import RMSNorm
+from ember.layers.rotary import RotaryEmbedding
+
+
+@dataclass(slots=True, frozen=True)
+class FamilySwitches:
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+
+def family_switches(architecture: str, config: Any) -> FamilySwitches:
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":
+        return FamilySwitches(qkv_bias=True, o_bias=False, qk_norm=False)
+    if architecture == "Qwen3ForCausalLM":
+        return FamilySwitches(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+    return FamilySwitches(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=False)
+
+
+def layer_windows(architecture: str, config: Any) -> list[int | None]:
+    """The sliding window of each layer, None for full attention, as transformers decides it."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if architecture == "MistralForCausalLM":
+        return [window] * n
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and window:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if getattr(config, "use_sliding_window", False) and window:
+        start = getattr(config, "max_window_layers", n)
+        return [window if i >= start else None for i in range(n)]
+    return [None] * n
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, sw.qkv_bias, dtype)
+        self.o_proj = Linear(q, config.hidden_size, sw.o_bias, dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
+        self.rope = rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, window)
+        self.split = (q, kv, kv)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, dtype)
+        self.down_proj = Linear(inter, config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, sw, window, rope, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        sw = family_switches(architecture, config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rope = RotaryEmbedding(config, head_dim, max_position)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, sw, w, self.rope, dtype) for w in layer_windows(architecture, config)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+# checkpoint name part -> (fused parameter, shard)
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(architecture, config, max_position, dtype)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype,
+                              tied_to=self.model.embed_tokens if self.tied else None)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters; fail on anything missing."""
+        params = dict(self.named_parameters())
+        expected: set[tuple[str, str | None]] = set()
+        for name, param in params.items():
+            if isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear):
+                module = self.get_submodule(name.rsplit(".", 1)[0])
+                expected.update((name, shard) for shard in module.shard_offsets)
+            else:
+                expected.add((name, None))
+        loaded: set[tuple[str, str | None]] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
+                continue
+            parts = name.split(".")
+            stacked = next((p for p in parts if p in _STACKED), None)
+            if stacked is not None:
+                fused, shard = _STACKED[stacked]
+                target = name.replace(stacked, fused)
+                if target not in params:
+                    continue
+                self.get_submodule(target.rsplit(".", 1)[0]).load_shard(shard, parts[-1], tensor)
+                loaded.add((target, shard))
+            elif name in params:
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                param.data.copy_(tensor)
+                loaded.add((name, None))
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing:
+            raise ValueError(f"model file is missing {len(missing)} weights, e.g. {missing[:5]}: "
+                             "the checkpoint is incomplete or does not match its config")

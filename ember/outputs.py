@@ -1,0 +1,87 @@
+"""What a request returns: vLLM's RequestOutput / CompletionOutput shapes.
+
+The engine emits *deltas* (only what changed in one step); ``RequestOutput.merge`` folds them into the cumulative
+view that ``LLM.generate`` and, by default, ``AsyncLLM.generate`` return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str | None = None
+
+
+# One position: token id -> Logprob, holding the chosen (or prompt) token and the top-k alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, delta: "CompletionOutput") -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+
+    def merge(self, delta: "RequestOutput") -> None:
+        """Fold a later delta of the same request into this cumulative output."""
+        by_index = {o.index: o for o in self.outputs}
+        for d in delta.outputs:
+            if d.index in by_index:
+                by_index[d.index].merge(d)
+            else:
+                fresh = CompletionOutput(index=d.index)
+                fresh.merge(d)
+                self.outputs.append(fresh)
+                by_index[d.index] = fresh
+        self.outputs.sort(key=lambda o: o.index)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished = delta.finished
+        self.metrics = delta.metrics

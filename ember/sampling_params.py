@@ -1,0 +1,117 @@
+"""Per-request sampling parameters, in the shape vLLM users already know.
+
+Every field is checked in ``__post_init__`` so a bad request fails in the caller's thread, before it reaches the
+engine, with a ValueError that names the field, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from typing import Any
+
+MAX_LOGPROBS = 20
+_GREEDY_EPS = 1e-5
+
+
+class OutputKind(str, Enum):
+    """What each item of a request's output stream holds."""
+
+    CUMULATIVE = "cumulative"  # everything so far (vLLM's AsyncLLM default)
+    DELTA = "delta"  # only what is new since the last item
+    FINAL_ONLY = "final_only"  # one item, when the request ends
+
+
+def _bad(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is out of range: {name} must be {allowed}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; temperature=0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # transformers semantics, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI semantics, over output only
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # chosen token's logprob plus this many top ones
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    # resolved by the engine: every token id that ends generation (EOS ids from the tokenizer and generation config)
+    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.output_kind = OutputKind(self.output_kind)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise _bad("n", self.n, "an integer >= 1")
+        if self.temperature < 0:
+            raise _bad("temperature", self.temperature, ">= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise _bad("top_k", self.top_k, "an integer >= 0 (0 or -1 turn it off)")
+        if not 0 <= self.min_p <= 1:
+            raise _bad("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise _bad("seed", self.seed, "an integer or None")
+        if self.repetition_penalty <= 0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise _bad(name, value, "in [-2, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise _bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise _bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_generation_config(cls, gen: dict[str, Any]) -> "SamplingParams":
+        """Defaults from a model's generation_config.json, as vLLM reads it."""
+        keys = {f.name for f in fields(cls)}
+        kwargs = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
+        if gen.get("max_new_tokens"):
+            kwargs["max_tokens"] = gen["max_new_tokens"]
+        return cls(**{k: v for k, v in kwargs.items() if k in keys and v is not None})
