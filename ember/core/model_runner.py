@@ -53,7 +53,8 @@ class ModelRunner:
         cfg = loaded.hf_config
         layers = self.model.attention_layers()
         first = layers[0]
-        self.kv_cache = torch.empty(2, len(layers), self.num_blocks, self.block_size, first.num_kv_heads,
+        # zeros, not empty: padded decode batches read unused slots, and NaN garbage there would survive the mask
+        self.kv_cache = torch.zeros(2, len(layers), self.num_blocks, self.block_size, first.num_kv_heads,
                                     first.head_dim, dtype=loaded.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

