@@ -41,6 +41,22 @@ def test_warpers_match_transformers(seed, k, p, min_p, temp):
     _same_mask(ours, ref)
 
 
+@pytest.mark.parametrize("scale", [3.0, 0.01])  # peaked: the 1,024 candidates suffice; flat: full sort
+def test_warpers_per_row_large_vocab(scale):
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(8)) * scale
+    ks, ps, mins = [0, 3000, 0], [0.9, 0.95, 1.0], [0.0, 0.0, 0.1]
+    ours = top_k_top_p_min_p(logits, torch.tensor(ks), torch.tensor(ps), torch.tensor(mins))
+    for row, (k, p, m) in enumerate(zip(ks, ps, mins)):
+        ref = logits[row:row + 1].clone()
+        if k:
+            ref = TopKLogitsWarper(k)(None, ref)
+        if p < 1:
+            ref = TopPLogitsWarper(p)(None, ref)
+        if m:
+            ref = MinPLogitsWarper(m)(None, ref)
+        _same_mask(ours[row:row + 1], ref)
+
+
 def test_warpers_per_row_in_one_batch():
     logits = _logits(7, rows=3)
     ks, ps, mins = [5, 0, 50], [1.0, 0.7, 0.9], [0.0, 0.0, 0.2]

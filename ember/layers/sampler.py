@@ -31,22 +31,37 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+_CANDIDATES = 1024  # top-p looks at this many best tokens first and sorts the whole row only if they fall short
+
+
 def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                       min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) what top-k (0 = off), top-p (1 = off) and min-p (0 = off) remove, with transformers'
-    definitions (ties at the k-th logit are kept; top-p keeps the smallest set whose mass exceeds top_p).
-    logits [B, V]."""
-    V = logits.shape[1]
-    if bool((top_k > 0).any()):
-        desc = logits.sort(dim=-1, descending=True).values
-        kth = desc.gather(1, (torch.where(top_k > 0, top_k, V).clamp(max=V) - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if bool((top_p < 1).any()):
-        asc, order = logits.sort(dim=-1)
-        cum = asc.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - top_p)[:, None]
-        remove[:, -1] = False
-        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    definitions: ties at the k-th logit are kept; top-p removes a token when the tokens ranked above it already
+    hold top_p of the mass. logits [B, V].
+
+    A full sort of a 49k vocabulary costs ~2 ms a row on CPU; ``topk`` of the best candidates is ~8x cheaper and
+    exact whenever they hold top_p of the mass, which is the usual case."""
+    B, V = logits.shape
+    use_k, use_p = top_k > 0, top_p < 1
+    if bool(use_k.any()) or bool(use_p.any()):
+        cap = min(V, max(_CANDIDATES, int(top_k.max())))
+        vals, idx = logits.topk(cap, dim=-1)
+        if bool(use_k.any()):
+            kth = vals.gather(1, (torch.where(use_k, top_k, cap).clamp(max=cap) - 1)[:, None])
+            kth = torch.where(use_k[:, None], kth, torch.full_like(kth, float("-inf")))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            vals = vals.masked_fill(vals < kth, float("-inf"))
+        if bool(use_p.any()):
+            probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+            if bool((use_p & (probs.sum(dim=-1) < top_p)).any()):  # candidates hold too little mass
+                vals, idx = logits.sort(dim=-1, descending=True)
+                probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+            above = probs.cumsum(dim=-1) - probs
+            remove = (above >= top_p[:, None]) & use_p[:, None]
+            remove[:, 0] = False
+            kept = torch.full_like(logits, float("-inf")).scatter(1, idx, vals.masked_fill(remove, float("-inf")))
+            logits = torch.where(use_p[:, None], kept, logits)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -84,12 +99,13 @@ class Sampler:
                 torch.tensor([params[i].min_p for i in rand_rows], **f32),
             )
             probs = sub.softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_()
+            # Exp(1) noise as -log(U): torch.rand is ~8x faster on CPU than exponential_ or multinomial
+            uniform = torch.rand_like(probs)
             for j, i in enumerate(rand_rows):
                 g = seqs[i].generator
                 if g is not None:
-                    noise[j] = torch.empty(V, dtype=torch.float32).exponential_(generator=g).to(device)
-            tokens[idx] = (probs / noise).argmax(dim=-1)
+                    uniform[j] = torch.rand(V, generator=g).to(device)
+            tokens[idx] = (probs / -uniform.log()).argmax(dim=-1)
         token_list = tokens.tolist()
 
         lps: list[TokenLogprobs | None] = [None] * B
