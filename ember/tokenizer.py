@@ -6,7 +6,9 @@ chat template in its metadata, which transformers turns into the same fast token
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from typing import Any
 
 Message = dict[str, Any]
@@ -32,7 +34,7 @@ class Tokenizer:
         hf_logging.set_verbosity_error()  # GGUF conversion logs every unparsed key
         try:
             if gguf_file is not None:
-                hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+                hf = _load_gguf_tokenizer(gguf_file)
             else:
                 hf = AutoTokenizer.from_pretrained(path)
         finally:
@@ -59,3 +61,29 @@ class Tokenizer:
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+
+def _cache_dir(gguf_file: str) -> str:
+    stat = os.stat(gguf_file)
+    key = hashlib.sha1(f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
+    return os.path.join(root, "tokenizers", key)
+
+
+def _load_gguf_tokenizer(gguf_file: str) -> Any:
+    """Converting a GGUF vocabulary to a fast tokenizer takes seconds; keep the result in a cache folder."""
+    from transformers import AutoTokenizer
+
+    cached = _cache_dir(gguf_file)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+        hf.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return hf

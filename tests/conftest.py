@@ -22,12 +22,11 @@ def default_gguf() -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     """The default model's tokenizer (vocabulary of 49,152) saved as a Hugging Face tokenizer folder."""
-    from transformers import AutoTokenizer
+    from ember.tokenizer import Tokenizer
 
     path = default_gguf()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     out = tmp_path_factory.mktemp("tokenizer")
-    tok.save_pretrained(out)
+    Tokenizer.load(path, gguf_file=path).hf.save_pretrained(out)
     return str(out)
 
 
