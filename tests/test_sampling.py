@@ -10,13 +10,19 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ember.layers.logits_processors import apply_presence_frequency, apply_repetition_penalty, token_counts
-from ember.layers.sampler import top_k_top_p_min_p
+from ember.layers.sampler import filter_candidates
 
 V = 257
 
 
 def _logits(seed: int, rows: int = 1) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def top_k_top_p_min_p(logits, top_k, top_p, min_p) -> torch.Tensor:
+    """Our candidates scattered back to full rows, -inf where removed, to compare with transformers."""
+    cand = filter_candidates(logits, top_k, top_p, min_p)
+    return torch.full_like(logits, float("-inf")).scatter(1, cand.ids, cand.logits)
 
 
 def _same_mask(a: torch.Tensor, b: torch.Tensor) -> None:

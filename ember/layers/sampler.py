@@ -31,42 +31,58 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-_CANDIDATES = 1024  # top-p looks at this many best tokens first and sorts the whole row only if they fall short
+_CANDIDATES = 512  # top-k/top-p look at this many best tokens and rank a whole row only if they fall short
 
 
-def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k (0 = off), top-p (1 = off) and min-p (0 = off) remove, with transformers'
-    definitions: ties at the k-th logit are kept; top-p removes a token when the tokens ranked above it already
-    hold top_p of the mass. logits [B, V].
+@dataclass(slots=True)
+class Candidates:
+    """The tokens a row may still draw: logits (-inf where removed) and their token ids, both [B, C]."""
 
-    A full sort of a 49k vocabulary costs ~2 ms a row on CPU; ``topk`` of the best candidates is ~8x cheaper and
-    exact whenever they hold top_p of the mass, which is the usual case."""
+    logits: torch.Tensor
+    ids: torch.Tensor
+
+
+def filter_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor) -> Candidates:
+    """Apply top-k (0 = off), top-p (1 = off) and min-p (0 = off) with transformers' definitions: ties at the k-th
+    logit are kept; top-p drops a token once the tokens ranked above it hold top_p of the mass; min-p drops tokens
+    below min_p times the best one's probability. logits [B, V], already divided by the temperature.
+
+    Ranking a whole 49k-token row costs ~2 ms on CPU; ``topk`` of the best few hundred is ~20x cheaper and exact
+    whenever they hold top_p of the mass (the usual case); otherwise the rows are sorted in full."""
     B, V = logits.shape
-    use_k, use_p = top_k > 0, top_p < 1
-    if bool(use_k.any()) or bool(use_p.any()):
-        cap = min(V, max(_CANDIDATES, int(top_k.max())))
-        vals, idx = logits.topk(cap, dim=-1)
-        if bool(use_k.any()):
-            kth = vals.gather(1, (torch.where(use_k, top_k, cap).clamp(max=cap) - 1)[:, None])
-            kth = torch.where(use_k[:, None], kth, torch.full_like(kth, float("-inf")))
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-            vals = vals.masked_fill(vals < kth, float("-inf"))
+    use_k, use_p, use_min = top_k > 0, top_p < 1, min_p > 0
+    if not (bool(use_k.any()) or bool(use_p.any())):
+        vals, ids = logits, torch.arange(V, device=logits.device).expand(B, V)
+    else:
+        # a row that uses neither keeps its whole vocabulary (the sampler sends such rows separately)
+        cap = min(V, max(_CANDIDATES, int(top_k.max()))) if bool((use_k | use_p).all()) else V
+        vals, ids = logits.topk(cap, dim=-1)
         if bool(use_p.any()):
-            probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
-            if bool((use_p & (probs.sum(dim=-1) < top_p)).any()):  # candidates hold too little mass
-                vals, idx = logits.sort(dim=-1, descending=True)
-                probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+            lse = _kept_logsumexp(logits, vals, use_k, top_k)
+            if bool((use_p & ((vals - lse).exp().sum(dim=-1) < top_p)).any()):
+                vals, ids = logits.sort(dim=-1, descending=True)
+        if bool(use_k.any()):
+            kth = vals.gather(1, (torch.where(use_k, top_k, 1).clamp(max=vals.shape[1]) - 1)[:, None])
+            vals = vals.masked_fill(use_k[:, None] & (vals < kth), float("-inf"))
+        if bool(use_p.any()):
+            probs = (vals - lse).exp()
             above = probs.cumsum(dim=-1) - probs
             remove = (above >= top_p[:, None]) & use_p[:, None]
             remove[:, 0] = False
-            kept = torch.full_like(logits, float("-inf")).scatter(1, idx, vals.masked_fill(remove, float("-inf")))
-            logits = torch.where(use_p[:, None], kept, logits)
-    if bool((min_p > 0).any()):
-        probs = logits.softmax(dim=-1)
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits
+            vals = vals.masked_fill(remove, float("-inf"))
+    if bool(use_min.any()):  # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+        floor = vals.max(dim=-1, keepdim=True).values + min_p.clamp(min=1e-30).log()[:, None]
+        vals = vals.masked_fill(use_min[:, None] & (vals < floor), float("-inf"))
+    return Candidates(vals, ids)
+
+
+def _kept_logsumexp(logits: torch.Tensor, vals: torch.Tensor, use_k: torch.Tensor,
+                    top_k: torch.Tensor) -> torch.Tensor:
+    """logsumexp over what top-k keeps (all of it lies among the candidates), or over the whole row."""
+    ranks = torch.arange(vals.shape[1], device=vals.device)[None, :]
+    in_k = vals.masked_fill(use_k[:, None] & (ranks >= top_k[:, None]), float("-inf")).logsumexp(-1, keepdim=True)
+    return torch.where(use_k[:, None], in_k, logits.logsumexp(-1, keepdim=True))
 
 
 class Sampler:
@@ -83,29 +99,14 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if max_lp is not None else None
 
         logits = self._process(logits, seqs)
-        greedy = [p.is_greedy for p in params]
         tokens = logits.argmax(dim=-1)
-        rand_rows = [i for i, g in enumerate(greedy) if not g]
-        if rand_rows:
-            idx = torch.tensor(rand_rows, device=device)
-            sub = logits[idx]
-            f32 = dict(dtype=torch.float32, device=device)
-            temp = torch.tensor([params[i].temperature for i in rand_rows], **f32)
-            sub = sub / temp[:, None]
-            sub = top_k_top_p_min_p(
-                sub,
-                torch.tensor([params[i].top_k for i in rand_rows], dtype=torch.long, device=device),
-                torch.tensor([params[i].top_p for i in rand_rows], **f32),
-                torch.tensor([params[i].min_p for i in rand_rows], **f32),
-            )
-            probs = sub.softmax(dim=-1)
-            # Exp(1) noise as -log(U): torch.rand is ~8x faster on CPU than exponential_ or multinomial
-            uniform = torch.rand_like(probs)
-            for j, i in enumerate(rand_rows):
-                g = seqs[i].generator
-                if g is not None:
-                    uniform[j] = torch.rand(V, generator=g).to(device)
-            tokens[idx] = (probs / -uniform.log()).argmax(dim=-1)
+        rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        # rows that filter their candidates, and rows that draw from the whole vocabulary, go separately
+        filtered = [i for i in rand_rows if params[i].top_k > 0 or params[i].top_p < 1]
+        for group in (filtered, [i for i in rand_rows if i not in set(filtered)]):
+            if group:
+                idx = torch.tensor(group, device=device)
+                tokens[idx] = self._draw(logits[idx], [seqs[i] for i in group])
         token_list = tokens.tolist()
 
         lps: list[TokenLogprobs | None] = [None] * B
@@ -121,6 +122,29 @@ class Sampler:
                 lps[i] = TokenLogprobs(chosen_l[i], ranks_l[i],
                                        top_ids[i, :k].tolist() if k else [], top_vals[i, :k].tolist() if k else [])
         return SamplerOutput(token_list, lps)
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Sample one token per row: argmax(p / E) with E ~ Exp(1) (the Gumbel trick, exact).
+
+        A seeded row draws noise for the whole vocabulary from its own generator and reads it at its candidates,
+        so its tokens do not depend on the batch, nor on how many candidates were ranked."""
+        device = logits.device
+        params = [s.request.params for s in seqs]
+        f32 = dict(dtype=torch.float32, device=device)
+        logits = logits / torch.tensor([p.temperature for p in params], **f32)[:, None]
+        cand = filter_candidates(
+            logits,
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            torch.tensor([p.top_p for p in params], **f32),
+            torch.tensor([p.min_p for p in params], **f32),
+        )
+        probs = cand.logits.softmax(dim=-1)
+        uniform = torch.rand_like(probs)  # -log(U) ~ Exp(1); rand is far cheaper than exponential_ on CPU
+        for j, s in enumerate(seqs):
+            if s.generator is not None:
+                uniform[j] = torch.rand(self.vocab_size, generator=s.generator).to(device)[cand.ids[j]]
+        choice = (probs / -uniform.log()).argmax(dim=-1, keepdim=True)
+        return cand.ids.gather(1, choice).squeeze(1)
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.request.params for s in seqs]
