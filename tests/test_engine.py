@@ -146,3 +146,21 @@ def test_token_prompts_and_text_prompts_agree(tiny_llm):
     assert a.prompt_token_ids == ids and a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.metrics.num_prompt_tokens == len(ids) and a.metrics.num_generated_tokens == 24
     assert a.metrics.first_token_time >= a.metrics.arrival_time
+
+
+def test_engine_failure_reaches_every_consumer(llama_dir):
+    """A crash in the model ends every request with an error instead of a hang; later calls fail fast."""
+    from ember.core.engine import EngineDeadError
+
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    try:
+        def boom(batch):
+            raise RuntimeError("simulated kernel failure")
+
+        llm.engine.runner.execute = boom
+        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+            llm.generate(["hello", "world"], GREEDY, use_tqdm=False)
+        with pytest.raises(EngineDeadError):
+            llm.generate(["again"], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()

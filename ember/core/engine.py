@@ -113,29 +113,32 @@ class Engine:
     # ----- engine thread -----
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while self._run_once():
+                pass
+        except BaseException as e:  # never leave a consumer waiting forever
+            logger.exception("engine loop failed")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine stopped after an error: {e!r}"))
+
+    def _run_once(self) -> bool:
+        """Take every pending command (waiting for one when idle), then run one step. False: shut down."""
+        try:
+            item = self._inbox.get(block=not self.scheduler.has_work())
+        except queue.Empty:
+            item = None
+        while item is not None:
+            if item is _STOP:
+                self._fail_all(EngineDeadError("the engine was shut down"))
+                return False
+            self._handle(item)
             try:
-                item = self._inbox.get(block=not self.scheduler.has_work())
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 item = None
-            while item is not None:
-                if item is _STOP:
-                    self._fail_all(EngineDeadError("the engine was shut down"))
-                    return
-                self._handle(item)
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = None
-            if not self.scheduler.has_work():
-                continue
-            try:
-                self.step()
-            except BaseException as e:  # never leave a consumer waiting forever
-                logger.exception("engine step failed")
-                self._dead = e
-                self._fail_all(EngineDeadError(f"the engine stopped after an error: {e!r}"))
-                return
+        if self.scheduler.has_work():
+            self.step()
+        return True
 
     def _handle(self, item: tuple[str, Any]) -> None:
         kind, payload = item
