@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.layers.linear import PrepackedWeight, linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype) -> None:
@@ -21,7 +23,11 @@ class LMHead(VocabEmbedding):
         super().__init__(vocab_size if tied_to is None else 0, dim, dtype)
         if tied_to is not None:
             self.weight = tied_to.weight
+        self.prepacked: PrepackedWeight | None = None
+
+    def prepack(self) -> None:
+        self.prepacked = PrepackedWeight(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32: the sampler and logprobs need the precision whatever the model dtype."""
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight, None, self.prepacked).float()

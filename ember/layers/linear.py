@@ -3,9 +3,34 @@ decoder layer does two matmuls for attention input and MLP input instead of five
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def mkldnn_prepack_available() -> bool:
+    """oneDNN can pre-pack linear weights on CPU: about 2x faster matmuls for decode-sized batches, bf16 and fp32.
+    EMBER_MKLDNN_LINEAR=0 turns it off."""
+    return (os.environ.get("EMBER_MKLDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PrepackedWeight:
+    """A CPU weight re-laid out by oneDNN once at load time; the original stays for loading and inspection."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           prepacked: PrepackedWeight | None) -> torch.Tensor:
+    if prepacked is not None and x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, prepacked.packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -15,9 +40,13 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.prepacked: PrepackedWeight | None = None
+
+    def prepack(self) -> None:
+        self.prepacked = PrepackedWeight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.prepacked)
 
 
 class MergedLinear(Linear):

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ember.config import EngineConfig, resolve_dtype
+from ember.layers.linear import mkldnn_prepack_available
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import iter_safetensors, load_generation_config, load_hf_config
 from ember.models import resolve_architecture
@@ -48,6 +49,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     weights = ckpt.tensors(hf_config) if ckpt is not None else iter_safetensors(config.model)
     model.load_weights(weights)
     model.to(config.device).eval()
+    if config.device.startswith("cpu") and mkldnn_prepack_available():
+        for module in model.modules():
+            if hasattr(module, "prepack"):
+                module.prepack()
 
     tok_path = config.tokenizer or config.model
     tokenizer = Tokenizer.load(tok_path, gguf_file=tok_path if tok_path.endswith(".gguf") else None)
