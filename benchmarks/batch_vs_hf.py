@@ -1,8 +1,9 @@
 """Output tokens/s of one batch of requests: ember against transformers ``generate`` in the same process and run.
 
 Every backend gets the identical prompts (chat-formatted questions, token counts vary) and generates exactly
---max-tokens tokens each (EOS ignored). transformers runs them as one static batch with left padding. Runs are
-interleaved and repeated; the median is reported, with the ratio ember / transformers.
+--max-tokens tokens each (EOS ignored). transformers runs them as one static batch with left padding. Each run is a
+fresh subprocess (one backend per process: two torch thread pools in one process slow each other down); runs
+alternate between backends and repeat; the median is reported, with the ratio ember / transformers.
 
     python benchmarks/batch_vs_hf.py --requests 32 --max-tokens 128 --dtype bfloat16 --repeats 3
 """
@@ -13,6 +14,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -55,33 +58,48 @@ def run_hf(model, batch, max_tokens: int, pad_id: int) -> float:
     return (out.shape[1] - width) * len(batch) / elapsed
 
 
+def measure(backend: str, n: int, max_tokens: int, dtype_name: str) -> float:
+    from ember.config import default_model_path
+    from ember.tokenizer import Tokenizer
+
+    path = default_model_path()
+    batch = prompts(Tokenizer.load(path, gguf_file=path).hf, n)
+    if backend == "ember":
+        from ember import LLM
+
+        llm = LLM(path, dtype=dtype_name, max_num_seqs=max(64, n), max_model_len=2048)
+        run_ember(llm, batch[:2], 4)  # warm-up
+        result = run_ember(llm, batch, max_tokens)
+        llm.shutdown()
+        return result
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=getattr(torch, dtype_name)).eval()
+    pad = hf.config.eos_token_id
+    run_hf(hf, batch[:2], 4, pad)
+    return run_hf(hf, batch, max_tokens, pad)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", choices=["ember", "transformers"], help="measure one backend in this process")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
-
-    from transformers import AutoModelForCausalLM
-
-    from ember import LLM
-    from ember.config import default_model_path
-
-    path = default_model_path()
-    dtype = getattr(torch, args.dtype)
-    llm = LLM(path, dtype=args.dtype, max_num_seqs=max(64, args.requests), max_model_len=2048)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=dtype).eval()
-    batch = prompts(llm.tokenizer.hf, args.requests)
-    run_ember(llm, batch[:2], 4)  # warm both up once
-    run_hf(hf, batch[:2], 4, llm.tokenizer.eos_token_id)
+    if args.backend:
+        print(json.dumps({"tok_s": measure(args.backend, args.requests, args.max_tokens, args.dtype)}))
+        return
     figures: dict[str, list[float]] = {"ember": [], "transformers": []}
     for _ in range(args.repeats):
-        figures["ember"].append(run_ember(llm, batch, args.max_tokens))
-        figures["transformers"].append(run_hf(hf, batch, args.max_tokens, llm.tokenizer.eos_token_id))
-    llm.shutdown()
+        for backend in figures:
+            cmd = [sys.executable, __file__, "--backend", backend, "--requests", str(args.requests),
+                   "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            figures[backend].append(json.loads(out.strip().splitlines()[-1])["tok_s"])
     med = {k: statistics.median(v) for k, v in figures.items()}
     report = {"requests": args.requests, "max_tokens": args.max_tokens, "dtype": args.dtype,
               "threads": torch.get_num_threads(), "runs": figures, "median_tok_s": med,
