@@ -31,51 +31,42 @@ def _same_mask(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a[finite], b[finite])
 
 
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), k=st.integers(0, 300), p=st.floats(0.05, 1.0), min_p=st.floats(0.0, 0.9),
-       temp=st.floats(0.1, 2.0))
-def test_warpers_match_transformers(seed, k, p, min_p, temp):
-    logits = _logits(seed)
-    ref = TemperatureLogitsWarper(temp)(None, logits.clone())
+def _transformers_warped(logits: torch.Tensor, k: int, p: float, min_p: float) -> torch.Tensor:
+    """transformers' TopK -> TopP -> MinP warpers, in generate's order, on one row [1, V]."""
+    ref = logits.clone()
     if k > 0:
         ref = TopKLogitsWarper(k)(None, ref)
     if p < 1:
         ref = TopPLogitsWarper(p)(None, ref)
     if min_p > 0:
         ref = MinPLogitsWarper(min_p)(None, ref)
+    return ref
+
+
+def _check_rows(logits: torch.Tensor, ks: list[int], ps: list[float], mins: list[float]) -> None:
+    ours = top_k_top_p_min_p(logits, torch.tensor(ks), torch.tensor(ps), torch.tensor(mins))
+    for row, (k, p, m) in enumerate(zip(ks, ps, mins)):
+        _same_mask(ours[row:row + 1], _transformers_warped(logits[row:row + 1], k, p, m))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(0, 300), p=st.floats(0.05, 1.0), min_p=st.floats(0.0, 0.9),
+       temp=st.floats(0.1, 2.0))
+def test_warpers_match_transformers(seed, k, p, min_p, temp):
+    logits = _logits(seed)
+    ref = _transformers_warped(TemperatureLogitsWarper(temp)(None, logits.clone()), k, p, min_p)
     ours = top_k_top_p_min_p(logits / temp, torch.tensor([k]), torch.tensor([p]), torch.tensor([min_p]))
     _same_mask(ours, ref)
 
 
-@pytest.mark.parametrize("scale", [3.0, 0.01])  # peaked: the 1,024 candidates suffice; flat: full sort
+@pytest.mark.parametrize("scale", [3.0, 0.01])  # peaked: the 512 candidates suffice; flat: full sort
 def test_warpers_per_row_large_vocab(scale):
     logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(8)) * scale
-    ks, ps, mins = [0, 3000, 0], [0.9, 0.95, 1.0], [0.0, 0.0, 0.1]
-    ours = top_k_top_p_min_p(logits, torch.tensor(ks), torch.tensor(ps), torch.tensor(mins))
-    for row, (k, p, m) in enumerate(zip(ks, ps, mins)):
-        ref = logits[row:row + 1].clone()
-        if k:
-            ref = TopKLogitsWarper(k)(None, ref)
-        if p < 1:
-            ref = TopPLogitsWarper(p)(None, ref)
-        if m:
-            ref = MinPLogitsWarper(m)(None, ref)
-        _same_mask(ours[row:row + 1], ref)
+    _check_rows(logits, [0, 3000, 0], [0.9, 0.95, 1.0], [0.0, 0.0, 0.1])
 
 
 def test_warpers_per_row_in_one_batch():
-    logits = _logits(7, rows=3)
-    ks, ps, mins = [5, 0, 50], [1.0, 0.7, 0.9], [0.0, 0.0, 0.2]
-    ours = top_k_top_p_min_p(logits, torch.tensor(ks), torch.tensor(ps), torch.tensor(mins))
-    for row, (k, p, m) in enumerate(zip(ks, ps, mins)):
-        ref = logits[row:row + 1].clone()
-        if k:
-            ref = TopKLogitsWarper(k)(None, ref)
-        if p < 1:
-            ref = TopPLogitsWarper(p)(None, ref)
-        if m:
-            ref = MinPLogitsWarper(m)(None, ref)
-        _same_mask(ours[row:row + 1], ref)
+    _check_rows(_logits(7, rows=3), [5, 0, 50], [1.0, 0.7, 0.9], [0.0, 0.0, 0.2])
 
 
 @settings(max_examples=30, deadline=None)
