@@ -90,7 +90,8 @@ class EngineConfig:
     device: str = "auto"
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # tokens per step; default 2048 (chunked) or max_model_len
+    enable_chunked_prefill: bool = True  # split prompts longer than the step's token budget over several steps
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or '2GiB'; None: 10% of available memory, at most 4 GiB
     seed: int = 0

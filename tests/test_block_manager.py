@@ -30,18 +30,21 @@ def _check(bm: BlockManager, seqs: list[Sequence]) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
+@given(num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]), step_budget=st.integers(1, 80),
+       chunked=st.booleans(),
        events=st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(1, 60),
                                st.integers(1, 3)), min_size=1, max_size=60))
-def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, events):
+def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chunked, events):
     bm = BlockManager(num_blocks, block_size)
     max_len = num_blocks * block_size  # any single sequence fits the pool
-    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=max(max_len, 64))
+    budget_tokens = step_budget if chunked else max(max_len, 64)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=budget_tokens, chunked_prefill=chunked)
     live: list[Sequence] = []
     budget: dict[int, int] = {}
 
     def step():
         batch = sched.schedule()
+        assert sum(batch.num_tokens) <= budget_tokens
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:

@@ -164,3 +164,56 @@ def test_engine_failure_reaches_every_consumer(llama_dir):
             llm.generate(["again"], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_chunked_prefill_same_outputs_and_prompt_logprobs(llama_dir, tiny_llm):
+    prompts = random_prompts(6, 30, 200, tiny_llm.engine.vocab_size, seed=18)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
+    whole = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", enable_chunked_prefill=False)
+    chunked = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=40)
+    try:
+        a = whole.generate(prompts, params, use_tqdm=False)
+        b = chunked.generate(prompts, params, use_tqdm=False)
+    finally:
+        whole.shutdown()
+        chunked.shutdown()
+    for x, y, prompt in zip(a, b, prompts):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert len(y.prompt_logprobs) == len(prompt) and y.prompt_logprobs[0] is None
+        for px, py, tok in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], prompt[1:]):
+            assert px[tok].logprob == pytest.approx(py[tok].logprob, abs=1e-4)
+
+
+def test_long_prompt_does_not_stall_decoding(llama_dir):
+    """A 400-token prompt arriving while 8 requests decode is chunked; every decode step still runs each step."""
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=64)
+    steps: list[tuple[list[int], list[int]]] = []
+    sched = llm.engine.scheduler
+    original = sched.schedule
+
+    def recording():
+        batch = original()
+        steps.append(([s.seq_id for s, n in zip(batch.seqs, batch.num_tokens) if n == 1],
+                      [n for n in batch.num_tokens if n > 1]))
+        return batch
+
+    sched.schedule = recording
+    try:
+        short = random_prompts(8, 5, 10, llm.engine.vocab_size, seed=19)
+        stream_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)  # outlive the long prompt
+        streams = [llm.stream(p, stream_params) for p in short]
+        for s in streams:
+            next(s)  # all 8 are decoding now
+        long = random_prompts(1, 400, 400, llm.engine.vocab_size, seed=20)[0]
+        out = llm.generate([long], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        for s in streams:
+            list(s)
+    finally:
+        llm.shutdown()
+    assert len(out[0].outputs[0].token_ids) == 4
+    chunk_steps = [i for i, (_, chunks) in enumerate(steps) if chunks and max(chunks) > 10]
+    assert len(chunk_steps) >= 400 // 64  # the long prompt took several steps ...
+    for i in chunk_steps:
+        decodes, chunks = steps[i]
+        assert sum(chunks) + len(decodes) <= 64  # ... each within the step budget ...
+        assert len(decodes) == 8  # ... and next to every decoding request: none of them waited a step

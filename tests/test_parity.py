@@ -81,3 +81,18 @@ def test_greedy_parity_real_smollm2_gguf():
         llm.shutdown()
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_greedy_parity_with_small_prefill_chunks(kind, tiny_models):
+    """Prompts split into 16-token chunks (mistral: across its 48-token sliding window) still match transformers."""
+    path = tiny_models[kind]
+    hf = _hf_model(path)
+    prompts = random_prompts(3, 40, 90, hf.config.vocab_size, seed=4)
+    expected = [hf_greedy(hf, p, 24) for p in prompts]
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=16)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -68,13 +68,15 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.hf_config.vocab_size
         self.max_model_len = config.max_model_len or self.loaded.max_position
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is out of range: it must be >= "
-                             f"max_model_len ({self.max_model_len}) so that any prompt fits in one step")
+        default_budget = 2048 if config.enable_chunked_prefill else max(self.max_model_len, 2048)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is out of range: without chunked "
+                             f"prefill it must be >= max_model_len ({self.max_model_len}) so any prompt fits a step")
         self.runner = ModelRunner(config, self.loaded, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
         self.default_params = SamplingParams.from_generation_config(self.loaded.generation_config)
 
     def _main(self) -> None:
@@ -207,9 +209,14 @@ class Engine:
             req = seq.request
             touched[req.request_id] = req
             if seq.seq_id in out.prompt_logprobs:
-                lps, ids = out.prompt_logprobs[seq.seq_id]
-                req.prompt_logprobs = prompt_logprobs(self.tokenizer, lps, ids, req.params.prompt_logprobs)
-            if seq.pending_fork:
+                lps, ids, first = out.prompt_logprobs[seq.seq_id]
+                if first == 0:  # the prompt's first token has no logprob; a recompute starts over
+                    req.pending_prompt_logprobs = [None]
+                req.pending_prompt_logprobs.extend(prompt_logprobs(self.tokenizer, lps, ids,
+                                                                   req.params.prompt_logprobs))
+                if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    req.prompt_logprobs = req.pending_prompt_logprobs
+            if seq.pending_fork and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._fork(seq)
         if out.sampler is not None:
             for seq, token, lp in zip(out.sampled, out.sampler.token_ids, out.sampler.logprobs):

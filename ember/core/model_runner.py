@@ -25,7 +25,8 @@ logger = logging.getLogger("ember")
 class StepOutput:
     sampled: list[Sequence]  # sequences that produced a token this step
     sampler: SamplerOutput | None
-    prompt_logprobs: dict[int, tuple[torch.Tensor, list[int]]]  # seq_id -> (log_softmax rows, token ids)
+    # seq_id -> (log_softmax rows, the prompt tokens they predict, position of the chunk's first token)
+    prompt_logprobs: dict[int, tuple[torch.Tensor, list[int], int]]
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -63,7 +64,7 @@ class ModelRunner:
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence],
-                                                       list[int], dict[int, tuple[int, int]]]:
+                                                       list[int], dict[int, tuple[int, list[int], int]]]:
         order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)  # decodes first
         ids: list[int] = []
         positions: list[int] = []
@@ -74,7 +75,7 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
-        prompt_rows: dict[int, tuple[int, int]] = {}
+        prompt_rows: dict[int, tuple[int, list[int], int]] = {}
         for i in order:
             seq, n = batch.seqs[i], batch.num_tokens[i]
             start, c = len(ids), seq.num_computed_tokens
@@ -90,8 +91,10 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 sample_seqs.append(seq)
                 sample_rows.append(start + n - 1)
-            if c == 0 and seq.index == 0 and seq.request.wants_prompt_logprobs and n == seq.num_tokens:
-                prompt_rows[seq.seq_id] = (start, n)
+            if seq.index == 0 and seq.request.wants_prompt_logprobs and c < seq.num_prompt_tokens:
+                # rows at positions c..end-1 predict prompt tokens c+1..end
+                end = min(c + n, seq.num_prompt_tokens - 1)
+                prompt_rows[seq.seq_id] = (start, seq.token_ids[c + 1:end + 1], c)
         dev = self.device
         nd = len(decode_tables)
         tables_t = lens_t = None
@@ -112,7 +115,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
             sampled = self.sampler(logits, sample_seqs)
         prompt_lps = {}
-        for seq_id, (start, n) in prompt_rows.items():
-            logprobs = self.model.compute_logits(hidden[start:start + n - 1]).log_softmax(dim=-1)
-            prompt_lps[seq_id] = (logprobs, ids[start + 1:start + n].tolist())
+        for seq_id, (start, targets, first) in prompt_rows.items():
+            logprobs = self.model.compute_logits(hidden[start:start + len(targets)]).log_softmax(dim=-1)
+            prompt_lps[seq_id] = (logprobs, targets, first)
         return StepOutput(sample_seqs, sampled, prompt_lps)

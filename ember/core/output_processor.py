@@ -57,8 +57,8 @@ def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, tokenizer:
 
 def prompt_logprobs(tokenizer: Tokenizer, logprobs: torch.Tensor, prompt_ids: list[int],
                     k: int) -> list[PositionLogprobs | None]:
-    """Logprob of every prompt token given the ones before it (the first has none), plus the top k."""
-    out: list[PositionLogprobs | None] = [None]
+    """Logprob of each given prompt token from the row before it, plus the top k (rows and ids aligned)."""
+    out: list[PositionLogprobs | None] = []
     if logprobs.shape[0] == 0:
         return out
     ids = torch.tensor(prompt_ids, device=logprobs.device)

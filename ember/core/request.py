@@ -18,7 +18,7 @@ OutputSink = Callable[[RequestOutput | BaseException], None]
 
 class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "sink", "metrics", "seqs", "tokenizer",
-                 "prompt_logprobs", "prompt_logprobs_sent", "finished")
+                 "prompt_logprobs", "pending_prompt_logprobs", "prompt_logprobs_sent", "finished")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer: Tokenizer | None, sink: OutputSink) -> None:
@@ -30,6 +30,7 @@ class Request:
         self.tokenizer = tokenizer
         self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_token_ids))
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.pending_prompt_logprobs: list[PositionLogprobs | None] = []  # filled chunk by chunk
         self.prompt_logprobs_sent = False
         self.finished = False
         self.seqs: list[Sequence] = [self._new_sequence(0, pending_fork=params.n - 1)]

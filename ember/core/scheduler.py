@@ -1,9 +1,11 @@
 """Continuous batching: every step picks the running sequences' next tokens and admits waiting prompts, within
 max_num_seqs, max_num_batched_tokens and the free KV blocks.
 
-Running sequences go first, in admission order. When the pool cannot give a running sequence its next block, the
-most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
-recomputed (prompt plus what it generated so far), so greedy output is the same as without preemption.
+Decoding sequences go first, then running prefills, in admission order, then new prompts. With chunked prefill a
+prompt longer than what is left of the step's token budget is computed in chunks over several steps, so a long
+prompt never stalls the sequences that are decoding. When the pool cannot give a running sequence its next block,
+the most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue
+to be recomputed (prompt plus what it generated so far), so greedy output is the same as without preemption.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = True) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -48,11 +52,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        for seq in list(self.running):
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget:
+            n = self._chunk(seq, budget)
+            if n == 0:
                 continue
             while not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
                 victim = self.running[-1]
@@ -71,13 +77,13 @@ class Scheduler:
         seats = sum(s.seats() for s in self.running)
         while self.waiting:
             seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget or seats + seq.seats() > self.max_num_seqs:
+            n = self._chunk(seq, budget)
+            if n == 0 or seats + seq.seats() > self.max_num_seqs:
                 break
-            if not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_tokens)):
+            if not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
                 break
             self.waiting.popleft()
-            self.bm.allocate(seq, seq.num_tokens)
+            self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -85,6 +91,13 @@ class Scheduler:
             budget -= n
             seats += seq.seats()
         return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to compute this step: all that are left, or with chunked prefill what the budget allows."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        if left <= budget:
+            return left
+        return budget if self.chunked_prefill else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
