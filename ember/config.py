@@ -91,6 +91,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None  # tokens per step; default 2048 (chunked) or max_model_len
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
     enable_chunked_prefill: bool = True  # split prompts longer than the step's token budget over several steps
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or '2GiB'; None: 10% of available memory, at most 4 GiB

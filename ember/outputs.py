@@ -68,6 +68,7 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def merge(self, delta: "RequestOutput") -> None:
         """Fold a later delta of the same request into this cumulative output."""
@@ -85,3 +86,4 @@ class RequestOutput:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finished = delta.finished
         self.metrics = delta.metrics
+        self.num_cached_tokens = delta.num_cached_tokens

@@ -13,7 +13,7 @@ from ember.core.sequence import Sequence, SequenceStatus
 
 
 def _seq(prompt_len: int, n: int = 1) -> Sequence:
-    req = SimpleNamespace(prompt_token_ids=[1] * prompt_len, request_id="r")
+    req = SimpleNamespace(prompt_token_ids=[1] * prompt_len, request_id="r", num_cached_tokens=None)
     return Sequence(req, 0, [1] * prompt_len, None, None, pending_fork=n - 1)
 
 
@@ -27,6 +27,8 @@ def _check(bm: BlockManager, seqs: list[Sequence]) -> None:
     assert len(set(bm.free_blocks)) == bm.num_free  # nothing freed twice
     assert all(bm.ref_counts[b] == 0 for b in bm.free_blocks)
     assert bm.num_free + sum(1 for r in bm.ref_counts if r > 0) == bm.num_blocks
+    assert all(bm.block_hash[b] == h for h, b in bm.cached.items())  # the prefix cache is consistent
+    assert set(bm.block_hash) == set(bm.cached.values()) == set(bm.block_tokens)
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,6 +61,7 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
     for kind, size, extra in events:
         if kind == "add":
             seq = _seq(min(size, max_len - 1))
+            seq.token_ids[-1] = extra  # prompts share prefixes of ones: the prefix cache is exercised
             budget[seq.seq_id] = min(seq.num_tokens + extra * 5, max_len)
             live.append(seq)
             sched.add(seq)

@@ -217,3 +217,43 @@ def test_long_prompt_does_not_stall_decoding(llama_dir):
         decodes, chunks = steps[i]
         assert sum(chunks) + len(decodes) <= 64  # ... each within the step budget ...
         assert len(decodes) == 8  # ... and next to every decoding request: none of them waited a step
+
+
+def test_prefix_caching_hits_and_same_outputs(llama_dir, tiny_llm):
+    vocab = tiny_llm.engine.vocab_size
+    system = random_prompts(1, 384, 384, vocab, seed=22)[0]
+    prompts = [system + suffix for suffix in random_prompts(6, 16, 64, vocab, seed=23)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    off = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", enable_prefix_caching=False)
+    on = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB")
+    try:
+        expected = _tokens(off.generate(prompts, params, use_tqdm=False))
+        first = on.generate(prompts[:1], params, use_tqdm=False)[0]
+        rest = on.generate(prompts[1:], params, use_tqdm=False)
+        assert first.num_cached_tokens == 0
+        assert all(r.num_cached_tokens >= 384 - 16 for r in rest)
+        assert _tokens([first] + rest) == expected
+        assert on.stats()["prefix_cache_hit_rate"] > 0.5
+        again = on.generate(prompts, params, use_tqdm=False)  # fully cached prompts still compute >= 1 token
+        assert _tokens(again) == expected
+        assert all(r.num_cached_tokens < len(p) for r, p in zip(again, prompts))
+    finally:
+        off.shutdown()
+        on.shutdown()
+
+
+def test_prefix_caching_with_preemption_in_a_tiny_pool(llama_dir, tiny_llm):
+    vocab = tiny_llm.engine.vocab_size
+    system = random_prompts(1, 100, 100, vocab, seed=24)[0]
+    prompts = [system + suffix for suffix in random_prompts(12, 5, 40, vocab, seed=25)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
+    per_block = kv_bytes_per_block(tiny_llm.engine.loaded, 16)
+    small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=40 * per_block,
+                max_num_batched_tokens=64)
+    try:
+        assert _tokens(small.generate(prompts, params, use_tqdm=False)) == expected
+        stats = small.stats()
+        assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    finally:
+        small.shutdown()

@@ -74,7 +74,7 @@ class Engine:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is out of range: without chunked "
                              f"prefill it must be >= max_model_len ({self.max_model_len}) so any prompt fits a step")
         self.runner = ModelRunner(config, self.loaded, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.default_params = SamplingParams.from_generation_config(self.loaded.generation_config)
@@ -206,6 +206,7 @@ class Engine:
         touched: dict[str, Request] = {}
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
             req = seq.request
             touched[req.request_id] = req
             if seq.seq_id in out.prompt_logprobs:
@@ -241,4 +242,5 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_rate": self.block_manager.hit_rate,
         }

@@ -18,7 +18,8 @@ OutputSink = Callable[[RequestOutput | BaseException], None]
 
 class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "sink", "metrics", "seqs", "tokenizer",
-                 "prompt_logprobs", "pending_prompt_logprobs", "prompt_logprobs_sent", "finished")
+                 "prompt_logprobs", "pending_prompt_logprobs", "prompt_logprobs_sent", "finished",
+                 "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer: Tokenizer | None, sink: OutputSink) -> None:
@@ -33,6 +34,7 @@ class Request:
         self.pending_prompt_logprobs: list[PositionLogprobs | None] = []  # filled chunk by chunk
         self.prompt_logprobs_sent = False
         self.finished = False
+        self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache when first scheduled
         self.seqs: list[Sequence] = [self._new_sequence(0, pending_fork=params.n - 1)]
 
     def _new_sequence(self, index: int, pending_fork: int = 0) -> Sequence:
@@ -86,7 +88,7 @@ class Request:
             self.metrics.finished_time = time.time()
         self.metrics.num_generated_tokens = sum(s.num_output_tokens for s in self.seqs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, done, prompt_lp,
-                             self.metrics)
+                             self.metrics, self.num_cached_tokens or 0)
 
     def finish_all(self, reason: str) -> None:
         """End every sample (siblings not yet forked included) with this finish reason."""

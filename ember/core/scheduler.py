@@ -77,13 +77,19 @@ class Scheduler:
         seats = sum(s.seats() for s in self.running)
         while self.waiting:
             seq = self.waiting[0]
-            n = self._chunk(seq, budget)
+            hits = self.bm.lookup(seq)  # prompt blocks already in the prefix cache
+            start = seq.num_computed_tokens + len(hits) * self.bm.block_size
+            n = self._chunk(seq, budget, start)
             if n == 0 or seats + seq.seats() > self.max_num_seqs:
                 break
-            if not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
+            new_blocks = self.bm.blocks_for(start + n) - len(seq.block_table) - len(hits)
+            if not self.bm.can_allocate(new_blocks + self.bm.revived(hits)):
                 break
             self.waiting.popleft()
-            self.bm.allocate(seq, seq.num_computed_tokens + n)
+            self.bm.take_cached(seq, hits)
+            if seq.index == 0 and seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = seq.num_cached_tokens
+            self.bm.allocate(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -92,9 +98,9 @@ class Scheduler:
             seats += seq.seats()
         return batch
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of seq to compute this step: all that are left, or with chunked prefill what the budget allows."""
-        left = seq.num_tokens - seq.num_computed_tokens
+        left = seq.num_tokens - (seq.num_computed_tokens if start is None else start)
         if left <= budget:
             return left
         return budget if self.chunked_prefill else 0
