@@ -11,6 +11,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -202,6 +203,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
+        now = time.time()
+        for seq in batch.seqs:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
         out = self.runner.execute(batch)
         touched: dict[str, Request] = {}
         for seq, n in zip(batch.seqs, batch.num_tokens):
