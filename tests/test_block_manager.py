@@ -47,6 +47,9 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
     def step():
         batch = sched.schedule()
         assert sum(batch.num_tokens) <= budget_tokens
+        for seq, n in zip(batch.seqs, batch.num_tokens):  # every scheduled token has a slot
+            assert seq.status is SequenceStatus.RUNNING and n >= 1
+            assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
@@ -91,3 +94,4 @@ def test_share_counts_references():
     assert bm.num_free == 6  # the shared blocks stay for the child
     bm.free(child)
     assert bm.num_free == 8
+

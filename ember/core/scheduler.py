@@ -62,6 +62,10 @@ class Scheduler:
                 continue
             while not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
                 victim = self.running[-1]
+                if victim in batch.seqs:  # scheduled earlier in this loop (a decode): take it out again
+                    i = batch.seqs.index(victim)
+                    budget += batch.num_tokens.pop(i)
+                    batch.seqs.pop(i)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
