@@ -244,6 +244,7 @@ class Engine:
         return {
             "kv_blocks_total": self.block_manager.num_blocks,
             "kv_blocks_free": self.block_manager.num_free,
+            "kv_cache_usage": self.block_manager.num_used / self.block_manager.num_blocks,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
