@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 
 def _ember(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300)
+    """The installed `ember` console script of this environment."""
+    script = Path(sys.executable).with_name("ember")
+    assert script.exists(), "the ember console script is not installed: pip install -e ."
+    return subprocess.run([str(script), *args], capture_output=True, text=True, input=stdin, timeout=300)
 
 
 @pytest.mark.slow
