@@ -71,13 +71,31 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
+_BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+
+
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """One query row per head against a padded context: two batched matmuls and a float32 masked softmax.
-    For these shapes it is about 2x faster on CPU than SDPA's flash kernel with a mask."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    """One query token per sequence against its gathered, padded context.
+
+    q [nd, Hq, D]; k, v [nd, S, Hkv, D] as gathered (block-major); mask [nd, 1, 1, S] -> [nd, Hq, D].
+    With few KV heads the query is spread block-diagonally over [Hkv * D] so that K and V are used in their
+    gathered layout: no transposed copies, one bmm each, at the price of Hkv x the (tiny) score flops. Measured
+    for 32 sequences x 160 tokens, 3 KV heads, bf16: 1.6 ms -> 0.26 ms a layer. Many KV heads use per-head bmm."""
+    nd, S, Hkv, D = k.shape
+    Hq = q.shape[1]
+    G = Hq // Hkv
+    if Hkv <= _BLOCK_DIAGONAL_MAX_KV_HEADS:
+        eye = torch.eye(Hkv, dtype=q.dtype, device=q.device)[None, :, None, :, None]
+        qb = (q.view(nd, Hkv, G, 1, D) * eye).view(nd, Hq, Hkv * D)
+        scores = torch.bmm(qb, k.view(nd, S, Hkv * D).transpose(1, 2)).float() * scale
+        probs = scores.masked_fill(~mask[:, 0], float("-inf")).softmax(dim=-1)
+        out = torch.bmm(probs.to(v.dtype), v.view(nd, S, Hkv * D)).view(nd, Hkv, G, Hkv, D)
+        return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(nd, Hq, D)
+    qd = q.view(nd, Hkv, G, D)  # query heads of one KV group become rows
+    scores = torch.matmul(qd, k.transpose(1, 2).transpose(-1, -2)).float() * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(probs.to(v.dtype), v.transpose(1, 2)).reshape(nd, Hq, D)
 
 
 class PagedAttention(nn.Module):
@@ -101,11 +119,10 @@ class PagedAttention(nn.Module):
         nd = meta.num_decode
         if nd:
             flat = meta.decode_block_tables.view(-1)  # index_select: ~4x faster than advanced indexing on CPU
-            kd = self.k_cache.index_select(0, flat).view(nd, -1, Hkv, D).transpose(1, 2)
-            vd = self.v_cache.index_select(0, flat).view(nd, -1, Hkv, D).transpose(1, 2)
-            qd = q[:nd].view(nd, Hkv, Hq // Hkv, D)  # query heads of one KV group become rows
+            kd = self.k_cache.index_select(0, flat).view(nd, -1, Hkv, D)
+            vd = self.v_cache.index_select(0, flat).view(nd, -1, Hkv, D)
             mask = meta.decode_mask(self.sliding_window, block_size)
-            out[:nd] = _decode_attention(qd, kd, vd, mask, self.scale).view(nd, Hq, D)
+            out[:nd] = _decode_attention(q[:nd], kd, vd, mask, self.scale)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.length)
             qs = q[rows].transpose(0, 1).unsqueeze(0)
