@@ -13,7 +13,8 @@ from ember.core.sequence import Sequence, SequenceStatus
 
 
 def _seq(prompt_len: int, n: int = 1) -> Sequence:
-    req = SimpleNamespace(prompt_token_ids=[1] * prompt_len, request_id="r", num_cached_tokens=None)
+    req = SimpleNamespace(prompt_token_ids=[1] * prompt_len, request_id="r", num_cached_tokens=None,
+                          wants_prompt_logprobs=False)
     return Sequence(req, 0, [1] * prompt_len, None, None, pending_fork=n - 1)
 
 

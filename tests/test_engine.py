@@ -234,6 +234,9 @@ def test_prefix_caching_hits_and_same_outputs(llama_dir, tiny_llm):
         assert all(r.num_cached_tokens >= 384 - 16 for r in rest)
         assert _tokens([first] + rest) == expected
         assert on.stats()["prefix_cache_hit_rate"] > 0.5
+        with_lp = on.generate(prompts[:1], params.clone(prompt_logprobs=1), use_tqdm=False)[0]
+        assert len(with_lp.prompt_logprobs) == len(prompts[0])  # prompt logprobs bypass the cache
+        assert with_lp.num_cached_tokens == 0 and with_lp.outputs[0].token_ids == expected[0]
         again = on.generate(prompts, params, use_tqdm=False)  # fully cached prompts still compute >= 1 token
         assert _tokens(again) == expected
         assert all(r.num_cached_tokens < len(p) for r, p in zip(again, prompts))

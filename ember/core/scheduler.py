@@ -81,7 +81,8 @@ class Scheduler:
         seats = sum(s.seats() for s in self.running)
         while self.waiting:
             seq = self.waiting[0]
-            hits = self.bm.lookup(seq)  # prompt blocks already in the prefix cache
+            # prompt blocks already in the prefix cache; prompt logprobs need every prompt position computed
+            hits = [] if seq.request.wants_prompt_logprobs else self.bm.lookup(seq)
             start = seq.num_computed_tokens + len(hits) * self.bm.block_size
             n = self._chunk(seq, budget, start)
             if n == 0 or seats + seq.seats() > self.max_num_seqs:
