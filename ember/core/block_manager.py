@@ -4,7 +4,7 @@ Blocks are shared by reference count: the siblings of an n > 1 request point at 
 prefix caching any request whose prompt starts with the same full blocks as an earlier one reuses their KV.
 
 Prefix caching (vLLM's design): once a block is full and computed it gets a hash of (parent block's hash, its token
-ids, extra keys); a new sequence walks its full blocks and takes every block whose hash is cached and whose tokens
+ids) (extra keys such as a LoRA name join the tuple when LoRA lands); a new sequence walks its full blocks and takes every block whose hash is cached and whose tokens
 are equal (a hash collision can never serve wrong KV). A block whose last reference goes keeps its hash and waits
 in the free queue in least-recently-freed order; allocation takes from the front and only then forgets the hash,
 so only unreferenced blocks are evicted, least recently used first. Nothing here touches tensors.
@@ -50,8 +50,8 @@ class BlockManager:
 
     # ----- prefix cache -----
 
-    def _hash(self, parent: int | None, tokens: tuple[int, ...], extra: tuple = ()) -> int:
-        return hash((parent, tokens, extra))
+    def _hash(self, parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
 
     def lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold seq's leading full blocks; at least one token is always left to compute."""
@@ -72,16 +72,18 @@ class BlockManager:
         """How many of these cached blocks sit in the free queue (taking them uses free capacity)."""
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
-    def take_cached(self, seq: Sequence, blocks: list[int]) -> None:
+    def take_cached(self, seq: Sequence, blocks: list[int]) -> int:
+        """Give seq the cached blocks found by lookup; returns the prompt tokens they hold."""
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.block_size
+        seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_hashed_blocks = len(blocks)
         self.queried_tokens += seq.num_tokens
-        self.hit_tokens += seq.num_cached_tokens
+        self.hit_tokens += seq.num_computed_tokens
+        return seq.num_computed_tokens
 
     def commit(self, seq: Sequence) -> None:
         """Register seq's newly completed full blocks in the prefix cache."""

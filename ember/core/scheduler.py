@@ -91,9 +91,9 @@ class Scheduler:
             if not self.bm.can_allocate(new_blocks + self.bm.revived(hits)):
                 break
             self.waiting.popleft()
-            self.bm.take_cached(seq, hits)
+            cached = self.bm.take_cached(seq, hits)
             if seq.index == 0 and seq.request.num_cached_tokens is None:
-                seq.request.num_cached_tokens = seq.num_cached_tokens
+                seq.request.num_cached_tokens = cached
             self.bm.allocate(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -31,7 +31,7 @@ class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "status", "generator", "detokenizer", "pending_fork", "finish_reason",
                  "stop_reason", "cumulative_logprob", "new_token_ids", "new_logprobs", "final_sent",
-                 "num_cached_tokens", "num_hashed_blocks")
+                 "num_hashed_blocks")
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], generator: torch.Generator | None,
                  detokenizer: IncrementalDetokenizer | None, pending_fork: int = 0) -> None:
@@ -42,7 +42,6 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
-        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.status = SequenceStatus.WAITING
         self.generator = generator
