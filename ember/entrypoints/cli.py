@@ -1,4 +1,4 @@
-"""The ``ember`` command line: generate, chat."""
+"""The ``ember`` command line: generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message for the conversation")
     _add_model_args(chat)
     _add_sampling_args(chat)
+    from ember.benchmarks.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -129,6 +132,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from ember.benchmarks.bench import main as bench_main
+
+        return bench_main(args)
     logging.basicConfig(level=logging.WARNING, format="[ember] %(message)s")
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)

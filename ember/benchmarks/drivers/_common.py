@@ -1,0 +1,64 @@
+"""What every backend driver shares. Drivers run in the baseline's own virtual environment, so this file (and the
+drivers) import nothing from ember: ``python drivers/<backend>.py SPEC.json RESULT.json``.
+
+Spec: {"model", "dtype", "mode": "throughput" | "latency" | "serving", "requests": [{"prompt_token_ids",
+"max_tokens"}], "threads", "max_model_len", "options": {...}}.
+Result: {"backend_version", "load_s", "wall_s", "outputs": [{"prompt_tokens", "output_tokens", "token_times"}]}, where
+token_times are seconds from the request's start to each output token's arrival (latency and serving modes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def run(load: Callable[[dict], Any], modes: dict[str, Callable[[Any, dict], dict]], version: str) -> None:
+    spec_path, result_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    if spec["mode"] not in modes:
+        raise SystemExit(f"mode {spec['mode']!r} is not supported by this backend (it supports {sorted(modes)})")
+    start = time.perf_counter()
+    engine = load(spec)
+    load_s = time.perf_counter() - start
+    result = modes[spec["mode"]](engine, spec)
+    result.update(backend_version=version, load_s=load_s)
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_path + ".tmp", result_path)
+    sys.stdout.flush()
+    os._exit(0)  # some engines leave non-daemon threads or child processes behind; the result is written
+
+
+def set_threads(n: int | None) -> None:
+    """Before torch is imported: the same intra-op thread count for every backend."""
+    if n:
+        os.environ.setdefault("OMP_NUM_THREADS", str(n))
+
+
+def warmup_requests(spec: dict) -> list[dict]:
+    """Two short requests that touch prefill and decode before timing starts."""
+    return [{"prompt_token_ids": r["prompt_token_ids"][:16], "max_tokens": 4} for r in spec["requests"][:2]]
+
+
+class TokenClock:
+    """Arrival times of one request's output tokens, relative to its start."""
+
+    __slots__ = ("start", "times")
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+
+    def tick(self, n: int = 1) -> None:
+        now = time.perf_counter() - self.start
+        self.times.extend([now] * n)
+
+
+def output_record(prompt_tokens: int, output_tokens: int, times: list[float] | None = None) -> dict:
+    return {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "token_times": times or []}

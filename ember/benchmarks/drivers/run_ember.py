@@ -1,0 +1,101 @@
+"""ember's own driver: the native ``LLM`` (throughput, latency) and ``AsyncLLM`` (serving)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from _common import TokenClock, output_record, run, set_threads, warmup_requests
+
+
+def load(spec: dict):
+    set_threads(spec.get("threads"))
+    from ember import LLM, AsyncLLM
+
+    cls = AsyncLLM if spec["mode"] == "serving" else LLM
+    opts = dict(spec.get("options", {}))
+    llm = cls(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+              num_threads=spec.get("threads"), device=spec.get("device", "auto"), **opts)
+    if spec["mode"] != "serving":
+        throughput(llm, {"requests": warmup_requests(spec)})
+    return llm
+
+
+def _params(r: dict):
+    from ember import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+
+
+def throughput(llm, spec: dict) -> dict:
+    reqs = spec["requests"]
+    start = time.perf_counter()
+    outs = llm.generate([r["prompt_token_ids"] for r in reqs], [_params(r) for r in reqs], use_tqdm=False)
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "outputs": [output_record(len(r["prompt_token_ids"]), len(o.outputs[0].token_ids))
+                                        for r, o in zip(reqs, outs)]}
+
+
+def latency(llm, spec: dict) -> dict:
+    outputs, start = [], time.perf_counter()
+    for r in spec["requests"]:
+        clock = TokenClock()
+        for delta in llm.stream(r["prompt_token_ids"], _params(r)):
+            clock.tick(len(delta.outputs[0].token_ids))
+        outputs.append(output_record(len(r["prompt_token_ids"]), len(clock.times), clock.times))
+    return {"wall_s": time.perf_counter() - start, "outputs": outputs}
+
+
+def serving(llm, spec: dict) -> dict:
+    """Poisson arrivals at ``rate`` requests/s (inf: all at once), at most ``concurrency`` in flight."""
+    opts = spec["serving"]
+    rng = random.Random(opts.get("seed", 0))
+    rate, cap = float(opts["rate"]), int(opts["concurrency"])
+
+    async def one(r: dict, gate: asyncio.Semaphore) -> dict:
+        async with gate:
+            clock = TokenClock()
+            async for delta in llm.generate(r["prompt_token_ids"], _params(r).clone(output_kind=_delta())):
+                clock.tick(len(delta.outputs[0].token_ids))
+        return output_record(len(r["prompt_token_ids"]), len(clock.times), clock.times) | {"start_s": clock.start}
+
+    async def main() -> dict:
+        await _warm(llm, spec)
+        gate, tasks = asyncio.Semaphore(cap), []
+        start = time.perf_counter()
+        for r in spec["requests"]:
+            tasks.append(asyncio.create_task(one(r, gate)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        outputs = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+        for o in outputs:
+            o["start_s"] -= start
+        return {"wall_s": wall, "outputs": outputs}
+
+    result = asyncio.run(main())
+    llm.shutdown()
+    return result
+
+
+def _delta():
+    from ember.sampling_params import OutputKind
+
+    return OutputKind.DELTA
+
+
+async def _warm(llm, spec: dict) -> None:
+    for r in warmup_requests(spec):
+        async for _ in llm.generate(r["prompt_token_ids"], _params(r)):
+            pass
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return f"ember {version('ember')}"
+
+
+if __name__ == "__main__":
+    run(load, {"throughput": throughput, "latency": latency, "serving": serving}, _version())

@@ -1,0 +1,119 @@
+"""What ``ember bench`` writes: a JSON record (machine, arguments, every run, medians, ratios), a PNG chart and a
+Markdown table for docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+
+from ember.benchmarks.runner import BACKEND_NAMES
+
+log = logging.getLogger("ember.bench")
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import torch
+
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def write_json(record: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def throughput_table(record: dict) -> str:
+    rows = ["| backend | output tok/s | requests/s | total tok/s | wall s | peak RSS MiB | ember / backend |",
+            "|---|---|---|---|---|---|---|"]
+    for b, fig in record["median"].items():
+        runs = ", ".join(f"{r['output_tokens_per_s']:.0f}" for r in record["runs"][b])
+        rows.append(f"| {BACKEND_NAMES[b]} | {fig['output_tokens_per_s']:.1f} ({runs}) | {fig['requests_per_s']:.2f} "
+                    f"| {fig['total_tokens_per_s']:.0f} | {fig['wall_s']:.1f} | {fig['peak_rss_mib']:.0f} "
+                    f"| {record['ember_over'].get(b, float('nan')):.2f}x |")
+    return "\n".join(rows)
+
+
+def latency_table(record: dict) -> str:
+    rows = ["| backend | prompt | TTFT ms (median / p99) | TPOT ms (median / p99) | decode tok/s | ember / backend |",
+            "|---|---|---|---|---|---|"]
+    for b, fig in record["median"].items():
+        for key, f in fig.items():
+            if not key.startswith("prompt_"):
+                continue
+            ratio = record["ember_over"].get(b, {}).get(key, float("nan"))
+            rows.append(f"| {BACKEND_NAMES[b]} | {key[7:]} | {f['ttft_ms_median']:.1f} / {f['ttft_ms_p99']:.1f} | "
+                        f"{f['tpot_ms_median']:.2f} / {f['tpot_ms_p99']:.2f} | {f['decode_tokens_per_s']:.1f} | "
+                        f"{ratio:.2f}x |")
+    return "\n".join(rows)
+
+
+def serving_table(record: dict) -> str:
+    rows = ["| backend | req/s | out tok/s | goodput req/s | TTFT ms p50/p99 | TPOT ms p50/p99 | ITL ms p50/p99 "
+            "| E2E s p50/p99 |", "|---|---|---|---|---|---|---|---|"]
+    for b, f in record["median"].items():
+        rows.append(f"| {BACKEND_NAMES[b]} | {f['requests_per_s']:.2f} | {f['output_tokens_per_s']:.0f} | "
+                    f"{f['goodput_requests_per_s']:.2f} | {f['ttft_ms_p50']:.0f} / {f['ttft_ms_p99']:.0f} | "
+                    f"{f['tpot_ms_p50']:.1f} / {f['tpot_ms_p99']:.1f} | {f['itl_ms_p50']:.1f} / {f['itl_ms_p99']:.1f} "
+                    f"| {f['e2e_ms_p50'] / 1e3:.2f} / {f['e2e_ms_p99'] / 1e3:.2f} |")
+    return "\n".join(rows)
+
+
+def write_chart(record: dict, path: str) -> bool:
+    """A bar chart of the headline figure per backend; False (with a warning) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no chart written (pip install 'ember[bench]')")
+        return False
+    mode, med = record["mode"], record["median"]
+    names = [BACKEND_NAMES[b] for b in med]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if mode == "throughput":
+        values = [f["output_tokens_per_s"] for f in med.values()]
+        bars = ax.bar(names, values, color=["#d9480f" if b == "ember" else "#868e96" for b in med])
+        ax.bar_label(bars, labels=[f"{v:.0f}" for v in values])
+        ax.set_ylabel("output tokens/s (median)")
+        ax.set_title(f"{record['workload']}: {record['workload_description']}", fontsize=9)
+    elif mode == "latency":
+        keys = [k for k in next(iter(med.values())) if k.startswith("prompt_")]
+        width = 0.8 / len(keys)
+        for i, key in enumerate(keys):
+            values = [f[key]["decode_tokens_per_s"] for f in med.values()]
+            xs = [j + i * width for j in range(len(names))]
+            ax.bar_label(ax.bar(xs, values, width, label=f"{key[7:]}-token prompt"), fmt="%.0f")
+        ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(names))], names)
+        ax.set_ylabel("batch-1 decode tokens/s (median)")
+        ax.legend()
+    else:
+        keys = ["ttft", "tpot", "itl", "e2e"]
+        f = next(iter(med.values()))
+        xs = range(len(keys))
+        ax.bar([x - 0.2 for x in xs], [f[f"{k}_ms_p50"] for k in keys], 0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], [f[f"{k}_ms_p99"] for k in keys], 0.4, label="p99")
+        ax.set_xticks(list(xs), [k.upper() for k in keys])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{names[0]} serving {record['workload']} at {record['rate']} req/s", fontsize=9)
+        ax.legend()
+    m = record["machine"]
+    fig.text(0.01, 0.01, f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}", fontsize=7, color="#555")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,105 @@
+"""Runs one backend driver in its own process (and virtual environment) and watches its memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+BACKENDS = ("ember", "hf", "vllm", "llamacpp")
+BACKEND_NAMES = {"ember": "ember", "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
+DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
+DEFAULT_VENVS = os.environ.get("EMBER_BENCH_VENVS", os.path.join(".bench", "venvs"))
+
+
+class BenchError(RuntimeError):
+    """A backend could not be run (missing environment, wrong model format, a crash): says which and why."""
+
+
+@dataclass(slots=True)
+class DriverRun:
+    result: dict
+    peak_rss_bytes: int
+
+
+def parse_backends(text: str) -> list[str]:
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    bad = [b for b in names if b not in BACKENDS]
+    if bad or not names:
+        raise ValueError(f"--backends={text!r}: choose from {', '.join(BACKENDS)} (comma separated)")
+    return list(dict.fromkeys(names))
+
+
+def backend_python(backend: str, venvs: str = DEFAULT_VENVS, overrides: dict[str, str] | None = None) -> str:
+    """The interpreter of the backend's environment: ember runs in this one, the baselines in their own."""
+    if overrides and backend in overrides:
+        return overrides[backend]
+    if backend == "ember":
+        return sys.executable
+    python = os.path.join(venvs, backend, "bin", "python")
+    if not os.path.isfile(os.path.join(venvs, backend, ".installed")):
+        raise BenchError(f"backend {backend!r} has no environment at {os.path.join(venvs, backend)}: "
+                         f"run `benchmarks/setup_baselines.sh {backend}` first (or pass --python {backend}=PATH)")
+    return python
+
+
+def run_driver(backend: str, python: str, spec: dict, log_path: str, timeout: float | None = None) -> DriverRun:
+    """Run ``drivers/run_<backend>.py`` on ``spec``; the peak resident memory of its process tree comes back too."""
+    import psutil
+
+    with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:
+        spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        cmd = [python, os.path.join(DRIVERS, f"run_{backend}.py"), spec_path, result_path]
+        with open(log_path, "a") as log:
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            proc = psutil.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            peak = _watch_rss(proc)
+            try:
+                code = proc.wait(timeout)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                raise BenchError(f"backend {backend!r} ran past --timeout={timeout}s (log: {log_path})") from None
+        if code != 0 or not os.path.isfile(result_path):
+            raise BenchError(f"backend {backend!r} failed with exit code {code}; the end of its log "
+                             f"({log_path}):\n{_tail(log_path)}")
+        with open(result_path) as f:
+            return DriverRun(json.load(f), peak())
+
+
+def _watch_rss(proc) -> "callable":
+    """Sample the resident memory of the process and its children every 50 ms until it exits."""
+    import psutil
+
+    peak = [0]
+
+    def loop() -> None:
+        while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            try:
+                procs = [proc, *proc.children(recursive=True)]
+                peak[0] = max(peak[0], sum(p.memory_info().rss for p in procs))
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+
+    def result() -> int:
+        thread.join(timeout=1)
+        return peak[0]
+
+    return result
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
