@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ember.layers.attention as attention
+from ember.kernels import kernels_for
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 8), (4, 1), (12, 6)])
@@ -24,3 +25,36 @@ def test_decode_attention_matches_sdpa(heads, kv_heads, block_diagonal, monkeypa
     ref = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(rep, 2).transpose(1, 2),
                                          v.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask, scale=0.25)
     torch.testing.assert_close(attention._decode_attention(q, k, v, mask, 0.25), ref[:, :, 0])
+
+
+def _paged(nd, heads, kv_heads, D, bs, lens, dtype, g):
+    """Random K/V scattered over a shuffled block pool, as the engine's allocator leaves them."""
+    per_seq = -(-max(lens) // bs)
+    pool = nd * per_seq + 3
+    k_cache = torch.randn(pool, bs, kv_heads, D, generator=g).to(dtype)
+    v_cache = torch.randn(pool, bs, kv_heads, D, generator=g).to(dtype)
+    tables = torch.randperm(pool, generator=g)[:nd * per_seq].view(nd, per_seq)
+    q = torch.randn(nd, heads, D, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (8, 8, None), (4, 1, 20), (12, 6, 7)])
+def test_cpu_kernel_matches_sdpa_on_the_block_pool(dtype, heads, kv_heads, window):
+    """ember's compiled paged decode attention against SDPA on the same context gathered by hand."""
+    kernels = kernels_for(torch.device("cpu"))
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built on this machine (the torch path is tested above)")
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    D, bs = 32, 16
+    lens = [1, 16, 17, 45, 70]
+    q, kc, vc, tables, lens_t = _paged(len(lens), heads, kv_heads, D, bs, lens, dtype, g)
+    out = kernels.paged_decode_attention(q, kc, vc, tables, lens_t, window or 0, 0.2)
+    rep = heads // kv_heads
+    for i, n in enumerate(lens):
+        first = max(0, n - window) if window else 0
+        k = kc[tables[i]].reshape(-1, kv_heads, D)[first:n].float().repeat_interleave(rep, 1).transpose(0, 1)
+        v = vc[tables[i]].reshape(-1, kv_heads, D)[first:n].float().repeat_interleave(rep, 1).transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i].float()[:, None], k, v, scale=0.2)[:, 0]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)

@@ -14,6 +14,7 @@ import torch
 from ember.config import EngineConfig
 from ember.core.scheduler import ScheduledBatch
 from ember.core.sequence import Sequence
+from ember.kernels import kernels_for
 from ember.layers.attention import AttentionMetadata, PrefillSpan
 from ember.layers.sampler import Sampler, SamplerOutput
 from ember.model_loader import LoadedModel
@@ -60,6 +61,7 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler(cfg.vocab_size)
+        kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 

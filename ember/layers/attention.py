@@ -2,7 +2,8 @@
 
 The KV cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V. Every step
 writes the new tokens' K/V into their slots (``slot_mapping``), then:
-- decode tokens (one query each) are attended together: their blocks are gathered into one padded batch and a
+- decode tokens (one query each) are attended together: on CPU by ember's compiled kernel, which reads each
+  sequence's blocks in place (``ember.kernels``); otherwise their blocks are gathered into one padded batch and a
   length mask hides the padding; grouped-query heads are folded into the query rows, so K/V are never repeated;
 - prefill chunks are attended one sequence at a time, causally, against their whole context in the cache.
 The batch is ordered decodes first, then prefills.
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ember.kernels import kernels_for
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -117,7 +120,11 @@ class PagedAttention(nn.Module):
         self.v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
         out = q.new_empty(T, Hq, D)
         nd = meta.num_decode
-        if nd:
+        kernels = kernels_for(q.device) if nd else None
+        if kernels is not None:  # reads the blocks in place: no gathered copy
+            out[:nd] = kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
+                                                      meta.decode_context_lens, self.sliding_window or 0, self.scale)
+        elif nd:
             flat = meta.decode_block_tables.view(-1)  # index_select: ~4x faster than advanced indexing on CPU
             kd = self.k_cache.index_select(0, flat).view(nd, -1, Hkv, D)
             vd = self.v_cache.index_select(0, flat).view(nd, -1, Hkv, D)

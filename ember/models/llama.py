@@ -19,7 +19,7 @@ from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import Linear, MergedLinear
 from ember.layers.norm import RMSNorm
-from ember.layers.rotary import RotaryEmbedding
+from ember.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,15 +69,17 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, window)
         self.split = (q, kv, kv)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[:, (nq + nkv) * d:].view(T, nkv, d)
+        if self.q_norm is None:  # Q and K are adjacent: one rotation for both
+            qk = apply_rotary(qkv[:, :(nq + nkv) * d].view(T, nq + nkv, d), *rope)
+            q, k = qk[:, :nq], qk[:, nq:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :nq * d].reshape(T, nq, d)), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, nq * d:(nq + nkv) * d].reshape(T, nkv, d)), *rope)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -102,9 +104,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous sublayer's output, residual the stream before it (None in the first layer)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -120,10 +129,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(ids)
+        x, residual = self.embed_tokens(ids), None
+        rope = self.rope.cos_sin(positions, x.dtype)  # once a step, shared by every layer
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm(x, residual)[0]
 
 
 # checkpoint name part -> (fused parameter, shard)

@@ -1,0 +1,66 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension builder and cached.
+
+Only what eager torch does badly lives here: paged decode attention that reads the block pool in place, and
+residual add + RMSNorm in one pass (eager torch spends about nine small ops on it, twice a layer).
+Every kernel has a torch fallback: no compiler, a CUDA device or EMBER_CPU_KERNELS=0 select it, so the kernels
+are an optimisation, never a requirement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from types import ModuleType
+
+logger = logging.getLogger("ember")
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp")
+# reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module, or None where it cannot be built (the reason is logged once)."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        if os.environ.get("EMBER_CPU_KERNELS", "1") == "0":
+            _failed = True
+            return None
+        try:
+            _module = _build()
+        except Exception as e:  # no compiler, no ninja, headers missing: fall back to torch
+            _failed = True
+            logger.warning("ember CPU kernels unavailable (%s); using the torch fallback", str(e).splitlines()[0])
+    return _module
+
+
+def kernels_for(device: "torch.device"):
+    """The CPU kernels when tensors on this device can use them, else None (the torch path)."""
+    return cpu_kernels() if device.type == "cpu" else None
+
+
+def _build() -> ModuleType:
+    import torch
+    from torch.utils.cpp_extension import load
+
+    from ember.config import cache_dir
+
+    here = os.path.dirname(__file__)
+    sources = [os.path.join(here, s) for s in _SOURCES]
+    digest = hashlib.sha1(" ".join([torch.__version__, *_CFLAGS]).encode())
+    for path in sources:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    name = f"ember_cpu_{digest.hexdigest()[:12]}"
+    build = cache_dir("kernels", name)
+    os.makedirs(build, exist_ok=True)
+    logger.info("building ember CPU kernels in %s (once)", build)
+    return load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=_CFLAGS)
