@@ -98,7 +98,6 @@ def _model_for(backend: str, model: str) -> str:
     if backend in ("hf", "vllm") and model.endswith(".gguf"):
         from ember.model_loader.export import cached_hf_folder
 
-        log.info("exporting %s to safetensors for %s (once; cached)", os.path.basename(model), backend)
         return cached_hf_folder(model)
     return model
 

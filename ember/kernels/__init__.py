@@ -20,7 +20,10 @@ _module: ModuleType | None = None
 _failed = False
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp")
 # reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+# -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the
+# library it links (libgomp.so.1) resolves to the copy torch has already loaded, so there is one thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+           "-fopenmp"]
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -63,4 +66,5 @@ def _build() -> ModuleType:
     build = cache_dir("kernels", name)
     os.makedirs(build, exist_ok=True)
     logger.info("building ember CPU kernels in %s (once)", build)
-    return load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=_CFLAGS)
+    return load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"])

@@ -46,5 +46,8 @@ def cached_hf_folder(gguf_path: str, dtype: torch.dtype = torch.float32) -> str:
 
     out = cache_dir("hf-export", f"{os.path.basename(gguf_path)[:-5]}-{file_key(gguf_path, dtype)}")
     if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        import logging
+
+        logging.getLogger("ember").info("exporting %s to %s (once)", os.path.basename(gguf_path), out)
         export_hf_folder(gguf_path, out, dtype)
     return out
