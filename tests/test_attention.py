@@ -1,4 +1,4 @@
-"""Decode attention, both of its layouts, against torch's SDPA on repeated KV heads."""
+"""Decode attention (the torch layouts and the compiled CPU kernel) against SDPA; the fused add + RMSNorm kernel."""
 
 from __future__ import annotations
 
@@ -58,3 +58,24 @@ def test_cpu_kernel_matches_sdpa_on_the_block_pool(dtype, heads, kv_heads, windo
         ref = F.scaled_dot_product_attention(q[i].float()[:, None], k, v, scale=0.2)[:, 0]
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fused_add_rms_norm_matches_the_torch_path(dtype):
+    """The kernel's residual add + RMSNorm against the eager transformers-style arithmetic it replaces."""
+    from ember.layers.norm import RMSNorm
+
+    kernels = kernels_for(torch.device("cpu"))
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built on this machine")
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-6, dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    x, residual = (torch.randn(37, 96, generator=g).to(dtype) * 3 for _ in range(2))
+    want_sum = x + residual
+    want = norm._norm(want_sum)
+    got, got_sum = norm(x.clone(), residual.clone())
+    torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(norm(x), norm._norm(x), rtol=tol, atol=tol)

@@ -121,7 +121,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     model = os.path.abspath(os.path.expanduser(args.model or default_model_path()))
     if not os.path.exists(model):
         raise ValueError(f"--model {model!r} does not exist")
-    dtypes = {b: args.dtype for b in backends} | _pairs(args.dtype_for, "--dtype-for")
+    # llama.cpp runs the GGUF's own tensor types (Q4_1 for the default model)
+    dtypes = {b: "gguf" if b == "llamacpp" else args.dtype for b in backends} | _pairs(args.dtype_for, "--dtype-for")
     pythons = _pairs(args.python, "--python")
     options = _options(args.option)
     vocab = _vocab(model)
