@@ -46,13 +46,13 @@ def file_key(path: str, *extra: object) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, name: str = "kv_cache_memory") -> int:
     """An int of bytes, or a string such as '2GiB', '512MB', '1.5G'."""
     if isinstance(value, (int, float)):
         return int(value)
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(value), re.IGNORECASE)
     if not m:
-        raise ValueError(f"kv_cache_memory={value!r} is not a size: use bytes or a string like '2GiB'")
+        raise ValueError(f"{name}={value!r} is not a size: use bytes or a string like '2GiB'")
     scale = 1024 ** "_KMGT".index(m.group(2).upper() or "_") if m.group(2) else 1
     return int(float(m.group(1)) * scale)
 
@@ -109,7 +109,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
     enable_chunked_prefill: bool = True  # split prompts longer than the step's token budget over several steps
     block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes or '2GiB'; None: 10% of available memory, at most 4 GiB
+    kv_cache_memory: int | str | None = None  # the KV pool in bytes or '2GiB'; replaces the fraction below
+    # fraction of memory for ember (CUDA: of the device, weights included) or for the KV pool (CPU: of available
+    # RAM); None: EMBER_MEM_RATIO, else 0.9 on CUDA, 0.1 on CPU (at most 4 GiB)
+    kv_cache_memory_fraction: float | None = None
+    cpu_cache_memory: int | str | float | None = None  # host tier for evicted prefix blocks (CUDA): bytes or ratio
+    scheduling_policy: str = "max_utilization"  # or "guaranteed_no_evict"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
 
@@ -140,14 +145,20 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is out of range: {name} must be an integer >= {low}")
         if self.kv_cache_memory is not None and parse_bytes(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} is out of range: it must be > 0 bytes")
+        f = self.kv_cache_memory_fraction
+        if f is not None and (not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"kv_cache_memory_fraction={f!r} is out of range: it must be a number in (0, 1]")
+        c = self.cpu_cache_memory
+        if c is not None and ((isinstance(c, float) and not 0 < c <= 1) or (not isinstance(c, float) and
+                                                                             parse_bytes(c, "cpu_cache_memory") <= 0)):
+            raise ValueError(f"cpu_cache_memory={c!r} is out of range: use bytes > 0, a size like '4GiB', or a "
+                             "fraction of available RAM in (0, 1]")
+        if self.scheduling_policy not in ("max_utilization", "guaranteed_no_evict"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported: use "
+                             "'max_utilization' or 'guaranteed_no_evict'")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r} is out of range: it must be >= 1")
 
     @property
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
-
-    def kv_cache_bytes(self) -> int:
-        if self.kv_cache_memory is not None:
-            return parse_bytes(self.kv_cache_memory)
-        return min(available_memory_bytes() // 10, 4 << 30)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FINISH_REASONS = ("stop", "length", "abort")
+# "interrupted": the scheduling policy had to give the request up (DashInfer's GenerateInterrupted); the tokens
+# generated so far are kept.
+FINISH_REASONS = ("stop", "length", "abort", "interrupted")
 
 
 @dataclass(slots=True)
@@ -29,7 +31,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "interrupted"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -68,7 +70,9 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (both tiers)
+    num_device_cached_tokens: int = 0  # ... found in device memory
+    num_host_cached_tokens: int = 0  # ... copied back from the host tier (CUDA engines with cpu_cache_memory)
 
     def merge(self, delta: "RequestOutput") -> None:
         """Fold a later delta of the same request into this cumulative output."""
@@ -87,3 +91,5 @@ class RequestOutput:
         self.finished = delta.finished
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_device_cached_tokens = delta.num_device_cached_tokens
+        self.num_host_cached_tokens = delta.num_host_cached_tokens

@@ -44,14 +44,14 @@ TINY = {
 }
 
 
-def make_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+def make_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_position: int = 512) -> str:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cls_name, extra = TINY[kind]
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = getattr(transformers, cls_name)(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=max_position,
         rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         initializer_range=0.3,  # peaked distributions: greedy parity tests are not decided by rounding noise
         **extra)

@@ -1,25 +1,28 @@
-"""Block manager and scheduler invariants under random arrivals, finishes, aborts and tiny pools."""
+"""Block manager and scheduler invariants under random arrivals, finishes, aborts and tiny pools, under both
+policies and with a host tier: the KV a sequence is given is the KV its tokens produced (simulated block contents
+follow every queued copy), nothing leaks, nothing is freed twice, every request ends."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember.core.block_manager import BlockManager
+from ember.core.block_manager import SWAP_OUT, BlockManager
 from ember.core.scheduler import Scheduler
 from ember.core.sequence import Sequence, SequenceStatus
 
 
-def _seq(prompt_len: int, n: int = 1) -> Sequence:
-    req = SimpleNamespace(prompt_token_ids=[1] * prompt_len, request_id="r", num_cached_tokens=None,
-                          wants_prompt_logprobs=False)
-    return Sequence(req, 0, [1] * prompt_len, None, None, pending_fork=n - 1)
+def _seq(prompt: list[int], max_num_tokens: int | None = None, n: int = 1) -> Sequence:
+    req = SimpleNamespace(prompt_token_ids=list(prompt), request_id="r", num_cached_tokens=None,
+                          num_host_cached_tokens=0, wants_prompt_logprobs=False)
+    return Sequence(req, 0, list(prompt), None, None, pending_fork=n - 1, max_num_tokens=max_num_tokens)
 
 
 def _check(bm: BlockManager, seqs: list[Sequence]) -> None:
-    assert all(r >= 0 for r in bm.ref_counts)
+    assert all(r >= 0 for r in bm.ref_counts)  # reference counts never negative
     refs = [0] * bm.num_blocks
     for s in seqs:
         for b in s.block_table:
@@ -27,46 +30,67 @@ def _check(bm: BlockManager, seqs: list[Sequence]) -> None:
     assert refs == bm.ref_counts  # every reference is held by a live sequence: nothing leaked
     assert len(set(bm.free_blocks)) == bm.num_free  # nothing freed twice
     assert all(bm.ref_counts[b] == 0 for b in bm.free_blocks)
-    assert bm.num_free + sum(1 for r in bm.ref_counts if r > 0) == bm.num_blocks
+    assert bm.num_free + sum(1 for r in bm.ref_counts if r > 0) == bm.num_blocks  # free + used == total
     assert all(bm.block_hash[b] == h for h, b in bm.cached.items())  # the prefix cache is consistent
     assert set(bm.block_hash) == set(bm.cached.values()) == set(bm.block_tokens)
+    if bm.host is not None:
+        assert all(bm.host.block_hash[b] == h for h, b in bm.host.cached.items())
+        assert len(bm.host.free) == bm.host.num_blocks
 
 
-@settings(max_examples=60, deadline=None)
+DOCS = {i: [(i * 7 + j * (j % i + 1)) % 5 for j in range(64)] for i in (1, 2, 3)}
+
+
+@settings(max_examples=200, deadline=None)
 @given(num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]), step_budget=st.integers(1, 80),
-       chunked=st.booleans(),
+       chunked=st.booleans(), policy=st.sampled_from(["max_utilization", "guaranteed_no_evict"]),
+       host_blocks=st.sampled_from([0, 0, 3, 12]),
        events=st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(1, 60),
                                st.integers(1, 3)), min_size=1, max_size=60))
-def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chunked, events):
-    bm = BlockManager(num_blocks, block_size)
+def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chunked, policy, host_blocks, events):
+    bm = BlockManager(num_blocks, block_size, num_host_blocks=host_blocks)
     max_len = num_blocks * block_size  # any single sequence fits the pool
     budget_tokens = step_budget if chunked else max(max_len, 64)
-    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=budget_tokens, chunked_prefill=chunked)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=budget_tokens, chunked_prefill=chunked,
+                      policy=policy)
+    device = [[None] * block_size for _ in range(num_blocks)]  # what each slot holds: (token, position) pairs
+    host = [[None] * block_size for _ in range(host_blocks)]
     live: list[Sequence] = []
-    budget: dict[int, int] = {}
 
     def step():
         batch = sched.schedule()
         assert sum(batch.num_tokens) <= budget_tokens
-        for seq, n in zip(batch.seqs, batch.num_tokens):  # every scheduled token has a slot
+        for direction, src, dst in batch.copies:  # the model runner's job, in order
+            if direction == SWAP_OUT:
+                host[dst] = list(device[src])
+            else:
+                device[dst] = list(host[src])
+        for seq, n in zip(batch.seqs, batch.num_tokens):  # every scheduled token has a slot ...
             assert seq.status is SequenceStatus.RUNNING and n >= 1
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
+            for p in range(seq.num_computed_tokens):  # ... and the cached context is this sequence's own KV
+                prefix = tuple(seq.token_ids[:p + 1])
+                assert device[seq.block_table[p // block_size]][p % block_size] == hash(prefix)
         for seq, n in zip(batch.seqs, batch.num_tokens):
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                device[seq.block_table[p // block_size]][p % block_size] = hash(tuple(seq.token_ids[:p + 1]))
             seq.num_computed_tokens += n
+            bm.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(2)
-                if seq.num_tokens >= budget[seq.seq_id]:
+                seq.token_ids.append(7 + seq.num_tokens % 3)
+                if seq.num_tokens >= seq.max_num_tokens:
                     seq.status = SequenceStatus.FINISHED
                     sched.finish(seq)
                     live.remove(seq)
+        for seq in batch.interrupted:
+            live.remove(seq)
         _check(bm, live)
         return batch
 
     for kind, size, extra in events:
         if kind == "add":
-            seq = _seq(min(size, max_len - 1))
-            seq.token_ids[-1] = extra  # prompts share prefixes of ones: the prefix cache is exercised
-            budget[seq.seq_id] = min(seq.num_tokens + extra * 5, max_len)
+            prompt = DOCS[extra][:min(size, max_len - 1)]  # three documents: prefixes are shared and come back
+            seq = _seq(prompt, max_num_tokens=min(len(prompt) + extra * 5, max_len))
             live.append(seq)
             sched.add(seq)
         elif kind == "step":
@@ -83,11 +107,69 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
         step()
     assert not live and not sched.has_work()
     assert bm.num_free == num_blocks
+    assert sched.num_interrupted == 0  # every sequence fits the pool alone: none is given up
+    if policy == "guaranteed_no_evict":
+        assert sched.num_preemptions == 0
+
+
+def test_no_evict_admits_only_what_it_can_reserve():
+    bm = BlockManager(10, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, policy="guaranteed_no_evict")
+    a, b = _seq([1] * 8, max_num_tokens=24), _seq([2] * 8, max_num_tokens=24)  # 6 blocks each at the end
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a]  # b's 6 blocks cannot be reserved next to a's
+    greedy = Scheduler(BlockManager(10, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    a2, b2 = _seq([1] * 8, max_num_tokens=24), _seq([2] * 8, max_num_tokens=24)
+    greedy.add(a2)
+    greedy.add(b2)
+    assert greedy.schedule().seqs == [a2, b2]  # max_utilization admits both and preempts later
+
+
+def test_sequence_too_big_for_the_pool_is_interrupted():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    seq = _seq([1] * 14, max_num_tokens=40)
+    sched.add(seq)
+    for _ in range(10):
+        batch = sched.schedule()
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            s.num_computed_tokens += n
+            s.token_ids.append(3)
+        if batch.interrupted:
+            break
+    assert batch.interrupted == [seq] and seq.finish_reason == "interrupted"
+    assert seq.num_tokens == 17 and not sched.has_work()  # it keeps the tokens it generated
+    assert bm.num_free == 4 and sched.num_interrupted == 1
+
+
+def test_host_tier_round_trip():
+    bm = BlockManager(4, 4, num_host_blocks=4)
+    a = _seq([5] * 9)
+    bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.commit(a)  # two full blocks cached
+    bm.free(a)
+    b = _seq([6] * 16)
+    bm.allocate(b, 16)  # takes all four blocks: a's two cached blocks move to the host tier
+    assert [c[0] for c in bm.take_copies()] == ["out", "out"] and bm.swapped_out == 2
+    b.num_computed_tokens = 16
+    bm.commit(b)
+    bm.free(b)
+    again = _seq([5] * 9)
+    hit = bm.lookup(again)
+    assert [tier for tier, _, _ in hit.blocks] == ["host", "host"]
+    assert bm.take_cached(again, hit) == (0, 8)
+    copies = bm.take_copies()
+    # b's blocks were cached too: the device blocks the copy-back reuses push them out first, in order
+    assert [c[0] for c in copies] == ["out", "in", "out", "in"] and bm.swapped_in == 2
+    assert len(bm.host.cached) == 2 and again.num_computed_tokens == 8
 
 
 def test_share_counts_references():
     bm = BlockManager(8, 4)
-    parent, child = _seq(10), _seq(10)
+    parent, child = _seq([1] * 10), _seq([1] * 10)
     bm.allocate(parent, 10)
     bm.share(parent, child, 8)
     assert bm.ref_counts[parent.block_table[0]] == 2 and bm.num_free == 5
@@ -96,3 +178,7 @@ def test_share_counts_references():
     bm.free(child)
     assert bm.num_free == 8
 
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        Scheduler(BlockManager(4, 4), 4, 16, policy="fastest")

@@ -1,24 +1,91 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a block table per sequence, reference counts, prefix caching.
+"""Paged KV cache bookkeeping: fixed-size blocks, a block table per sequence, reference counts, prefix caching,
+and an optional second tier of blocks in host memory.
 
 Blocks are shared by reference count: the siblings of an n > 1 request point at the prompt's full blocks, and with
 prefix caching any request whose prompt starts with the same full blocks as an earlier one reuses their KV.
 
 Prefix caching (vLLM's design): once a block is full and computed it gets a hash of (parent block's hash, its token
-ids) (extra keys such as a LoRA name join the tuple when LoRA lands); a new sequence walks its full blocks and takes every block whose hash is cached and whose tokens
-are equal (a hash collision can never serve wrong KV). A block whose last reference goes keeps its hash and waits
-in the free queue in least-recently-freed order; allocation takes from the front and only then forgets the hash,
-so only unreferenced blocks are evicted, least recently used first. Nothing here touches tensors.
+ids, extra keys such as a LoRA name); a new sequence walks its full blocks and takes every block whose hash is
+cached and whose tokens are equal (a hash collision can never serve wrong KV). A block whose last reference goes
+keeps its hash and waits in the free queue in least-recently-freed order; allocation takes from the front and only
+then forgets the hash, so only unreferenced blocks are evicted, least recently used first.
+
+Host tier (CUDA engines with ``cpu_cache_memory``): a cached block evicted from the device is copied to a host
+block instead of being forgotten, and a later prefix hit there is copied back into a fresh device block. The tiers
+are exclusive: a block lives on the device or on the host. Nothing here touches tensors: the copies are queued as
+``(direction, source, destination)`` and the model runner performs them, in order, before the step's forward pass,
+which is exactly the order in which this bookkeeping reused the blocks.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from ember.core.sequence import Sequence
 
+SWAP_OUT, SWAP_IN = "out", "in"  # device -> host, host -> device
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """What lookup found for a sequence's leading full blocks, in order: (tier, block, hash) with tier "device"
+    or "host"."""
+
+    blocks: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_host(self) -> int:
+        return sum(1 for tier, _, _ in self.blocks if tier == "host")
+
+
+class HostTier:
+    """The host copy of evicted prefix blocks: hash -> host block, least recently stored evicted first."""
+
+    __slots__ = ("num_blocks", "free", "cached", "block_hash", "block_tokens")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.cached: dict[int, int] = {}
+        self.block_hash: dict[int, int] = {}
+        self.block_tokens: dict[int, tuple[int, ...]] = {}
+
+    def store(self, h: int, tokens: tuple[int, ...]) -> int | None:
+        """A host block for this hash (evicting the least recently stored one); None if the tier has none."""
+        if h in self.cached:
+            return None
+        if not self.free:
+            return None
+        block, _ = self.free.popitem(last=False)
+        old = self.block_hash.pop(block, None)
+        if old is not None:
+            del self.cached[old]
+            del self.block_tokens[block]
+        self.cached[h], self.block_hash[block], self.block_tokens[block] = block, h, tokens
+        self.free[block] = None  # every host block is evictable: none is ever referenced by a sequence
+        return block
+
+    def pin(self, block: int) -> None:
+        """Keep the block from eviction while it waits to be copied back."""
+        del self.free[block]
+
+    def release(self, block: int) -> None:
+        """The block moved to the device: forget it here (the tiers are exclusive) and reuse it first."""
+        h = self.block_hash.pop(block)
+        del self.cached[h]
+        del self.block_tokens[block]
+        self.free[block] = None
+        self.free.move_to_end(block, last=False)
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -27,8 +94,13 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.block_hash: dict[int, int] = {}  # block id -> hash, for full computed blocks
         self.block_tokens: dict[int, tuple[int, ...]] = {}  # block id -> its token ids, to rule out collisions
-        self.hit_tokens = 0
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self.pending_copies: list[tuple[str, int, int]] = []  # (direction, source block, destination block)
         self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.host_hit_tokens = 0
+        self.swapped_out = 0
+        self.swapped_in = 0
 
     @property
     def num_free(self) -> int:
@@ -50,40 +122,63 @@ class BlockManager:
 
     # ----- prefix cache -----
 
-    def _hash(self, parent: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
+    def _hash(self, parent: int | None, tokens: tuple[int, ...], extra: object = None) -> int:
+        return hash((parent, tokens, extra))
 
-    def lookup(self, seq: Sequence) -> list[int]:
+    def lookup(self, seq: Sequence) -> PrefixHit:
         """Cached blocks that hold seq's leading full blocks; at least one token is always left to compute."""
+        hit = PrefixHit()
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
-            return []
-        bs, hits, parent = self.block_size, [], None
+            return hit
+        bs, parent, extra = self.block_size, None, seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = self._hash(parent, tokens)
+            h = self._hash(parent, tokens, extra)
             block = self.cached.get(h)
-            if block is None or self.block_tokens[block] != tokens:
+            if block is not None and self.block_tokens[block] == tokens:
+                hit.blocks.append(("device", block, h))
+            elif self.host is not None and (hb := self.host.cached.get(h)) is not None \
+                    and self.host.block_tokens[hb] == tokens:
+                hit.blocks.append(("host", hb, h))
+            else:
                 break
-            hits.append(block)
             parent = h
-        return hits
+        return hit
 
-    def revived(self, blocks: list[int]) -> int:
-        """How many of these cached blocks sit in the free queue (taking them uses free capacity)."""
-        return sum(1 for b in blocks if self.ref_counts[b] == 0)
+    def blocks_to_take(self, hit: PrefixHit) -> int:
+        """Free-queue blocks that taking this hit uses: revived device blocks and a fresh block per host block."""
+        return sum(1 for tier, b, _ in hit.blocks if tier == "host" or self.ref_counts[b] == 0)
 
-    def take_cached(self, seq: Sequence, blocks: list[int]) -> int:
-        """Give seq the cached blocks found by lookup; returns the prompt tokens they hold."""
-        for block in blocks:
-            if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
-            self.ref_counts[block] += 1
-            seq.block_table.append(block)
-        seq.num_computed_tokens = len(blocks) * self.block_size
-        seq.num_hashed_blocks = len(blocks)
+    def take_cached(self, seq: Sequence, hit: PrefixHit) -> tuple[int, int]:
+        """Give seq the blocks found by lookup, copying host blocks back; returns (device tokens, host tokens)."""
+        # claim every block of the hit first: the fresh device blocks for the host hits may evict cached blocks
+        # (to the host tier), and neither the hit's device blocks nor its host blocks may be the ones they take
+        for tier, block, _ in hit.blocks:
+            if tier == "host":
+                self.host.pin(block)
+            else:
+                if self.ref_counts[block] == 0:
+                    del self.free_blocks[block]
+                self.ref_counts[block] += 1
+        for tier, block, h in hit.blocks:
+            if tier == "device":
+                seq.block_table.append(block)
+                continue
+            tokens = self.host.block_tokens[block]
+            device_block = self._pop_free()
+            self.ref_counts[device_block] = 1
+            self.pending_copies.append((SWAP_IN, block, device_block))  # after that eviction's copy, in order
+            self.host.release(block)
+            self.swapped_in += 1
+            self.cached[h], self.block_hash[device_block], self.block_tokens[device_block] = device_block, h, tokens
+            seq.block_table.append(device_block)
+        bs, host = self.block_size, hit.num_host * self.block_size
+        seq.num_computed_tokens = hit.num_blocks * bs
+        seq.num_hashed_blocks = hit.num_blocks
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += seq.num_computed_tokens
-        return seq.num_computed_tokens
+        self.host_hit_tokens += host
+        return seq.num_computed_tokens - host, host
 
     def commit(self, seq: Sequence) -> None:
         """Register seq's newly completed full blocks in the prefix cache."""
@@ -97,7 +192,7 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = self.block_hash.get(block)
             if h is None:
-                h = self._hash(parent, tokens)
+                h = self._hash(parent, tokens, seq.cache_salt)
                 if h not in self.cached:  # an equal block computed twice: keep the first, this one stays private
                     self.cached[h] = block
                     self.block_hash[block] = h
@@ -110,17 +205,27 @@ class BlockManager:
 
     # ----- allocation -----
 
+    def _pop_free(self) -> int:
+        """The least recently used free block; a cached one is evicted, to the host tier where there is one."""
+        block, _ = self.free_blocks.popitem(last=False)
+        assert self.ref_counts[block] == 0, f"block {block} on the free list has references"
+        h = self.block_hash.pop(block, None)
+        if h is not None:
+            del self.cached[h]
+            tokens = self.block_tokens.pop(block)
+            if self.host is not None:
+                hb = self.host.store(h, tokens)
+                if hb is not None:
+                    self.pending_copies.append((SWAP_OUT, block, hb))
+                    self.swapped_out += 1
+        return block
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free_blocks):
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free_blocks)} free")
         for _ in range(need):
-            block, _ = self.free_blocks.popitem(last=False)
-            assert self.ref_counts[block] == 0, f"block {block} on the free list has references"
-            h = self.block_hash.pop(block, None)
-            if h is not None:  # evict the least recently used cached block
-                del self.cached[h]
-                del self.block_tokens[block]
+            block = self._pop_free()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
@@ -140,6 +245,11 @@ class BlockManager:
                 self.free_blocks[block] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
+
+    def take_copies(self) -> list[tuple[str, int, int]]:
+        """The block copies queued since the last call, in the order they must run."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     @property
     def hit_rate(self) -> float:

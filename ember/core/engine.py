@@ -74,10 +74,11 @@ class Engine:
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is out of range: without chunked "
                              f"prefill it must be >= max_model_len ({self.max_model_len}) so any prompt fits a step")
-        self.runner = ModelRunner(config, self.loaded, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(config, self.loaded, self.max_model_len, self.max_num_batched_tokens)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.default_params = SamplingParams.from_generation_config(self.loaded.generation_config)
 
     def _main(self) -> None:
@@ -115,9 +116,27 @@ class Engine:
                              f"must be <= max_model_len ({self.max_model_len})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} is out of range: n must be <= max_num_seqs ({self.config.max_num_seqs})")
+        max_num_tokens = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        self._check_fits(len(ids), params, max_num_tokens)
         params.eos_token_ids = self.loaded.eos_token_ids
         rid = str(next(self._counter)) if request_id is None else str(request_id)
-        return Request(rid, text, ids, params, self.tokenizer, sink)
+        return Request(rid, text, ids, params, self.tokenizer, sink, max_num_tokens)
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams, max_num_tokens: int) -> None:
+        """Refuse a request the KV pool can never hold (under guaranteed_no_evict: never reserve for)."""
+        bm, bs = self.block_manager, self.config.block_size
+        pool = bm.num_blocks * bs
+        least = prompt_len + max(1, params.min_tokens)
+        if bm.blocks_for(least) > bm.num_blocks:
+            raise ValueError(f"prompt has {prompt_len} tokens: prompt plus min_tokens ({least} tokens) can never fit "
+                             f"the KV pool of {pool} tokens; it must be <= {pool}")
+        if self.config.scheduling_policy == "guaranteed_no_evict":
+            full = bm.blocks_for(max_num_tokens)
+            need = full + (params.n - 1) * (full - (prompt_len - 1) // bs)
+            if need > bm.num_blocks:
+                raise ValueError(f"max_tokens={params.max_tokens} with n={params.n} needs {need} KV blocks under "
+                                 f"scheduling_policy='guaranteed_no_evict', more than the pool's {bm.num_blocks}: "
+                                 "lower max_tokens or n, or use 'max_utilization'")
 
     def submit(self, requests: list[Request]) -> None:
         if self._dead is not None:
@@ -201,7 +220,11 @@ class Engine:
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
+        for seq in batch.interrupted:
+            self._interrupted(seq)
         if not batch.seqs:
+            if batch.copies:
+                self.runner.copy_blocks(batch.copies)
             return
         now = time.time()
         for seq in batch.seqs:
@@ -231,6 +254,17 @@ class Engine:
         for req in touched.values():
             self._emit(req)
 
+    def _interrupted(self, seq: Any) -> None:
+        """The policy gave seq up: it ends with finish_reason "interrupted" and keeps its tokens."""
+        req = seq.request
+        logger.warning("request %s: sample %d interrupted (it no longer fits the KV pool)", req.request_id, seq.index)
+        if seq.pending_fork:  # its siblings never started: they end with it
+            for child in req.fork(seq):
+                child.status, child.finish_reason = seq.status, "interrupted"
+        if seq.detokenizer is not None:
+            seq.detokenizer.flush_incomplete()
+        self._emit(req)
+
     def _fork(self, parent: Any) -> None:
         """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
         bs = self.config.block_size
@@ -241,12 +275,26 @@ class Engine:
             self.scheduler.add_running(child)
 
     def stats(self) -> dict[str, Any]:
+        """Engine counters (thread-safe enough for monitoring: plain reads of ints and lists)."""
+        bm, sched = self.block_manager, self.scheduler
+        host = bm.host
         return {
-            "kv_blocks_total": self.block_manager.num_blocks,
-            "kv_blocks_free": self.block_manager.num_free,
-            "kv_cache_usage": self.block_manager.num_used / self.block_manager.num_blocks,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "scheduling_policy": sched.policy,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free,
+            "kv_cache_usage": bm.num_used / bm.num_blocks,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "preempted_waiting": sched.num_preempted_waiting,
+            "preemptions": sched.num_preemptions,
+            "interrupted": sched.num_interrupted,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "prefix_cache_hit_tokens": bm.hit_tokens,
+            "prefix_cache_host_hit_tokens": bm.host_hit_tokens,
+            "host_tier": ("off (CPU engine: the KV cache is in host memory)" if self.runner.device.type == "cpu"
+                          and host is None else "off" if host is None else f"{host.num_blocks} blocks"),
+            "host_blocks_cached": len(host.cached) if host is not None else 0,
+            "swapped_out_blocks": bm.swapped_out,
+            "swapped_in_blocks": bm.swapped_in,
+            **self.runner.memory_report(),
         }

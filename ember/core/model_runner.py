@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ember.config import EngineConfig
+from ember.core.block_manager import SWAP_OUT
+from ember.core.memory import (MEM_RATIO_ENV, PeakMemory, fit_hint, host_tier_bytes, kv_pool_budget, memory_now,
+                               reset_peak)
 from ember.core.scheduler import ScheduledBatch
 from ember.core.sequence import Sequence
 from ember.kernels import kernels_for
@@ -38,32 +41,138 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
+    """Start-up (in order): build the kernels; measure a step's peak activation memory with a dummy forward at the
+    per-step token budget; size the KV pool from what is left of the budget and check that it holds a sequence of
+    max_model_len; warm up at the worst case: a decode step of max_num_seqs sequences x max_model_len of context and a
+    full-budget prefill. After that, serving allocates nothing the warm-up did not (``memory_report``)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int,
+                 max_num_batched_tokens: int) -> None:
         self.config = config
         self.model = loaded.model
         self.device = torch.device(config.device)
-        self.block_size = config.block_size
-        per_block = kv_bytes_per_block(loaded, self.block_size)
-        budget = config.kv_cache_bytes()
-        blocks_per_seq = -(-max_model_len // self.block_size)
-        self.num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
+        self.block_size = bs = config.block_size
+        self.max_model_len = max_model_len
+        self.sampler = Sampler(loaded.hf_config.vocab_size)
+        kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
+        self._layers = self.model.attention_layers()
+        first = self._layers[0]
+        self._kv_shape = (len(self._layers), bs, first.num_kv_heads, first.head_dim)
+        self._dtype = loaded.dtype
+        per_block = kv_bytes_per_block(loaded, bs)
+
+        # 1. a step's activations, measured on a scratch pool that holds just the dummy prompt
+        tokens = min(max_num_batched_tokens, max_model_len)
+        self._bind(self._new_pool(-(-tokens // bs)))
+        with PeakMemory(self.device) as act:
+            self._dummy_prefill(tokens, config.max_num_seqs)
+        self.activation_bytes = act.bytes
+        self._bind(None)
+
+        # 2. the pool: what the budget leaves, never more than every seat at full length needs
+        budget = kv_pool_budget(config, self.device, self.activation_bytes)
+        blocks_per_seq = -(-max_model_len // bs)
+        self.num_blocks = min(max(budget.bytes, 0) // per_block, blocks_per_seq * config.max_num_seqs)
         if self.num_blocks < blocks_per_seq:
             raise ValueError(
-                f"kv_cache_memory={budget} bytes holds {budget // per_block * self.block_size} tokens of KV, "
-                f"less than one sequence of max_model_len={max_model_len}: raise kv_cache_memory to at least "
-                f"{blocks_per_seq * per_block} bytes or lower max_model_len")
-        cfg = loaded.hf_config
-        layers = self.model.attention_layers()
-        first = layers[0]
+                f"the KV pool cannot hold one sequence of max_model_len={max_model_len}: {budget.source} leaves "
+                f"{max(budget.bytes, 0) / 2**20:.1f} MiB = {self.num_blocks * bs} tokens of KV "
+                f"({per_block // bs} bytes a token); "
+                f"{fit_hint(self.num_blocks * bs, max_model_len, config.max_num_seqs)}; or raise the memory "
+                f"(kv_cache_memory, kv_cache_memory_fraction or {MEM_RATIO_ENV})")
+        self.kv_cache = self._new_pool(self.num_blocks)
+        self._bind(self.kv_cache)
+        self.budget_source = budget.source
+
+        # 3. the host tier (CUDA): evicted prefix blocks wait there
+        self.num_host_blocks = host_tier_bytes(config, self.device) // per_block
+        self.host_cache = None
+        if self.num_host_blocks:
+            pin = self.device.type == "cuda"
+            self.host_cache = torch.zeros(2, *self._kv_shape[:1], self.num_host_blocks, *self._kv_shape[1:],
+                                          dtype=self._dtype, pin_memory=pin)
+
+        # 4. warm-up at the worst case: every seat decoding at max_model_len (block tables may repeat blocks:
+        # the shapes and the memory are what is proved, not the values)
+        try:
+            with PeakMemory(self.device) as warm:
+                self._dummy_decode(config.max_num_seqs, max_model_len)
+                self._dummy_prefill(tokens, config.max_num_seqs)  # and a full-budget prefill next to the real pool
+        except torch.OutOfMemoryError as e:
+            raise ValueError(
+                f"the warm-up (max_num_seqs={config.max_num_seqs} x max_model_len={max_model_len}, and {tokens} "
+                f"prefill tokens a step) ran out of memory next to a KV pool of {self.num_blocks * bs} "
+                f"tokens; {fit_hint(self.num_blocks * bs, max_model_len, config.max_num_seqs)}; or lower "
+                f"max_num_batched_tokens or the memory fraction") from e
+        self.kv_cache.zero_()  # the dummy steps wrote finite garbage; padded decode reads must see zeros
+        self.warmup_peak_bytes = warm.peak
+        self.warmup_transient_bytes = warm.bytes
+        reset_peak(self.device)  # from here the peak is what serving needs: compare with warmup_peak_bytes
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) from %s; %d host blocks; warm-up peak %.0f MiB",
+                    self.num_blocks, bs, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+                    budget.source, self.num_host_blocks, warm.peak / 2**20)
+
+    def _new_pool(self, num_blocks: int) -> torch.Tensor:
         # zeros, not empty: padded decode batches read unused slots, and NaN garbage there would survive the mask
-        self.kv_cache = torch.zeros(2, len(layers), self.num_blocks, self.block_size, first.num_kv_heads,
-                                    first.head_dim, dtype=loaded.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        self.sampler = Sampler(cfg.vocab_size)
-        kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        return torch.zeros(2, self._kv_shape[0], num_blocks, *self._kv_shape[1:], dtype=self._dtype,
+                           device=self.device)
+
+    def _bind(self, pool: torch.Tensor | None) -> None:
+        for i, layer in enumerate(self._layers):
+            layer.k_cache, layer.v_cache = (pool[0, i], pool[1, i]) if pool is not None else (torch.empty(0),) * 2
+
+    @torch.inference_mode()
+    def _dummy_prefill(self, tokens: int, sample_rows: int) -> None:
+        """One prompt of `tokens` tokens from position 0, then logits and log-softmax for sample_rows rows."""
+        dev = self.device
+        pool_blocks = self._layers[0].k_cache.shape[0]
+        table = torch.arange(-(-tokens // self.block_size), device=dev) % pool_blocks
+        slots = (table.repeat_interleave(self.block_size)[:tokens] * self.block_size
+                 + torch.arange(tokens, device=dev) % self.block_size)
+        meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, tokens, tokens, table)])
+        positions = torch.arange(tokens, device=dev)
+        hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=dev), positions, meta)
+        rows = torch.arange(sample_rows, device=dev) % tokens
+        self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+
+    @torch.inference_mode()
+    def _dummy_decode(self, num_seqs: int, context: int) -> None:
+        """num_seqs sequences each decoding at position context - 1, their tables cycling over the pool."""
+        dev, bs = self.device, self.block_size
+        pool_blocks = self._layers[0].k_cache.shape[0]
+        width = -(-context // bs)
+        tables = (torch.arange(num_seqs * width, device=dev) % pool_blocks).view(num_seqs, width)
+        last = (context - 1) // bs
+        slots = tables[:, last] * bs + (context - 1) % bs
+        lens = torch.full((num_seqs,), context, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(slots, num_seqs, tables, lens, [])
+        positions = torch.full((num_seqs,), context - 1, dtype=torch.long, device=dev)
+        hidden = self.model(torch.zeros(num_seqs, dtype=torch.long, device=dev), positions, meta)
+        self.model.compute_logits(hidden).float().log_softmax(dim=-1)
+
+    def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+        """Run the host-tier copies queued by the block manager, in order (runs of one direction together)."""
+        i = 0
+        while i < len(copies):
+            j = i
+            while j < len(copies) and copies[j][0] == copies[i][0]:
+                j += 1
+            src = torch.tensor([c[1] for c in copies[i:j]], dtype=torch.long)
+            dst = torch.tensor([c[2] for c in copies[i:j]], dtype=torch.long)
+            if copies[i][0] == SWAP_OUT:
+                blocks = self.kv_cache.index_select(2, src.to(self.device)).to("cpu")
+                self.host_cache.index_copy_(2, dst, blocks)
+            else:
+                blocks = self.host_cache.index_select(2, src).to(self.device, non_blocking=True)
+                self.kv_cache.index_copy_(2, dst.to(self.device), blocks)
+            i = j
+
+    def memory_report(self) -> dict[str, int]:
+        """Memory now and the peak since warm-up, next to the warm-up's peak (CUDA: allocator; CPU: RSS)."""
+        now, peak = memory_now(self.device)
+        return {"memory_in_use_bytes": now, "serving_peak_bytes": peak, "warmup_peak_bytes": self.warmup_peak_bytes,
+                "activation_bytes": self.activation_bytes,
+                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Sequence],
                                                        list[int], dict[int, tuple[int, list[int], int]]]:
@@ -110,6 +219,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        if batch.copies:
+            self.copy_blocks(batch.copies)
         ids, positions, meta, sample_seqs, sample_rows, prompt_rows = self._prepare(batch)
         hidden = self.model(ids, positions, meta)
         sampled = None

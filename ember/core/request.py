@@ -19,10 +19,10 @@ OutputSink = Callable[[RequestOutput | BaseException], None]
 class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "sink", "metrics", "seqs", "tokenizer",
                  "prompt_logprobs", "pending_prompt_logprobs", "prompt_logprobs_sent", "finished",
-                 "num_cached_tokens")
+                 "num_cached_tokens", "num_host_cached_tokens", "max_num_tokens")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer | None, sink: OutputSink) -> None:
+                 tokenizer: Tokenizer | None, sink: OutputSink, max_num_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -35,6 +35,8 @@ class Request:
         self.prompt_logprobs_sent = False
         self.finished = False
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache when first scheduled
+        self.num_host_cached_tokens = 0  # of those, the ones copied back from the host tier
+        self.max_num_tokens = max_num_tokens  # prompt + max_tokens, capped by max_model_len
         self.seqs: list[Sequence] = [self._new_sequence(0, pending_fork=params.n - 1)]
 
     def _new_sequence(self, index: int, pending_fork: int = 0) -> Sequence:
@@ -46,7 +48,8 @@ class Request:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, p.stop, p.skip_special_tokens,
                                            p.include_stop_str_in_output)
-        return Sequence(self, index, list(self.prompt_token_ids), generator, detok, pending_fork)
+        return Sequence(self, index, list(self.prompt_token_ids), generator, detok, pending_fork,
+                        max_num_tokens=self.max_num_tokens)
 
     def fork(self, parent: Sequence) -> list[Sequence]:
         """Create the n - 1 siblings of the first sequence; they start from the prompt."""
@@ -87,8 +90,9 @@ class Request:
             self.finished = True
             self.metrics.finished_time = time.time()
         self.metrics.num_generated_tokens = sum(s.num_output_tokens for s in self.seqs)
+        cached = self.num_cached_tokens or 0
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, done, prompt_lp,
-                             self.metrics, self.num_cached_tokens or 0)
+                             self.metrics, cached, cached - self.num_host_cached_tokens, self.num_host_cached_tokens)
 
     def finish_all(self, reason: str) -> None:
         """End every sample (siblings not yet forked included) with this finish reason."""

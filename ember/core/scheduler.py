@@ -1,11 +1,21 @@
 """Continuous batching: every step picks the running sequences' next tokens and admits waiting prompts, within
-max_num_seqs, max_num_batched_tokens and the free KV blocks.
+max_num_seqs, max_num_batched_tokens and the free KV blocks, first come first served.
 
 Decoding sequences go first, then running prefills, in admission order, then new prompts. With chunked prefill a
 prompt longer than what is left of the step's token budget is computed in chunks over several steps, so a long
-prompt never stalls the sequences that are decoding. When the pool cannot give a running sequence its next block,
-the most recently admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue
-to be recomputed (prompt plus what it generated so far), so greedy output is the same as without preemption.
+prompt never stalls the sequences that are decoding.
+
+Two policies (TensorRT-LLM's names):
+- ``max_utilization`` admits greedily. When the pool cannot give a running sequence its next block, the most
+  recently admitted sequence is preempted: its blocks are freed (their full blocks stay in the prefix cache, and on
+  an engine with a host tier they move there when the device needs the room: a swap) and it goes back to the front
+  of the queue, ahead of new arrivals, to be recomputed (prompt plus what it generated so far), so greedy output is
+  the same as without preemption.
+- ``guaranteed_no_evict`` admits a request only when the blocks for its prompt plus max_tokens (for every one of
+  its n samples) can be reserved on top of what the running requests have reserved; nothing is ever preempted.
+
+A sequence that cannot get a block even with every other sequence preempted can never finish: it is given up and
+ends with finish_reason "interrupted", keeping what it generated.
 """
 
 from __future__ import annotations
@@ -16,12 +26,16 @@ from dataclasses import dataclass, field
 from ember.core.block_manager import BlockManager
 from ember.core.sequence import Sequence, SequenceStatus
 
+POLICIES = ("max_utilization", "guaranteed_no_evict")
+
 
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens of each sequence computed this step
     preempted: list[Sequence] = field(default_factory=list)
+    interrupted: list[Sequence] = field(default_factory=list)  # given up: the engine ends them
+    copies: list[tuple[str, int, int]] = field(default_factory=list)  # host-tier block copies to run first
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -29,17 +43,26 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True) -> None:
+                 chunked_prefill: bool = True, policy: str = "max_utilization") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy={policy!r} is not supported: use one of {', '.join(POLICIES)}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_interrupted = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Preempted sequences waiting to resume (they sit at the front of the queue)."""
+        return sum(1 for s in self.waiting if s.num_output_tokens > 0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,6 +71,21 @@ class Scheduler:
         """A forked sibling: already holds shared blocks, runs from the next step."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    # ----- guaranteed_no_evict bookkeeping -----
+
+    def _reserve(self, seq: Sequence) -> int:
+        """Blocks seq may still take from the pool before it finishes, its unforked siblings included."""
+        full = self.bm.blocks_for(seq.max_num_tokens)
+        own = max(0, full - len(seq.block_table))
+        if seq.pending_fork:  # each sibling shares the prompt's full blocks and needs the rest
+            own += seq.pending_fork * (full - (seq.num_prompt_tokens - 1) // self.bm.block_size)
+        return own
+
+    def _reserved(self) -> int:
+        return sum(self._reserve(s) for s in self.running)
+
+    # ----- one step -----
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -60,8 +98,12 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            while not self.bm.can_allocate(self.bm.blocks_needed(seq, seq.num_computed_tokens + n)):
+            need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
+            while not self.bm.can_allocate(need):
                 victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:  # alone and still too big: it can never finish
+                    self._interrupt(seq, batch)
+                    break
                 if victim in batch.seqs:  # scheduled earlier in this loop (a decode): take it out again
                     i = batch.seqs.index(victim)
                     budget += batch.num_tokens.pop(i)
@@ -76,24 +118,46 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
-        if batch.preempted:  # the pool is full: admitting now would only preempt again
-            return batch
+        if not batch.preempted:  # else the pool is full: admitting now would only preempt again
+            self._admit(batch, budget)
+        batch.copies = self.bm.take_copies()
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         seats = sum(s.seats() for s in self.running)
+        reserved = self._reserved() if self.policy == "guaranteed_no_evict" else 0
         while self.waiting:
             seq = self.waiting[0]
+            if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:  # grew past the whole pool while preempted
+                self.waiting.popleft()
+                self._interrupt(seq, batch)
+                continue
             # prompt blocks already in the prefix cache; prompt logprobs need every prompt position computed
-            hits = [] if seq.request.wants_prompt_logprobs else self.bm.lookup(seq)
-            start = seq.num_computed_tokens + len(hits) * self.bm.block_size
+            hit = self.bm.lookup(seq) if not seq.request.wants_prompt_logprobs else None
+            start = seq.num_computed_tokens + (hit.num_blocks * self.bm.block_size if hit else 0)
             n = self._chunk(seq, budget, start)
             if n == 0 or seats + seq.seats() > self.max_num_seqs:
                 break
-            new_blocks = self.bm.blocks_for(start + n) - len(seq.block_table) - len(hits)
-            if not self.bm.can_allocate(new_blocks + self.bm.revived(hits)):
+            taken = self.bm.blocks_to_take(hit) if hit else 0
+            if self.policy == "guaranteed_no_evict":
+                cached = hit.num_blocks if hit else 0
+                full = self.bm.blocks_for(seq.max_num_tokens)
+                need = taken + (full - cached) + seq.pending_fork * (full - (seq.num_prompt_tokens - 1)
+                                                                     // self.bm.block_size)
+                if need + reserved > self.bm.num_free:
+                    break
+                reserved += need - taken
+            new_blocks = self.bm.blocks_for(start + n) - len(seq.block_table) - (hit.num_blocks if hit else 0)
+            if not self.bm.can_allocate(new_blocks + taken):
                 break
             self.waiting.popleft()
-            cached = self.bm.take_cached(seq, hits)
-            if seq.index == 0 and seq.request.num_cached_tokens is None:
-                seq.request.num_cached_tokens = cached
+            if hit is not None:
+                device, host = self.bm.take_cached(seq, hit)
+                if seq.index == 0 and seq.request.num_cached_tokens is None:
+                    seq.request.num_cached_tokens = device + host
+                    seq.request.num_host_cached_tokens = host
+            elif seq.index == 0 and seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = 0
             self.bm.allocate(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -101,7 +165,6 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
             seats += seq.seats()
-        return batch
 
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of seq to compute this step: all that are left, or with chunked prefill what the budget allows."""
@@ -117,6 +180,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _interrupt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "interrupted"
+        batch.interrupted.append(seq)
+        self.num_interrupted += 1
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence wherever it is and free its blocks."""

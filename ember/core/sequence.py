@@ -31,10 +31,11 @@ class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "status", "generator", "detokenizer", "pending_fork", "finish_reason",
                  "stop_reason", "cumulative_logprob", "new_token_ids", "new_logprobs", "final_sent",
-                 "num_hashed_blocks")
+                 "num_hashed_blocks", "max_num_tokens", "cache_salt")
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], generator: torch.Generator | None,
-                 detokenizer: IncrementalDetokenizer | None, pending_fork: int = 0) -> None:
+                 detokenizer: IncrementalDetokenizer | None, pending_fork: int = 0,
+                 max_num_tokens: int | None = None, cache_salt: str | None = None) -> None:
         self.seq_id = next(_ids)
         self.request = request
         self.index = index  # which of the request's n samples
@@ -43,6 +44,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        # prompt + the most tokens it may generate (max_tokens, capped by max_model_len): what
+        # guaranteed_no_evict reserves
+        self.max_num_tokens = max_num_tokens if max_num_tokens is not None else len(token_ids)
+        self.cache_salt = cache_salt  # extra prefix-cache key (a LoRA name): equal tokens under another salt miss
         self.status = SequenceStatus.WAITING
         self.generator = generator
         self.detokenizer = detokenizer
