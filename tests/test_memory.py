@@ -3,6 +3,8 @@ scheduling policies, the host tier, "interrupted", and engine statistics, on a t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import make_tiny_model, random_prompts
 
@@ -31,18 +33,21 @@ def _pool(model_dir, **kw) -> tuple[int, int, str]:
         llm.shutdown()
 
 
-def test_pool_follows_the_memory_fraction_and_env(long_llama_dir, monkeypatch):
-    from ember.config import available_memory_bytes
+def _expected(fraction: float, act: int, source: str) -> float:
+    """The fraction of the available RAM the engine saw (its message names it), less the measured activations."""
+    avail = float(re.search(r"of ([\d.]+) GiB available RAM", source).group(1)) * 2**30
+    return fraction * avail - act
 
+
+def test_pool_follows_the_memory_fraction_and_env(long_llama_dir, monkeypatch):
     for fraction in (0.001, 0.002):
         pool, act, source = _pool(long_llama_dir, kv_cache_memory_fraction=fraction)
         assert act > 0 and source.startswith(f"kv_cache_memory_fraction={fraction} of")
-        expected = fraction * available_memory_bytes() - act  # the fraction of RAM, less measured activations
-        assert abs(pool - expected) < 0.1 * expected + 16 * 8192
+        assert abs(pool - _expected(fraction, act, source)) < 0.01 * pool + 16 * 8192
     monkeypatch.setenv("EMBER_MEM_RATIO", "0.001")
     pool, act, source = _pool(long_llama_dir)
     assert source.startswith("EMBER_MEM_RATIO=0.001 of")
-    assert abs(pool - (0.001 * available_memory_bytes() - act)) < 0.1 * pool + 16 * 8192
+    assert abs(pool - _expected(0.001, act, source)) < 0.01 * pool + 16 * 8192
     monkeypatch.setenv("EMBER_MEM_RATIO", "1.5")
     with pytest.raises(ValueError, match=r"EMBER_MEM_RATIO='1.5' is out of range: .*\(0, 1\]"):
         LLM(long_llama_dir, dtype="float32")

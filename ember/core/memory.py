@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.config import EngineConfig, available_memory_bytes, parse_bytes
+from ember.config import EngineConfig, available_memory_bytes, is_ratio, parse_bytes
 
 logger = logging.getLogger("ember")
 
@@ -144,7 +144,7 @@ def host_tier_bytes(config: EngineConfig, device: torch.device) -> int:
         logger.info("host KV tier is off on a CPU engine: the KV cache already lives in host memory "
                     "(cpu_cache_memory=%r ignored)", value)
         return 0
-    if isinstance(value, float) and value <= 1:
+    if is_ratio(value):
         return int(value * available_memory_bytes())
     return parse_bytes(value, "cpu_cache_memory")
 

@@ -23,6 +23,7 @@ from ember.layers.sampler import Sampler, SamplerOutput
 from ember.model_loader import LoadedModel
 
 logger = logging.getLogger("ember")
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError from 2.5
 
 
 @dataclass(slots=True)
@@ -98,7 +99,7 @@ class ModelRunner:
             with PeakMemory(self.device) as warm:
                 self._dummy_decode(config.max_num_seqs, max_model_len)
                 self._dummy_prefill(tokens, config.max_num_seqs)  # and a full-budget prefill next to the real pool
-        except torch.OutOfMemoryError as e:
+        except _OOM as e:
             raise ValueError(
                 f"the warm-up (max_num_seqs={config.max_num_seqs} x max_model_len={max_model_len}, and {tokens} "
                 f"prefill tokens a step) ran out of memory next to a KV pool of {self.num_blocks * bs} "

@@ -23,10 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ember.config import SCHEDULING_POLICIES
 from ember.core.block_manager import BlockManager
 from ember.core.sequence import Sequence, SequenceStatus
-
-POLICIES = ("max_utilization", "guaranteed_no_evict")
 
 
 @dataclass(slots=True)
@@ -44,8 +43,9 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True, policy: str = "max_utilization") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling_policy={policy!r} is not supported: use one of {', '.join(POLICIES)}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={policy!r} is not supported: use one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
