@@ -184,41 +184,6 @@ def test_chunked_prefill_same_outputs_and_prompt_logprobs(llama_dir, tiny_llm):
             assert px[tok].logprob == pytest.approx(py[tok].logprob, abs=1e-4)
 
 
-def test_long_prompt_does_not_stall_decoding(llama_dir):
-    """A 400-token prompt arriving while 8 requests decode is chunked; every decode step still runs each step."""
-    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=64)
-    steps: list[tuple[list[int], list[int]]] = []
-    sched = llm.engine.scheduler
-    original = sched.schedule
-
-    def recording():
-        batch = original()
-        steps.append(([s.seq_id for s, n in zip(batch.seqs, batch.num_tokens) if n == 1],
-                      [n for n in batch.num_tokens if n > 1]))
-        return batch
-
-    sched.schedule = recording
-    try:
-        short = random_prompts(8, 5, 10, llm.engine.vocab_size, seed=19)
-        stream_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)  # outlive the long prompt
-        streams = [llm.stream(p, stream_params) for p in short]
-        for s in streams:
-            next(s)  # all 8 are decoding now
-        long = random_prompts(1, 400, 400, llm.engine.vocab_size, seed=20)[0]
-        out = llm.generate([long], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        for s in streams:
-            list(s)
-    finally:
-        llm.shutdown()
-    assert len(out[0].outputs[0].token_ids) == 4
-    chunk_steps = [i for i, (_, chunks) in enumerate(steps) if chunks and max(chunks) > 10]
-    assert len(chunk_steps) >= 400 // 64  # the long prompt took several steps ...
-    for i in chunk_steps:
-        decodes, chunks = steps[i]
-        assert sum(chunks) + len(decodes) <= 64  # ... each within the step budget ...
-        assert len(decodes) == 8  # ... and next to every decoding request: none of them waited a step
-
-
 def test_prefix_caching_hits_and_same_outputs(llama_dir, tiny_llm):
     vocab = tiny_llm.engine.vocab_size
     system = random_prompts(1, 384, 384, vocab, seed=22)[0]

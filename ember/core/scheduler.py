@@ -139,14 +139,10 @@ class Scheduler:
             if n == 0 or seats + seq.seats() > self.max_num_seqs:
                 break
             taken = self.bm.blocks_to_take(hit) if hit else 0
-            if self.policy == "guaranteed_no_evict":
-                cached = hit.num_blocks if hit else 0
-                full = self.bm.blocks_for(seq.max_num_tokens)
-                need = taken + (full - cached) + seq.pending_fork * (full - (seq.num_prompt_tokens - 1)
-                                                                     // self.bm.block_size)
+            if self.policy == "guaranteed_no_evict":  # the free blocks it takes now plus all it may take later
+                need = taken + self._reserve(seq) - (hit.num_blocks if hit else 0)
                 if need + reserved > self.bm.num_free:
                     break
-                reserved += need - taken
             new_blocks = self.bm.blocks_for(start + n) - len(seq.block_table) - (hit.num_blocks if hit else 0)
             if not self.bm.can_allocate(new_blocks + taken):
                 break
@@ -165,6 +161,8 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
             seats += seq.seats()
+            if self.policy == "guaranteed_no_evict":
+                reserved += self._reserve(seq)  # what it may still take, next to the blocks it holds now
 
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of seq to compute this step: all that are left, or with chunked prefill what the budget allows."""
