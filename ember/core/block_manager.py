@@ -113,6 +113,17 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def shared_prompt_blocks(self, num_prompt_tokens: int) -> int:
+        """Full prompt blocks the n samples of a request share; the last prompt token is always computed again
+        (each sample needs its logits)."""
+        return (num_prompt_tokens - 1) // self.block_size
+
+    def request_blocks(self, num_prompt_tokens: int, max_num_tokens: int, num_samples: int) -> int:
+        """Blocks a request holds at most: one sample of max_num_tokens, each further one without the shared
+        prompt blocks."""
+        full = self.blocks_for(max_num_tokens)
+        return full + (num_samples - 1) * (full - self.shared_prompt_blocks(num_prompt_tokens))
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table covers num_tokens tokens."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))

@@ -131,8 +131,7 @@ class Engine:
             raise ValueError(f"prompt has {prompt_len} tokens: prompt plus min_tokens ({least} tokens) can never fit "
                              f"the KV pool of {pool} tokens; it must be <= {pool}")
         if self.config.scheduling_policy == "guaranteed_no_evict":
-            full = bm.blocks_for(max_num_tokens)
-            need = full + (params.n - 1) * (full - (prompt_len - 1) // bs)
+            need = bm.request_blocks(prompt_len, max_num_tokens, params.n)
             if need > bm.num_blocks:
                 raise ValueError(f"max_tokens={params.max_tokens} with n={params.n} needs {need} KV blocks under "
                                  f"scheduling_policy='guaranteed_no_evict', more than the pool's {bm.num_blocks}: "
@@ -268,7 +267,7 @@ class Engine:
     def _fork(self, parent: Any) -> None:
         """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
         bs = self.config.block_size
-        shared = (parent.num_prompt_tokens - 1) // bs * bs  # leave >= 1 token to compute for the first logits
+        shared = self.block_manager.shared_prompt_blocks(parent.num_prompt_tokens) * bs
         for child in parent.request.fork(parent):
             self.block_manager.share(parent, child, shared)
             child.num_computed_tokens = shared

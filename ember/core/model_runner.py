@@ -88,10 +88,9 @@ class ModelRunner:
         # 3. the host tier (CUDA): evicted prefix blocks wait there
         self.num_host_blocks = host_tier_bytes(config, self.device) // per_block
         self.host_cache = None
-        if self.num_host_blocks:
-            pin = self.device.type == "cuda"
-            self.host_cache = torch.zeros(2, *self._kv_shape[:1], self.num_host_blocks, *self._kv_shape[1:],
-                                          dtype=self._dtype, pin_memory=pin)
+        if self.num_host_blocks:  # pinned on CUDA: the copies to and from the device run asynchronously
+            self.host_cache = self._new_pool(self.num_host_blocks, torch.device("cpu"),
+                                             pin=self.device.type == "cuda")
 
         # 4. warm-up at the worst case: every seat decoding at max_model_len (block tables may repeat blocks:
         # the shapes and the memory are what is proved, not the values)
@@ -113,10 +112,10 @@ class ModelRunner:
                     self.num_blocks, bs, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
                     budget.source, self.num_host_blocks, warm.peak / 2**20)
 
-    def _new_pool(self, num_blocks: int) -> torch.Tensor:
+    def _new_pool(self, num_blocks: int, device: torch.device | None = None, pin: bool = False) -> torch.Tensor:
         # zeros, not empty: padded decode batches read unused slots, and NaN garbage there would survive the mask
         return torch.zeros(2, self._kv_shape[0], num_blocks, *self._kv_shape[1:], dtype=self._dtype,
-                           device=self.device)
+                           device=device or self.device, pin_memory=pin)
 
     def _bind(self, pool: torch.Tensor | None) -> None:
         for i, layer in enumerate(self._layers):

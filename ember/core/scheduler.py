@@ -76,11 +76,8 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence) -> int:
         """Blocks seq may still take from the pool before it finishes, its unforked siblings included."""
-        full = self.bm.blocks_for(seq.max_num_tokens)
-        own = max(0, full - len(seq.block_table))
-        if seq.pending_fork:  # each sibling shares the prompt's full blocks and needs the rest
-            own += seq.pending_fork * (full - (seq.num_prompt_tokens - 1) // self.bm.block_size)
-        return own
+        most = self.bm.request_blocks(seq.num_prompt_tokens, seq.max_num_tokens, 1 + seq.pending_fork)
+        return most - min(len(seq.block_table), self.bm.blocks_for(seq.max_num_tokens))
 
     def _reserved(self) -> int:
         return sum(self._reserve(s) for s in self.running)

@@ -35,6 +35,13 @@ def run(load: Callable[[dict], Any], modes: dict[str, Callable[[Any, dict], dict
     os._exit(0)  # some engines leave non-daemon threads or child processes behind; the result is written
 
 
+def package_versions(*names: str) -> str:
+    """'name X.Y, name2 Z' for the result's backend_version."""
+    from importlib.metadata import version
+
+    return ", ".join(f"{n} {version(n)}" for n in names)
+
+
 def set_threads(n: int | None) -> None:
     """Before torch is imported: the same intra-op thread count for every backend."""
     if n:

@@ -6,7 +6,7 @@ import asyncio
 import random
 import time
 
-from _common import TokenClock, output_record, run, set_threads, warmup_requests
+from _common import TokenClock, output_record, package_versions, run, set_threads, warmup_requests
 
 
 def load(spec: dict):
@@ -91,11 +91,6 @@ async def _warm(llm, spec: dict) -> None:
             pass
 
 
-def _version() -> str:
-    from importlib.metadata import version
-
-    return f"ember {version('ember')}"
-
 
 if __name__ == "__main__":
-    run(load, {"throughput": throughput, "latency": latency, "serving": serving}, _version())
+    run(load, {"throughput": throughput, "latency": latency, "serving": serving}, package_versions("ember"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from _common import TokenClock, output_record, run, set_threads, warmup_requests
+from _common import TokenClock, output_record, package_versions, run, set_threads, warmup_requests
 
 
 def load(spec: dict):
@@ -74,11 +74,6 @@ def latency(model, spec: dict) -> dict:
     return {"wall_s": time.perf_counter() - start, "outputs": outputs}
 
 
-def _version() -> str:
-    from importlib.metadata import version
-
-    return f"transformers {version('transformers')}, torch {version('torch')}"
-
 
 if __name__ == "__main__":
-    run(load, {"throughput": throughput, "latency": latency}, _version())
+    run(load, {"throughput": throughput, "latency": latency}, package_versions("transformers", "torch"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from _common import TokenClock, output_record, run, warmup_requests
+from _common import TokenClock, output_record, package_versions, run, warmup_requests
 
 
 def load(spec: dict):
@@ -47,11 +47,6 @@ def latency(llm, spec: dict) -> dict:
     return {"wall_s": time.perf_counter() - start, "outputs": outputs}
 
 
-def _version() -> str:
-    from importlib.metadata import version
-
-    return f"llama-cpp-python {version('llama-cpp-python')}"
-
 
 if __name__ == "__main__":
-    run(load, {"throughput": throughput, "latency": latency}, _version())
+    run(load, {"throughput": throughput, "latency": latency}, package_versions("llama-cpp-python"))

