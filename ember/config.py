@@ -113,6 +113,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None  # tokens per step; default 2048 (chunked) or max_model_len
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
+    prefix_cache_ttl: float | None = None  # seconds an unused cached block is kept; None: until evicted (LRU)
     enable_chunked_prefill: bool = True  # split prompts longer than the step's token budget over several steps
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # the KV pool in bytes or '2GiB'; replaces the fraction below
@@ -129,13 +130,14 @@ class EngineConfig:
             self.model = default_model_path()
         self.model = os.path.expanduser(str(self.model))
         if not os.path.exists(self.model):
-            raise ValueError(f"model={self.model!r} does not exist: pass a Hugging Face folder or a .gguf file")
+            raise ValueError(f"model={self.model!r} does not exist: pass a Hugging Face folder, a .gguf file or an "
+                             ".asmodel file")
         if os.path.isdir(self.model) and not os.path.isfile(os.path.join(self.model, "config.json")):
-            ggufs = sorted(f for f in os.listdir(self.model) if f.endswith(".gguf"))
-            if len(ggufs) != 1:
-                raise ValueError(f"model={self.model!r} has no config.json and {len(ggufs)} .gguf files: "
-                                 "pass a Hugging Face folder or one .gguf file")
-            self.model = os.path.join(self.model, ggufs[0])
+            files = sorted(f for f in os.listdir(self.model) if f.endswith((".gguf", ".asmodel")))
+            if len(files) != 1:
+                raise ValueError(f"model={self.model!r} has no config.json and {len(files)} .gguf/.asmodel files: "
+                                 "pass a Hugging Face folder, or one .gguf or .asmodel file")
+            self.model = os.path.join(self.model, files[0])
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device.startswith("cpu") or self.device.startswith("cuda")):
@@ -161,6 +163,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported: use one of "
                              f"{', '.join(SCHEDULING_POLICIES)}")
+        t = self.prefix_cache_ttl
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
+            raise ValueError(f"prefix_cache_ttl={t!r} is out of range: it must be a number of seconds >= 0, or None")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r} is out of range: it must be >= 1")
 

@@ -32,7 +32,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "interrupted"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | str | list[int] | None = None  # the stop token id, string or token sequence that ended it
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -39,17 +39,24 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers semantics, over prompt and output
     presence_penalty: float = 0.0  # OpenAI semantics, over output only
     frequency_penalty: float = 0.0
+    repetition_penalty_output_only: bool = False  # penalize generated tokens only, not the prompt's
+    no_repeat_ngram_size: int = 0  # transformers semantics over prompt + output: no n-gram occurs twice
+    bad_words_ids: list[list[int]] | None = None  # token sequences never generated (transformers semantics)
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # token sequences that end generation once the output ends with one (DashInfer's stop_words_ids); the
+    # sequence stays in the output, as a stop token id does
+    stop_token_sequences: list[list[int]] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # chosen token's logprob plus this many top ones
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
-    # resolved by the engine: every token id that ends generation (EOS ids from the tokenizer and generation config)
+    # every token id that ends generation; empty: the engine fills in the model's EOS ids (tokenizer and
+    # generation config)
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +64,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_sequences = [list(s) for s in self.stop_token_sequences or []]
+        self.bad_words_ids = [list(s) for s in self.bad_words_ids or []]
+        self.eos_token_ids = tuple(self.eos_token_ids)
         self.output_kind = OutputKind(self.output_kind)
         if self.top_k == -1:
             self.top_k = 0
@@ -95,6 +105,14 @@ class SamplingParams:
             raise _bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if any(not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
+            raise _bad("eos_token_ids", self.eos_token_ids, "token ids >= 0")
+        for name in ("stop_token_sequences", "bad_words_ids"):
+            value = getattr(self, name)
+            if any(not s or any(not isinstance(t, int) or t < 0 for t in s) for s in value):
+                raise _bad(name, value, "a list of non-empty lists of token ids >= 0")
+        if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
+            raise _bad("no_repeat_ngram_size", self.no_repeat_ngram_size, "an integer >= 0 (0 means off)")
 
     @property
     def is_greedy(self) -> bool:
@@ -103,6 +121,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def bans_tokens(self) -> bool:
+        """Some tokens may be forbidden at a step (no_repeat_ngram_size, bad_words_ids)."""
+        return self.no_repeat_ngram_size > 0 or bool(self.bad_words_ids)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -95,6 +97,106 @@ def test_presence_frequency_openai_definition():
                                          ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
                                          ("stop", [""])])
 def test_sampling_params_validation_names_field(field, value):
+    from ember import SamplingParams
+
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+# ----- no_repeat_ngram_size, bad_words_ids, output-only repetition penalty, stop token sequences: end to end ----
+
+def _hf_processed_greedy(model, prompt: list[int], steps: int, processors: list) -> list[int]:
+    """transformers' greedy tokens with the given logits processors applied to each step's scores."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    procs = LogitsProcessorList(processors)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        for _ in range(steps):
+            scores = procs(ids, out.logits[:, -1].float())
+            nxt = scores.argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory, tokenizer_dir):
+    """A random Llama over only 64 token ids, so that greedy outputs repeat tokens and n-grams and the bans bite;
+    (its checkpoint folder carries the default tokenizer, of which it uses the first 64 ids)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ember import LLM
+
+    out = str(tmp_path_factory.mktemp("small-vocab"))
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(out)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, f), out)
+    llm = LLM(out, dtype="float32", max_num_seqs=8, kv_cache_memory="16MiB")
+    yield hf, llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("case", ["ngram1", "ngram2", "ngram3", "bad_words", "rep_output_only"])
+def test_token_bans_and_penalties_match_transformers(case, small_vocab):
+    from transformers.generation.logits_process import (NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                                                        RepetitionPenaltyLogitsProcessor)
+
+    from conftest import random_prompts
+
+    from ember import SamplingParams
+
+    hf, llm = small_vocab
+    prompts = random_prompts(4, 3, 12, 1000, seed=11)
+    prompts = [[t % 61 + 3 for t in p] for p in prompts]  # into the small vocabulary, past BOS/EOS
+    steps = 64
+    changed = []
+    for prompt in prompts:
+        # bad words chosen from the unconstrained greedy output, so that they bite
+        free = _hf_processed_greedy(hf, prompt, steps, [])
+        if case.startswith("ngram"):
+            n = int(case[-1])
+            kwargs, procs = {"no_repeat_ngram_size": n}, [NoRepeatNGramLogitsProcessor(n)]
+        elif case == "bad_words":
+            words = [[free[0]], [free[3], free[4]], [prompt[-1], free[0], 7]]
+            kwargs, procs = {"bad_words_ids": words}, [NoBadWordsLogitsProcessor(words)]
+        else:
+            kwargs = {"repetition_penalty": 1.8, "repetition_penalty_output_only": True}
+            procs = [RepetitionPenaltyLogitsProcessor(1.8, prompt_ignore_length=len(prompt))]
+        expected = _hf_processed_greedy(hf, prompt, steps, procs)
+        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, **kwargs)
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == expected, case
+        changed.append(got != free)
+    assert any(changed)  # the constraint bit somewhere
+
+
+def test_stop_token_sequence_ends_generation_and_stays_in_output(tiny_llm):
+    from ember import SamplingParams
+
+    prompt = [120, 340, 560, 780]
+    free = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    stop = free[5:7]
+    first = next(i for i in range(1, len(free)) if free[i - 1:i + 1] == stop)  # earliest end of the sequence
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                     stop_token_sequences=[[5, 6, 7], stop]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+@pytest.mark.parametrize("field,value", [("no_repeat_ngram_size", -1), ("bad_words_ids", [[]]),
+                                         ("stop_token_sequences", [[1, -2]]), ("eos_token_ids", (-1,))])
+def test_new_sampling_fields_validated(field, value):
     from ember import SamplingParams
 
     with pytest.raises(ValueError, match=field):

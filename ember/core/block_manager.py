@@ -19,6 +19,7 @@ which is exactly the order in which this bookkeeping reused the blocks.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -85,7 +86,7 @@ class HostTier:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, prefix_cache_ttl: float | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -101,6 +102,11 @@ class BlockManager:
         self.host_hit_tokens = 0
         self.swapped_out = 0
         self.swapped_in = 0
+        # a cached device block no sequence has used for this many seconds is forgotten (None: kept until evicted)
+        self.prefix_cache_ttl = prefix_cache_ttl
+        self.released_at: dict[int, float] = {}  # cached free block -> when its last user let go (monotonic)
+        self.expired_blocks = 0
+        self._next_expiry = 0.0
 
     @property
     def num_free(self) -> int:
@@ -221,6 +227,7 @@ class BlockManager:
         block, _ = self.free_blocks.popitem(last=False)
         assert self.ref_counts[block] == 0, f"block {block} on the free list has references"
         h = self.block_hash.pop(block, None)
+        self.released_at.pop(block, None)
         if h is not None:
             del self.cached[h]
             tokens = self.block_tokens.pop(block)
@@ -254,8 +261,27 @@ class BlockManager:
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
+                if self.prefix_cache_ttl is not None and block in self.block_hash:
+                    self.released_at[block] = time.monotonic()
         seq.block_table = []
         seq.num_hashed_blocks = 0
+
+    def expire(self, now: float) -> None:
+        """Forget cached free blocks unused for prefix_cache_ttl seconds (checked at most every 0.5 s). The free
+        list is in release order, so the walk stops at the first cached block that is still fresh."""
+        if self.prefix_cache_ttl is None or now < self._next_expiry:
+            return
+        self._next_expiry = now + 0.5
+        cutoff = now - self.prefix_cache_ttl
+        for block in self.free_blocks:
+            h = self.block_hash.get(block)
+            if h is None:
+                continue
+            if self.released_at.get(block, now) > cutoff:
+                break
+            del self.cached[h], self.block_hash[block], self.block_tokens[block]
+            self.released_at.pop(block, None)
+            self.expired_blocks += 1
 
     def take_copies(self) -> list[tuple[str, int, int]]:
         """The block copies queued since the last call, in the order they must run."""

@@ -76,7 +76,7 @@ class Engine:
                              f"prefill it must be >= max_model_len ({self.max_model_len}) so any prompt fits a step")
         self.runner = ModelRunner(config, self.loaded, self.max_model_len, self.max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.runner.num_host_blocks)
+                                          self.runner.num_host_blocks, config.prefix_cache_ttl)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.default_params = SamplingParams.from_generation_config(self.loaded.generation_config)
@@ -118,7 +118,16 @@ class Engine:
             raise ValueError(f"n={params.n} is out of range: n must be <= max_num_seqs ({self.config.max_num_seqs})")
         max_num_tokens = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         self._check_fits(len(ids), params, max_num_tokens)
-        params.eos_token_ids = self.loaded.eos_token_ids
+        if not params.eos_token_ids:
+            params.eos_token_ids = self.loaded.eos_token_ids
+        for name in ("stop_token_ids", "eos_token_ids"):
+            bad = [t for t in getattr(params, name) if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds {bad[0]}, out of range: token ids must be in [0, {self.vocab_size})")
+        for name in ("stop_token_sequences", "bad_words_ids"):
+            bad = [t for seq in getattr(params, name) for t in seq if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds {bad[0]}, out of range: token ids must be in [0, {self.vocab_size})")
         rid = str(next(self._counter)) if request_id is None else str(request_id)
         return Request(rid, text, ids, params, self.tokenizer, sink, max_num_tokens)
 
@@ -218,6 +227,7 @@ class Engine:
                 self._live_ids.discard(req.request_id)
 
     def step(self) -> None:
+        self.block_manager.expire(time.monotonic())
         batch = self.scheduler.schedule()
         for seq in batch.interrupted:
             self._interrupted(seq)
@@ -290,6 +300,8 @@ class Engine:
             "prefix_cache_hit_rate": bm.hit_rate,
             "prefix_cache_hit_tokens": bm.hit_tokens,
             "prefix_cache_host_hit_tokens": bm.host_hit_tokens,
+            "prefix_cache_ttl": bm.prefix_cache_ttl,
+            "prefix_cache_expired_blocks": bm.expired_blocks,
             "host_tier": ("off (CPU engine: the KV cache is in host memory)" if self.runner.device.type == "cpu"
                           and host is None else "off" if host is None else f"{host.num_blocks} blocks"),
             "host_blocks_cached": len(host.cached) if host is not None else 0,

@@ -42,6 +42,8 @@ def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, tokenizer:
         reason, seq.stop_reason = "stop", None
     elif may_stop and token in params.stop_token_ids:
         reason, seq.stop_reason = "stop", token
+    elif may_stop and (stop_seq := _ended_by(seq, params.stop_token_sequences)) is not None:
+        reason, seq.stop_reason = "stop", stop_seq
     elif stop_str is not None:
         reason, seq.stop_reason = "stop", stop_str
     elif (params.max_tokens is not None and n_out >= params.max_tokens) or seq.num_tokens >= max_model_len:
@@ -53,6 +55,15 @@ def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, tokenizer:
     seq.finish_reason = reason
     seq.status = SequenceStatus.FINISHED
     return True
+
+
+def _ended_by(seq: Sequence, sequences: list[list[int]]) -> list[int] | None:
+    """The first stop token sequence the output now ends with, or None."""
+    out = seq.output_token_ids
+    for stop in sequences:
+        if len(out) >= len(stop) and out[len(out) - len(stop):] == stop:
+            return stop
+    return None
 
 
 def prompt_logprobs(tokenizer: Tokenizer, logprobs: torch.Tensor, prompt_ids: list[int],

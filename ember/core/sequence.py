@@ -31,7 +31,7 @@ class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "status", "generator", "detokenizer", "pending_fork", "finish_reason",
                  "stop_reason", "cumulative_logprob", "new_token_ids", "new_logprobs", "final_sent",
-                 "num_hashed_blocks", "max_num_tokens", "cache_salt")
+                 "num_hashed_blocks", "max_num_tokens", "cache_salt", "ngram_index")
 
     def __init__(self, request: "Request", index: int, token_ids: list[int], generator: torch.Generator | None,
                  detokenizer: IncrementalDetokenizer | None, pending_fork: int = 0,
@@ -59,6 +59,7 @@ class Sequence:
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[PositionLogprobs] = []
         self.final_sent = False  # the delta carrying finish_reason went out
+        self.ngram_index = None  # no_repeat_ngram_size: n-grams seen so far, built by the sampler as tokens come
 
     @property
     def num_tokens(self) -> int:

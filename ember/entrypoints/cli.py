@@ -1,4 +1,4 @@
-"""The ``ember`` command line: generate, chat, bench."""
+"""The ``ember`` command line: generate, chat, bench, convert."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ember.sampling_params import SamplingParams
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
-                   help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="Hugging Face folder, .gguf or .asmodel file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message for the conversation")
     _add_model_args(chat)
     _add_sampling_args(chat)
+    conv = sub.add_parser("convert", help="serialize a model into ember's .asmodel/.asparam format",
+                          description="Convert SRC (a Hugging Face folder, a .gguf file or an .asmodel file) into "
+                                      "ember's serialized pair NAME.asmodel + NAME.asparam, which `--model "
+                                      "DST/NAME.asmodel` and the DashInfer facade load directly.")
+    conv.add_argument("src", help="the model to convert")
+    conv.add_argument("dst", help="an output folder, or the path of the .asmodel file to write")
+    conv.add_argument("--name", default=None, help="the model name (default: from DST, else from SRC)")
+    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                      help="weights' dtype (default: the checkpoint's own, bfloat16 for GGUF)")
+    conv.add_argument("--skip-if-exists", action="store_true", help="keep a pair that exists and validates")
     from ember.benchmarks.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -130,6 +140,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    import os
+
+    from ember.model_loader.asmodel import MODEL_SUFFIX, convert
+
+    if not os.path.exists(args.src):
+        raise ValueError(f"src={args.src!r} does not exist: pass a Hugging Face folder, a .gguf or an .asmodel file")
+    if args.dst.endswith(MODEL_SUFFIX):
+        out_dir, name = os.path.dirname(args.dst) or ".", args.name or os.path.basename(args.dst)[:-len(MODEL_SUFFIX)]
+    else:
+        stem = os.path.basename(os.path.normpath(args.src))
+        for suffix in (".gguf", MODEL_SUFFIX):
+            stem = stem.removesuffix(suffix)
+        out_dir, name = args.dst, args.name or stem
+    start = time.perf_counter()
+    path = convert(args.src, out_dir, name, args.dtype, skip_if_exists=args.skip_if_exists, show_progress=True)
+    size = os.path.getsize(path[:-len(MODEL_SUFFIX)] + ".asparam")
+    print(f"[ember] wrote {path} (+ .asparam, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr)
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
@@ -138,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(args)
     logging.basicConfig(level=logging.WARNING, format="[ember] %(message)s")
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert}[args.command](args)
     except ValueError as e:
         print(f"ember: error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,10 @@
   the penalty when positive and multiplied when negative;
 - presence / frequency penalty: OpenAI semantics, over output tokens only: logit -= presence * (count > 0)
   + frequency * count;
-- min_tokens: EOS and stop_token_ids are masked until that many tokens were generated.
+- min_tokens: EOS and stop_token_ids are masked until that many tokens were generated;
+- no_repeat_ngram_size / bad_words_ids: transformers semantics (NoRepeatNGramLogitsProcessor over prompt and
+  output; NoBadWordsLogitsProcessor: a one-token bad word is always banned, a longer one's last token is banned when
+  the sequence ends with the rest of it).
 """
 
 from __future__ import annotations
@@ -40,3 +43,33 @@ def mask_tokens(logits: torch.Tensor, rows: list[int], token_lists: list[list[in
         valid = [i for i in ids if i < logits.shape[1]]
         if valid:
             logits[row, valid] = float("-inf")
+
+
+class NGramIndex:
+    """Every n-gram of a growing token list, as (n-1)-token prefix -> tokens that followed it; updated only with
+    the tokens added since the last call, so a step costs O(new tokens), not O(length)."""
+
+    __slots__ = ("n", "upto", "table")
+
+    def __init__(self, n: int) -> None:
+        self.n, self.upto, self.table = n, 0, {}
+
+    def banned(self, tokens: list[int]) -> set[int]:
+        """Tokens that would repeat an n-gram if appended to tokens."""
+        n = self.n
+        for end in range(max(self.upto, n), len(tokens) + 1):  # n-gram tokens[end - n:end]
+            self.table.setdefault(tuple(tokens[end - n:end - 1]), set()).add(tokens[end - 1])
+        self.upto = len(tokens) + 1
+        if len(tokens) + 1 < n:
+            return set()
+        return self.table.get(tuple(tokens[len(tokens) - n + 1:]) if n > 1 else (), set())
+
+
+def bad_word_tokens(tokens: list[int], bad_words: list[list[int]]) -> list[int]:
+    """The last token of each bad word whose other tokens end the sequence (all one-token bad words)."""
+    out = []
+    for word in bad_words:
+        k = len(word) - 1
+        if k == 0 or (len(tokens) >= k and tokens[len(tokens) - k:] == word[:-1]):
+            out.append(word[-1])
+    return out

@@ -1,6 +1,6 @@
 """One batched sampler for every request of a step.
 
-Order, as in transformers: penalties and min_tokens masks, then temperature, top-k, top-p, min-p, then a draw.
+Order, as in transformers: penalties, min_tokens / no-repeat-n-gram / bad-words masks, then temperature, top-k, top-p, min-p, then a draw.
 Greedy rows take the argmax. A draw is ``argmax(probs / Exp(1) noise)`` (the Gumbel trick): each seeded request
 draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits), as vLLM reports by default.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ember.core.sequence import Sequence
-from ember.layers.logits_processors import (apply_presence_frequency, apply_repetition_penalty, mask_tokens,
-                                            token_counts)
+from ember.layers.logits_processors import (NGramIndex, apply_presence_frequency, apply_repetition_penalty,
+                                            bad_word_tokens, mask_tokens, token_counts)
 
 
 @dataclass(slots=True)
@@ -156,7 +156,8 @@ class Sampler:
             f32 = dict(dtype=torch.float32, device=device)
             rep = torch.tensor([params[i].repetition_penalty for i in rows], **f32)
             if bool((rep != 1).any()):
-                seen = token_counts([seqs[i].token_ids for i in rows], self.vocab_size, device) > 0
+                seen = token_counts([seqs[i].output_token_ids if params[i].repetition_penalty_output_only
+                                     else seqs[i].token_ids for i in rows], self.vocab_size, device) > 0
                 sub = apply_repetition_penalty(sub, seen, rep)
             pres = torch.tensor([params[i].presence_penalty for i in rows], **f32)
             freq = torch.tensor([params[i].frequency_penalty for i in rows], **f32)
@@ -164,9 +165,20 @@ class Sampler:
                 counts = token_counts([seqs[i].output_token_ids for i in rows], self.vocab_size, device)
                 sub = apply_presence_frequency(sub, counts, pres, freq)
             logits = logits.index_copy(0, idx, sub)
-        min_rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < params[i].min_tokens]
-        if min_rows:
+        banned: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            p = params[i]
+            if s.num_output_tokens < p.min_tokens:
+                banned[i] = list(p.eos_token_ids) + p.stop_token_ids
+            if p.bans_tokens:
+                ids = banned.setdefault(i, [])
+                if p.no_repeat_ngram_size:
+                    if s.ngram_index is None:
+                        s.ngram_index = NGramIndex(p.no_repeat_ngram_size)
+                    ids.extend(s.ngram_index.banned(s.token_ids))
+                ids.extend(bad_word_tokens(s.token_ids, p.bad_words_ids))
+        if banned:
             logits = logits.clone() if not rows else logits
-            mask_tokens(logits, min_rows, [list(params[i].eos_token_ids) + params[i].stop_token_ids
-                                           for i in min_rows])
+            rows_b = list(banned)
+            mask_tokens(logits, rows_b, [banned[i] for i in rows_b])
         return logits

@@ -1,4 +1,6 @@
-"""Build a model from a Hugging Face folder or a GGUF file, with its tokenizer and generation defaults."""
+"""Build a model from a Hugging Face folder, a GGUF file or an ember .asmodel pair, with its tokenizer and generation
+defaults. The three checkpoint kinds share one small interface: hf_config(), generation_config(), tensors(config)
+(Hugging Face names), tokenizer()."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import torch
 
 from ember.config import EngineConfig, resolve_dtype
 from ember.layers.linear import mkldnn_prepack_available
+from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.gguf import GGUFCheckpoint
-from ember.model_loader.hf import iter_safetensors, load_generation_config, load_hf_config
+from ember.model_loader.hf import HFCheckpoint
 from ember.models import resolve_architecture
 from ember.tokenizer import Tokenizer
 
@@ -27,18 +30,34 @@ class LoadedModel:
     max_position: int
 
 
+Checkpoint = HFCheckpoint | GGUFCheckpoint | AsModelCheckpoint
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """The checkpoint at path, by kind: a .gguf file, an .asmodel file, else a Hugging Face folder."""
+    if path.endswith(".gguf"):
+        return GGUFCheckpoint(path)
+    if path.endswith(".asmodel"):
+        return AsModelCheckpoint(path)
+    return HFCheckpoint(path)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
-    if config.is_gguf:
-        ckpt = GGUFCheckpoint(config.model)
-        hf_config = ckpt.hf_config()
-        generation_config: dict[str, Any] = {}
-    else:
-        ckpt = None
-        hf_config = load_hf_config(config.model)
-        generation_config = load_generation_config(config.model)
+    ckpt = open_checkpoint(config.model)
+    hf_config = ckpt.hf_config()
+    generation_config = ckpt.generation_config()
+    if isinstance(ckpt, AsModelCheckpoint) and ckpt.quantization.get("enable_quant"):
+        import logging
+
+        logging.getLogger("ember").warning(
+            "%s records a quantization recipe %s; ember does not apply weight quantization yet, the weights run in "
+            "their stored dtype", config.model, ckpt.quantization)
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
     config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
-    dtype = resolve_dtype(config.dtype, config_dtype, config.device)
+    requested = config.dtype
+    if requested == "auto" and isinstance(ckpt, AsModelCheckpoint):
+        requested = ckpt.meta["dtype"]  # chosen when it was serialized: run it as stored
+    dtype = resolve_dtype(requested, config_dtype, config.device)
     max_position = int(getattr(hf_config, "max_position_embeddings", 0) or 8192)
     if config.max_model_len is not None and config.max_model_len > max_position:
         raise ValueError(f"max_model_len={config.max_model_len} is out of range: this model supports at most "
@@ -46,16 +65,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     with torch.device("cpu"):
         model = cls(architecture, hf_config, max_position, dtype)
-    weights = ckpt.tensors(hf_config) if ckpt is not None else iter_safetensors(config.model)
-    model.load_weights(weights)
+    model.load_weights(ckpt.tensors(hf_config))
     model.to(config.device).eval()
     if config.device.startswith("cpu") and mkldnn_prepack_available():
         for module in model.modules():
             if hasattr(module, "prepack"):
                 module.prepack()
 
-    tok_path = config.tokenizer or config.model
-    tokenizer = Tokenizer.load(tok_path, gguf_file=tok_path if tok_path.endswith(".gguf") else None)
+    if config.tokenizer is not None:
+        tokenizer = open_checkpoint(config.tokenizer).tokenizer() if config.tokenizer.endswith((".gguf", ".asmodel")) \
+            else Tokenizer.load(config.tokenizer)
+    else:
+        tokenizer = ckpt.tokenizer()
     eos = _eos_ids(tokenizer, hf_config, generation_config)
     return LoadedModel(model, hf_config, architecture, dtype, tokenizer, generation_config, eos, max_position)
 
@@ -69,4 +90,4 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
     return tuple(ids)
 
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["Checkpoint", "LoadedModel", "load_model", "open_checkpoint"]

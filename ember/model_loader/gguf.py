@@ -60,6 +60,8 @@ def _value(field: Any) -> Any:
 class GGUFCheckpoint:
     """One GGUF file: its metadata as a transformers config and its tensors under Hugging Face names."""
 
+    kind = "gguf"
+
     def __init__(self, path: str) -> None:
         from gguf import GGUFReader
 
@@ -101,6 +103,14 @@ class GGUFCheckpoint:
         config = AutoConfig.for_model(self.model_type, **kwargs)
         config.architectures = [self.architecture]
         return config
+
+    def generation_config(self) -> dict[str, Any]:
+        return {}  # GGUF carries no sampling defaults
+
+    def tokenizer(self):
+        from ember.tokenizer import Tokenizer
+
+        return Tokenizer.load(self.path, gguf_file=self.path)
 
     def tensors(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf import dequantize

@@ -56,3 +56,26 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, f.get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"model file {file!r} is corrupt: {e}") from e
+
+
+class HFCheckpoint:
+    """A Hugging Face folder behind the interface every checkpoint kind shares (see model_loader.open_checkpoint)."""
+
+    kind = "hf"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def hf_config(self) -> Any:
+        return load_hf_config(self.path)
+
+    def generation_config(self) -> dict[str, Any]:
+        return load_generation_config(self.path)
+
+    def tensors(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(self.path)
+
+    def tokenizer(self):
+        from ember.tokenizer import Tokenizer
+
+        return Tokenizer.load(self.path)

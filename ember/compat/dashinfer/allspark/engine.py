@@ -1,0 +1,304 @@
+"""DashInfer's Engine on ember: each installed model is one native ember engine (its own loop thread, KV pool and
+scheduler) under a unique name, with DashInfer's life cycle Initial -> Running -> Stopped -> Released. Requests
+are native requests whose output sink is a ResultQueue; nothing here schedules or runs a model."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfigBuilder, to_sampling_params
+from ember.compat.dashinfer.allspark.model_loader import (DashInferModel, HuggingFaceModel, LLM, pin_model_files,
+                                                          unpin_model_files)
+from ember.compat.dashinfer.allspark.result_queue import GeneratedElements, RequestHandle, ResultQueue
+from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig, AsModelRuntimeConfigBuilder
+from ember.compat.dashinfer.allspark.status import (AsCacheMode, AsException, AsStatus, GenerateRequestStatus,
+                                                    ModelState, RoPEScaleMethod, TargetDevice)
+from ember.model_loader import asmodel
+
+logger = logging.getLogger("ember")
+_OK = AsStatus.ALLSPARK_SUCCESS
+
+
+@dataclass(slots=True)
+class _Model:
+    config: AsModelConfig
+    state: ModelState = ModelState.Initial
+    engine: Any = None  # ember.core.engine.Engine while Running
+    queues: dict[str, ResultQueue] = field(default_factory=dict)  # request id -> queue, until release_request
+
+
+def engine_config(cfg: AsModelConfig, warn: bool = True):
+    """The native EngineConfig of a DashInfer runtime config (CUDA asked for on a machine without it runs on CPU,
+    with a warning, so that CUDA scripts still run)."""
+    from ember.config import EngineConfig
+
+    if cfg.cache_mode is not AsCacheMode.AsCacheDefault:
+        raise ValueError(f"kv_cache_mode={cfg.cache_mode.name} is not supported yet: the int8/uint4 KV cache lands "
+                         "with quantization; use AsCacheMode.AsCacheDefault")
+    kind, ids = cfg.device_type, cfg.device_ids
+    if kind == "CUDA":
+        if len(ids) > 1:
+            raise ValueError(f"compute_unit={cfg.compute_unit!r} asks for {len(ids)} GPUs: tensor parallelism is not "
+                             "supported yet; pass one device id")
+        if torch.cuda.is_available():
+            device = f"cuda:{ids[0] if ids else 0}"
+        else:
+            if warn:
+                logger.warning("model %s: TargetDevice.CUDA asked for but no CUDA device is available; running on "
+                               "CPU", cfg.model_name)
+            device = "cpu"
+    else:
+        if warn and cfg.extra.get("numa") and len(ids) > 1:
+            logger.warning("model %s: CPU_NUMA over nodes %s runs as one CPU engine (no NUMA binding)",
+                           cfg.model_name, ids)
+        device = "cpu"
+    meta = asmodel.read_meta(cfg.model_path)
+    return EngineConfig(model=cfg.model_path, dtype=meta["dtype"], device=device, max_num_seqs=cfg.engine_max_batch,
+                        max_model_len=cfg.engine_max_length,
+                        max_num_batched_tokens=cfg.engine_max_prefill_length or None,
+                        enable_prefix_caching=cfg.enable_prefix_cache, block_size=cfg.cache_span_size,
+                        prefix_cache_ttl=cfg.prefix_cache_ttl or None,
+                        num_threads=cfg.num_threads if device == "cpu" and cfg.num_threads else None)
+
+
+class Engine:
+    """Models installed under unique names, and the requests sent to them."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, _Model] = {}
+        self._lock = threading.RLock()
+        # request ids unique over the engine's life: a handle from before a restart never names a newer request
+        self._ids = itertools.count()
+
+    def get_version_full(self) -> str:
+        from ember import __version__
+
+        return f"ember {__version__} (DashInfer allspark API)"
+
+    def __repr__(self) -> str:
+        return f"AsEngine: version={self.get_version_full()}"
+
+    # ----- models -----
+
+    def _model(self, name: str, *allowed: ModelState) -> _Model:
+        m = self._models.get(name)
+        if m is None:
+            raise AsException(f"model {name!r} is not installed: installed models are {sorted(self._models)}",
+                              AsStatus.ALLSPARK_PARAM_ERROR)
+        if allowed and m.state not in allowed:
+            raise AsException(f"model {name!r} is {m.state.name}: this call needs it "
+                              f"{' or '.join(s.name for s in allowed)}")
+        return m
+
+    def install_model(self, as_model_config_struct: AsModelConfig) -> AsStatus:
+        """Register a model under its runtime config's model_name (state Initial); the files must validate."""
+        cfg = as_model_config_struct
+        if not isinstance(cfg, AsModelConfig):
+            raise ValueError(f"install_model takes an AsModelConfig (AsModelRuntimeConfigBuilder().build()), not "
+                             f"{type(cfg).__name__}")
+        if not cfg.model_name:
+            raise ValueError("model_name='' is empty: set it with AsModelRuntimeConfigBuilder.model_name()")
+        if not cfg.model_path:
+            raise ValueError(f"model {cfg.model_name!r} has no model files: serialize the model before building its "
+                             "runtime config, or set them with model_dir() / model_file_path()")
+        problem = asmodel.validate(cfg.model_path)
+        if problem is not None:
+            raise ValueError(f"model {cfg.model_name!r}: {cfg.model_path!r} cannot be used: {problem}")
+        engine_config(cfg, warn=False)  # refuse a config that cannot run before anything is loaded
+        with self._lock:
+            old = self._models.get(cfg.model_name)
+            if old is not None and old.state is not ModelState.Released:
+                raise AsException(f"model name {cfg.model_name!r} is already installed ({old.state.name}): model "
+                                  "names must be unique in an engine", AsStatus.ALLSPARK_PARAM_ERROR)
+            self._models[cfg.model_name] = _Model(cfg)
+        pin_model_files(cfg.model_path)  # in-memory serializations stay until the model has loaded them
+        return _OK
+
+    build_model_from_config_struct = install_model  # DashInfer's deprecated name
+
+    def start_model(self, model_name: str) -> AsStatus:
+        """Load the model and warm it up at max_batch x max_length; a configuration that cannot fit fails with
+        what would fit."""
+        from ember.core.engine import Engine as NativeEngine
+
+        with self._lock:
+            m = self._model(model_name, ModelState.Initial, ModelState.Stopped)
+            try:
+                m.engine = NativeEngine(engine_config(m.config))
+            except ValueError as e:
+                raise ValueError(f"start_model({model_name!r}) failed: {e}") from e
+            finally:
+                if m.state is ModelState.Initial:
+                    unpin_model_files(m.config.model_path)
+            m.state = ModelState.Running
+        return _OK
+
+    def stop_model(self, model_name: str) -> AsStatus:
+        """Stop serving: unfinished requests end GenerateInterrupted (their queues stay readable), the model's
+        loop thread stops and its memory is freed. start_model runs it again."""
+        with self._lock:
+            m = self._model(model_name, ModelState.Running)
+            self._interrupt_all(m)
+            m.engine.shutdown()
+            m.engine = None
+            m.state = ModelState.Stopped
+        return _OK
+
+    def release_model(self, model_name: str) -> AsStatus:
+        """Forget a model that is not running; its name may be installed again."""
+        with self._lock:
+            m = self._model(model_name, ModelState.Initial, ModelState.Stopped)
+            if m.state is ModelState.Initial:
+                unpin_model_files(m.config.model_path)
+            for q in m.queues.values():
+                q._release()
+            m.queues.clear()
+            m.state = ModelState.Released
+        return _OK
+
+    def _interrupt_all(self, m: _Model) -> None:
+        live = [(rid, q) for rid, q in m.queues.items() if not q._status.is_terminal]
+        for rid, q in live:
+            q._mark_abort_as(GenerateRequestStatus.GenerateInterrupted)
+            m.engine.abort(rid)
+        for _, q in live:
+            q._wait_finished()
+
+    def get_model_state(self, model_name: str) -> ModelState:
+        return self._model(model_name).state
+
+    def get_as_engine_stat(self, model_name: str) -> dict[str, Any]:
+        """The native engine's counters (KV blocks, queues, prefix-cache hits, memory) of a running model."""
+        return self._model(model_name, ModelState.Running).engine.stats()
+
+    # ----- requests -----
+
+    def start_request(self, model_name: str, inputs: dict[str, Any],
+                      generate_config: dict[str, Any] | ASGenerationConfigBuilder | None = None
+                      ) -> tuple[AsStatus, RequestHandle, ResultQueue]:
+        """Start one request from {"input_ids": ids} and a generation config dict."""
+        if not isinstance(inputs, dict) or "input_ids" not in inputs:
+            raise ValueError("inputs must be a dict with 'input_ids'")
+        return self._start(model_name, _as_id_list(inputs["input_ids"]), generate_config or {})
+
+    def start_request_ids(self, model_name: str, model: LLM | None, input_ids: Any,
+                          generate_config_builder: ASGenerationConfigBuilder | dict[str, Any]
+                          ) -> tuple[AsStatus, RequestHandle, ResultQueue]:
+        """Start one request from token ids (a list, or a 1-D tensor or a [1, n] one)."""
+        return self._start(model_name, _as_id_list(input_ids), generate_config_builder)
+
+    def start_request_text(self, model_name: str, model: LLM, input_str_or_array: str | Sequence[str],
+                           generate_config_builder: ASGenerationConfigBuilder | dict[str, Any]):
+        """Start a request from text, tokenized by the model loader's tokenizer. A list of texts starts one request
+        per text and returns (status, [handles], [queues]) in the same order."""
+        tokenizer = model.init_tokenizer().get_tokenizer()
+        if isinstance(input_str_or_array, str):
+            return self._start(model_name, _encode(tokenizer, input_str_or_array), generate_config_builder)
+        texts = list(input_str_or_array)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError("input_str_or_array must be a string or a non-empty list of strings")
+        prompts = [_encode(tokenizer, t) for t in texts]  # every text is checked before any request starts
+        started = [self._start(model_name, ids, generate_config_builder) for ids in prompts]
+        return _OK, [h for _, h, _ in started], [q for _, _, q in started]
+
+    def _start(self, model_name: str, ids: list[int], gen: ASGenerationConfigBuilder | dict[str, Any]
+               ) -> tuple[AsStatus, RequestHandle, ResultQueue]:
+        with self._lock:
+            m = self._model(model_name, ModelState.Running)
+            cfg = gen.build() if isinstance(gen, ASGenerationConfigBuilder) else dict(gen)
+            params = to_sampling_params(cfg, len(ids), m.engine.max_model_len)
+            queue = ResultQueue("", len(ids), params.logprobs or 0)
+            rid = cfg.get("uuid") or f"{model_name}-{next(self._ids)}"
+            if rid in m.queues:
+                raise ValueError(f"uuid={rid!r} is already in use by a request of model {model_name!r}")
+            request = m.engine.make_request(ids, params, queue._put, request_id=rid)
+            queue.request_id = request.request_id
+            m.engine.submit([request])
+            m.queues[request.request_id] = queue
+        return _OK, RequestHandle(model_name, request.request_id), queue
+
+    def _queue(self, model_name: str, handle: RequestHandle, *allowed: ModelState) -> tuple[_Model, ResultQueue]:
+        m = self._model(model_name, *allowed)
+        rid = handle.request_id if isinstance(handle, RequestHandle) else str(handle)
+        q = m.queues.get(rid)
+        if q is None:
+            raise AsException(f"request {rid!r} is not a live request of model {model_name!r} (released, or never "
+                              "started there)", AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID)
+        return m, q
+
+    def stop_request(self, model_name: str, request_handle: RequestHandle) -> AsStatus:
+        """End a request now; it keeps what it generated and ends GenerateFinished."""
+        with self._lock:
+            m, q = self._queue(model_name, request_handle, ModelState.Running)
+            if not q._status.is_terminal:
+                m.engine.abort(q.request_id)
+        q._wait_finished()
+        return _OK
+
+    def release_request(self, model_name: str, request_handle: RequestHandle) -> AsStatus:
+        """Free everything the request holds (stopping it first if it runs); its queue then returns None."""
+        with self._lock:
+            m, q = self._queue(model_name, request_handle, ModelState.Running, ModelState.Stopped)
+            if m.state is ModelState.Running and not q._status.is_terminal:
+                m.engine.abort(q.request_id)
+        q._wait_finished()
+        with self._lock:
+            m.queues.pop(q.request_id, None)
+        q._release()
+        return _OK
+
+    def sync_request(self, model_name: str, request_handle: RequestHandle | None = None) -> AsStatus:
+        """Block until the request (or, with no handle, every request of the model) has finished."""
+        with self._lock:
+            m = self._model(model_name, ModelState.Running, ModelState.Stopped)
+            queues = list(m.queues.values()) if request_handle is None else \
+                [self._queue(model_name, request_handle)[1]]
+        for q in queues:
+            q._wait_finished()
+        return _OK
+
+    # DashInfer's deprecated per-queue calls
+    def get_no_wait(self, model_name: str, result_queue: ResultQueue) -> GeneratedElements | None:
+        return result_queue.GetNoWait()
+
+    def get_wait(self, model_name: str, result_queue: ResultQueue) -> GeneratedElements | None:
+        return result_queue.Get()
+
+    def get_request_status(self, model_name: str, result_queue: ResultQueue) -> GenerateRequestStatus:
+        return result_queue.GenerateStatus()
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"input text {text!r} is empty: a request needs at least one character")
+    return list(tokenizer.encode(text))
+
+
+def _as_id_list(input_ids: Any) -> list[int]:
+    """A flat list of token ids from a list, a 1-D tensor or a [1, n] tensor / nested list."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}: it must be "
+                             "one integer sequence ([n] or [1, n])")
+        return input_ids.tolist()
+    if isinstance(input_ids, (list, tuple)):
+        if len(input_ids) == 1 and isinstance(input_ids[0], (list, tuple)):
+            input_ids = input_ids[0]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise ValueError("input_ids must be one sequence of integer token ids (a list, or a [n] / [1, n] tensor)")
+        return list(input_ids)
+    raise ValueError(f"input_ids of type {type(input_ids).__name__} is not supported: pass a list or a torch tensor")
+
+
+__all__ = ["Engine", "TargetDevice", "RoPEScaleMethod", "AsStatus", "AsCacheMode", "GenerateRequestStatus",
+           "ModelState", "AsException", "AsModelConfig", "AsModelRuntimeConfigBuilder", "ASGenerationConfigBuilder",
+           "ResultQueue", "GeneratedElements", "RequestHandle", "HuggingFaceModel", "DashInferModel"]

@@ -1,0 +1,273 @@
+"""ember's serialized model: two files side by side, named after the model.
+
+- ``NAME.asmodel`` (JSON): format and version, architecture, the transformers config, the weights' dtype, the
+  generation defaults, the tokenizer files and chat template, the quantization recipe, and an index of the weights
+  (name, dtype, shape of each tensor, and the byte size of the weights file) to validate them against;
+- ``NAME.asparam`` (safetensors): the weights under Hugging Face names, already in that dtype.
+
+DashInfer names its serialized pair the same way; its facade writes them (``HuggingFaceModel.serialize``), ``ember
+convert`` writes them, and ``ember.LLM(model="DIR/NAME.asmodel")`` runs them. Loading needs neither the source
+checkpoint nor a tokenizer conversion, so a converted model starts fast and on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FORMAT = "ember.asmodel"
+FORMAT_VERSION = 1
+MODEL_SUFFIX, PARAM_SUFFIX = ".asmodel", ".asparam"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "U8": "uint8", "I32": "int32",
+              "I64": "int64", "BOOL": "bool"}
+
+
+def pair_paths(out_dir: str, name: str) -> tuple[str, str]:
+    """The .asmodel and .asparam paths of model NAME in out_dir."""
+    if not name or "/" in name or os.sep in name:
+        raise ValueError(f"model_name={name!r} is not a file name: use letters, digits, '-', '_' or '.' "
+                         "(replace '/' with '_')")
+    return os.path.join(out_dir, name + MODEL_SUFFIX), os.path.join(out_dir, name + PARAM_SUFFIX)
+
+
+@dataclass(slots=True)
+class QuantRecipe:
+    """What DashInfer's serialize(enable_quant=..., weight_only_quant=..., customized_quant_config=...) asked for.
+    Recorded in the format; the quantization issue makes the engine apply it."""
+
+    enable_quant: bool = False
+    weight_only_quant: bool = False
+    customized_quant_config: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"enable_quant": self.enable_quant, "weight_only_quant": self.weight_only_quant,
+                "customized_quant_config": self.customized_quant_config}
+
+
+@dataclass(slots=True)
+class ModelContents:
+    """Everything a serialized model holds, in memory (what HuggingFaceModel.load_model reads)."""
+
+    architecture: str
+    hf_config: Any
+    generation_config: dict[str, Any]
+    tokenizer: Any  # ember.tokenizer.Tokenizer
+    tensors: dict[str, torch.Tensor]
+    dtype: torch.dtype
+    source: str
+    quant: QuantRecipe = field(default_factory=QuantRecipe)
+
+
+def default_dtype(hf_config: Any) -> torch.dtype:
+    """The checkpoint's own float dtype (config.json's dtype), else bfloat16 (GGUF, or no dtype recorded)."""
+    name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(name, torch.dtype):
+        return name if name in _DTYPE_NAMES else torch.bfloat16
+    return {v: k for k, v in _DTYPE_NAMES.items()}.get(str(name).removeprefix("torch."), torch.bfloat16)
+
+
+def parse_dtype(value: str | torch.dtype | None, hf_config: Any, name: str = "dtype") -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (or a torch dtype); None or 'auto' is the checkpoint's own."""
+    if value is None or value == "auto":
+        return default_dtype(hf_config)
+    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
+        return value
+    by_name = {v: k for k, v in _DTYPE_NAMES.items()}
+    if value not in by_name:
+        raise ValueError(f"{name}={value!r} is not supported: use 'float32', 'bfloat16' or 'float16'")
+    return by_name[value]
+
+
+def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None = None,
+            quant: QuantRecipe | None = None, skip_if_exists: bool = False, show_progress: bool = False) -> str:
+    """Serialize the checkpoint at src (Hugging Face folder, .gguf or .asmodel) as out_dir/NAME.asmodel +
+    .asparam; with skip_if_exists, a pair that is already there and validates is kept. Returns the .asmodel path."""
+    from ember.model_loader import open_checkpoint
+
+    model_path, _ = pair_paths(out_dir, name)
+    if skip_if_exists and validate(model_path) is None:
+        return model_path
+    ckpt = open_checkpoint(src)
+    target = parse_dtype(dtype, ckpt.hf_config())
+    progress = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        progress = lambda items: tqdm(items, desc="Converting", unit="tensor", dynamic_ncols=True)  # noqa: E731
+    contents = read_contents(ckpt, target, os.path.abspath(src), progress)
+    contents.quant = quant or QuantRecipe()
+    return write(contents, out_dir, name)[0]
+
+
+def read_contents(checkpoint: Any, dtype: torch.dtype, source: str,
+                  progress: Callable[[Iterable], Iterable] | None = None) -> ModelContents:
+    """Read a checkpoint (see model_loader.open_checkpoint) into memory, floating-point weights cast to dtype.
+    A tied LM head is left out, as transformers' save_pretrained does."""
+    from ember.models import resolve_architecture
+
+    hf_config = checkpoint.hf_config()
+    architecture, _ = resolve_architecture(getattr(hf_config, "architectures", None))
+    tensors: dict[str, torch.Tensor] = {}
+    items: Iterable = checkpoint.tensors(hf_config)
+    for name, t in (progress(items) if progress else items):
+        if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
+            continue
+        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    return ModelContents(architecture, hf_config, checkpoint.generation_config(), checkpoint.tokenizer(), tensors,
+                         dtype, source)
+
+
+def write(contents: ModelContents, out_dir: str, name: str) -> tuple[str, str]:
+    """Write NAME.asmodel and NAME.asparam into out_dir; the .asmodel goes last, so its presence means a whole pair."""
+    from safetensors.torch import save_file
+
+    from ember import __version__
+
+    model_path, param_path = pair_paths(out_dir, name)
+    os.makedirs(out_dir, exist_ok=True)
+    config = contents.hf_config.to_dict()
+    config["dtype"] = _DTYPE_NAMES[contents.dtype]
+    config.pop("torch_dtype", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        contents.tokenizer.hf.save_pretrained(tmp)
+        tok_files = {}
+        for f in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, f), encoding="utf-8") as fh:
+                tok_files[f] = fh.read()
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "ember_version": __version__,
+        "model_name": name,
+        "architecture": contents.architecture,
+        "source": contents.source,
+        "dtype": _DTYPE_NAMES[contents.dtype],
+        "config": config,
+        "generation_config": contents.generation_config,
+        "chat_template": getattr(contents.tokenizer.hf, "chat_template", None),
+        "tokenizer": tok_files,
+        "quantization": contents.quant.to_dict(),
+        "weights": {"file": os.path.basename(param_path), "tensors": {}, "bytes": 0},
+    }
+    for p in (model_path, param_path):  # a half-written pair must not validate
+        if os.path.exists(p):
+            os.remove(p)
+    save_file(contents.tensors, param_path + ".tmp", metadata={"format": "pt", "ember": FORMAT})
+    os.replace(param_path + ".tmp", param_path)
+    meta["weights"]["tensors"] = _header_index(param_path)
+    meta["weights"]["bytes"] = os.path.getsize(param_path)
+    with open(model_path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    os.replace(model_path + ".tmp", model_path)
+    return model_path, param_path
+
+
+def _header_index(param_path: str) -> dict[str, list]:
+    """name -> [dtype, shape] of every tensor in a safetensors file, from its header alone."""
+    with open(param_path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size <= 0 or size > 100 << 20:
+            raise ValueError(f"{param_path!r} is not a safetensors file")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return {k: [_ST_DTYPES.get(v["dtype"], v["dtype"]), v["shape"]] for k, v in sorted(header.items())}
+
+
+def read_meta(model_path: str) -> dict[str, Any]:
+    """The .asmodel JSON, checked for format and version; ValueError naming the file otherwise."""
+    if not os.path.isfile(model_path):
+        raise ValueError(f"model={model_path!r} does not exist")
+    try:
+        with open(model_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model file {model_path!r} is not an ember .asmodel file: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"model file {model_path!r} is not an ember .asmodel file (format is not {FORMAT!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"model file {model_path!r} has format_version={meta.get('format_version')!r}: this ember "
+                         f"reads version {FORMAT_VERSION}; convert the model again with `ember convert`")
+    return meta
+
+
+def param_path_of(model_path: str, meta: dict[str, Any]) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(model_path)), meta["weights"]["file"])
+
+
+def validate(model_path: str) -> str | None:
+    """None when the pair is whole and consistent, else what is wrong (a missing, truncated or foreign file)."""
+    try:
+        meta = read_meta(model_path)
+        param_path = param_path_of(model_path, meta)
+        if not os.path.isfile(param_path):
+            return f"its weights file {param_path!r} is missing"
+        if os.path.getsize(param_path) != meta["weights"]["bytes"]:
+            return (f"its weights file {param_path!r} has {os.path.getsize(param_path)} bytes, "
+                    f"{meta['weights']['bytes']} expected (truncated or replaced)")
+        if _header_index(param_path) != meta["weights"]["tensors"]:
+            return f"the tensors in {param_path!r} do not match the index in {model_path!r}"
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        return str(e)
+    return None
+
+
+class AsModelCheckpoint:
+    """A serialized pair behind the interface every checkpoint kind shares (see model_loader.open_checkpoint)."""
+
+    kind = "asmodel"
+
+    def __init__(self, path: str) -> None:
+        problem = validate(path)
+        if problem is not None:
+            raise ValueError(f"model={path!r} cannot be loaded: {problem}")
+        self.path = path
+        self.meta = read_meta(path)
+        self.param_path = param_path_of(path, self.meta)
+
+    def hf_config(self) -> Any:
+        from transformers import AutoConfig
+
+        config = dict(self.meta["config"])
+        model_type = config.pop("model_type")
+        return AutoConfig.for_model(model_type, **config)
+
+    def generation_config(self) -> dict[str, Any]:
+        return dict(self.meta.get("generation_config") or {})
+
+    @property
+    def quantization(self) -> dict[str, Any]:
+        return dict(self.meta.get("quantization") or {})
+
+    def tensors(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        with safe_open(self.param_path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+    def tokenizer(self):
+        """The embedded tokenizer files, unpacked once into ember's cache and loaded from there."""
+        from ember.config import cache_dir, file_key
+        from ember.tokenizer import Tokenizer
+
+        folder = cache_dir("asmodel-tokenizers", file_key(self.path))
+        if not os.path.isdir(folder):
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(folder))
+            for name, text in self.meta["tokenizer"].items():
+                with open(os.path.join(tmp, os.path.basename(name)), "w", encoding="utf-8") as f:
+                    f.write(text)
+            try:
+                os.replace(tmp, folder)
+            except OSError:  # another process unpacked it first
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        return Tokenizer.load(folder)

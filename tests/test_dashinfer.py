@@ -1,0 +1,526 @@
+"""The DashInfer (allspark) facade: the reference's two examples run unchanged and give the native API's tokens;
+the serialized format round-trips; every status transition and wrong-state call; threads; release frees all."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import runpy
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.compat.dashinfer import allspark
+from ember.compat.dashinfer.allspark import (AsCacheMode, AsException, AsStatus, ASGenerationConfigBuilder,
+                                             AsModelRuntimeConfigBuilder, DashInferModel, GenerateRequestStatus as S,
+                                             HuggingFaceModel, ModelState, TargetDevice)
+from ember.config import default_model_path
+from ember.model_loader import asmodel
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "compat_scripts")
+
+
+def _run_script(name: str, tmp_path, monkeypatch, capsys) -> dict:
+    """Run a reference script in this process (cwd: tmp_path) and return the JSON of its last line."""
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    runpy.run_path(os.path.join(SCRIPTS, name), run_name="__main__")
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+# ----- the reference's examples, on the default model -----
+
+def test_quick_start_example_runs_unchanged_and_matches_native(tmp_path, monkeypatch, capsys):
+    out = _run_script("dashinfer_quick_start.py", tmp_path, monkeypatch, capsys)
+    assert len(out["ids"]) > 10
+    model_path = os.path.join(tmp_path, out["model_path"])
+    assert asmodel.validate(model_path) is None  # serialize(model_output_dir=...) wrote a valid pair
+    assert asmodel.read_meta(model_path)["dtype"] == "float16"  # user_set_data_type
+    # the native API on the same serialized model, greedy (top_k=1): greedy tokens do not depend on how many follow,
+    # so the first 256 are compared (the whole reply is ~1,900 tokens, to max_length=2048, a minute on 2 cores)
+    with LLM(model_path, max_num_seqs=1, max_model_len=2048) as llm:
+        prompt = llm.tokenizer.encode(out["prompt"])
+        native = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=256),
+                              use_tqdm=False)[0].outputs[0].token_ids
+        eos = llm.engine.loaded.eos_token_ids
+    assert out["ids"][:256] == native
+    # ... and it ran to the end: max_length (prompt + output = 2048) or an EOS
+    assert len(prompt) + len(out["ids"]) == 2048 or out["ids"][-1] in eos
+
+
+def test_simple_snippet_runs_unchanged_and_matches_native(tmp_path, monkeypatch, capsys):
+    random.seed(3)  # the builder draws its default seed from `random`, as DashInfer's does: fix it to compare
+    out = _run_script("dashinfer_simple_snippet.py", tmp_path, monkeypatch, capsys)
+    gen = out["gen_cfg"]
+    assert gen["top_k"] == 50 and gen["do_sample"] and out["max_length"] == 8192  # transformers' defaults
+    assert len(out["ids"]) > 5
+    # the native API on the GGUF itself (bfloat16 both ways: the weights are identical), same sampling and seed
+    with LLM(default_model_path(), max_num_seqs=1, max_model_len=8192) as llm:
+        prompt = llm.tokenizer.encode("who are you?")
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=1.0, seed=gen["seed"], max_tokens=8192 - len(prompt))
+        native = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out["ids"] == native
+
+
+# ----- a tiny random model for the rest -----
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models, tmp_path_factory):
+    """A tiny Llama serialized (float32) to a folder, and the native engine's greedy tokens to compare with."""
+    out = str(tmp_path_factory.mktemp("asmodel"))
+    loader = HuggingFaceModel(tiny_models["llama"], "tiny/llama", user_set_data_type="float32")
+    loader.load_model().serialize_to_path(None, out).free_model()
+    return {"src": tiny_models["llama"], "dir": out, "name": "tiny_llama", "loader": loader,
+            "model_path": os.path.join(out, "tiny_llama.asmodel")}
+
+
+@pytest.fixture(scope="module")
+def native_greedy(tiny):
+    llm = LLM(tiny["src"], dtype="float32", max_num_seqs=32, kv_cache_memory="64MiB")
+
+    def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    yield run
+    llm.shutdown()
+
+
+def _runtime(loader, name: str, max_batch: int = 32, max_length: int = 256):
+    return loader.create_reference_runtime_config_builder(name, TargetDevice.CPU, [0], max_batch=max_batch) \
+        .max_length(max_length).build()
+
+
+def _greedy(loader, runtime_cfg, max_new: int, **extra) -> ASGenerationConfigBuilder:
+    gen = loader.create_reference_generation_config_builder(runtime_cfg)
+    gen.update({"top_k": 1, "early_stopping": False, **extra})
+    gen["max_length"] = max_new  # replaced per request below when a prompt length is known
+    return gen
+
+
+def _ids_of(queue) -> list[int]:
+    ids = []
+    while True:
+        el = queue.Get()
+        if el is not None:
+            ids += el.ids_from_generate
+        if queue.GenerateStatus() in (S.GenerateFinished, S.GenerateInterrupted, S.InternalError):
+            return ids
+
+
+@pytest.fixture
+def running(tiny):
+    """An engine with the serialized tiny model installed and started; stopped afterwards if still running."""
+    engine = allspark.Engine()
+    loader = DashInferModel(tiny["dir"], tiny["name"])
+    cfg = _runtime(loader, "m")
+    engine.install_model(cfg)
+    engine.start_model("m")
+    yield engine, loader, cfg
+    if engine.get_model_state("m") is ModelState.Running:
+        engine.stop_model("m")
+
+
+def test_serialize_to_path_then_dashinfer_model_same_greedy_tokens(tiny, native_greedy, running):
+    engine, loader, cfg = running
+    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(3)]
+    expected = native_greedy(prompts, 12)
+    for prompt, want in zip(prompts, expected):
+        gen = _greedy(loader, cfg, 0)
+        gen["max_length"] = len(prompt) + 12
+        status, handle, queue = engine.start_request_ids("m", loader, prompt, gen)
+        assert status is AsStatus.ALLSPARK_SUCCESS
+        assert _ids_of(queue) == want
+        engine.release_request("m", handle)
+    # ... and natively from the .asmodel file
+    with LLM(tiny["model_path"], max_num_seqs=4, kv_cache_memory="16MiB") as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+
+
+def test_asmodel_format_contents(tiny):
+    meta = asmodel.read_meta(tiny["model_path"])
+    assert meta["format"] == "ember.asmodel" and meta["architecture"] == "LlamaForCausalLM"
+    assert meta["dtype"] == "float32" and meta["config"]["model_type"] == "llama"
+    assert "tokenizer.json" in meta["tokenizer"] and meta["chat_template"]
+    assert meta["quantization"] == {"enable_quant": False, "weight_only_quant": False, "customized_quant_config": None}
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(tiny["dir"], "tiny_llama.asparam"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(meta["weights"]["tensors"])
+        assert all(f.get_tensor(k).dtype == torch.float32 for k in f.keys())
+
+
+def test_skip_if_exists_and_validation(tiny, tmp_path):
+    loader = HuggingFaceModel(tiny["src"], "m", user_set_data_type="float32")
+    loader.serialize_to_path(None, str(tmp_path), enable_quant=True, weight_only_quant=True,
+                             customized_quant_config={"quant_method": "instant_quant", "weight_format": "int8"})
+    model_path, param_path = asmodel.pair_paths(str(tmp_path), "m")
+    meta = asmodel.read_meta(model_path)
+    assert meta["quantization"]["enable_quant"] and meta["quantization"]["customized_quant_config"]["weight_format"]
+    stamp = os.stat(param_path).st_mtime_ns
+    loader.serialize_to_path(None, str(tmp_path), skip_if_exists=True)
+    assert os.stat(param_path).st_mtime_ns == stamp  # kept
+    with open(param_path, "r+b") as f:  # truncate the weights: the pair no longer validates
+        f.truncate(os.path.getsize(param_path) - 100)
+    assert "truncated" in asmodel.validate(model_path)
+    with pytest.raises(ValueError, match="cannot be used"):
+        DashInferModel(str(tmp_path), "m")
+    loader.serialize_to_path(None, str(tmp_path), skip_if_exists=True)  # rewritten, since it was broken
+    assert asmodel.validate(model_path) is None and os.stat(param_path).st_mtime_ns != stamp
+
+
+def test_in_memory_files_removed_by_free_and_after_install(tiny, native_greedy):
+    loader = HuggingFaceModel(tiny["src"], "mem", in_memory_serialize=True, user_set_data_type="float32")
+    loader.load_model().serialize(None).free_model()
+    folder = loader.temp_folder
+    assert os.path.isfile(os.path.join(folder, "mem.asmodel"))
+    engine = allspark.Engine()
+    cfg = _runtime(loader, "mem")
+    engine.install_model(cfg)
+    loader.free_memory_serialize_file()  # DashInfer allows it right after install_model
+    assert os.path.isdir(folder)  # ... the files wait until the model has loaded them
+    engine.start_model("mem")
+    assert not os.path.exists(folder)
+    gen = _greedy(loader, cfg, 0)
+    gen["max_length"] = 4 + 8
+    _, _, q = engine.start_request_ids("mem", loader, [5, 6, 7, 8], gen)
+    assert _ids_of(q) == native_greedy([[5, 6, 7, 8]], 8)[0]
+    engine.stop_model("mem")
+
+
+def test_in_memory_files_removed_at_process_exit(tiny):
+    code = ("import sys\nfrom ember.compat.dashinfer.allspark import HuggingFaceModel\n"
+            f"m = HuggingFaceModel({tiny['src']!r}, 'x', in_memory_serialize=True)\n"
+            "m.load_model().serialize_to_memory(None)\nprint(m.temp_folder)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    folder = out.stdout.strip().splitlines()[-1]
+    assert folder and not os.path.exists(folder)
+
+
+def test_loader_errors(tmp_path):
+    with pytest.raises(ValueError, match="pretrain_model_name_or_path"):
+        HuggingFaceModel(str(tmp_path / "missing"), "x")
+    with pytest.raises(ValueError, match="pretrain_model_name_or_path"):
+        HuggingFaceModel("", "x")
+    with pytest.raises(ValueError, match="not a model"):
+        HuggingFaceModel(str(tmp_path), "x")  # an empty folder
+    with pytest.raises(ValueError, match="user_set_data_type"):
+        HuggingFaceModel(default_model_path(), "x", user_set_data_type="int3")
+    with pytest.raises(ValueError, match="cannot be used"):
+        DashInferModel(str(tmp_path), "nothing")
+
+
+# ----- life cycle and wrong-state calls -----
+
+def test_model_states_and_wrong_state_calls(tiny):
+    engine = allspark.Engine()
+    loader = DashInferModel(tiny["model_path"])
+    cfg = _runtime(loader, "a")
+    gen = _greedy(loader, cfg, 0)
+    gen["max_length"] = 12
+    with pytest.raises(AsException, match="not installed"):
+        engine.start_model("a")
+    assert engine.install_model(cfg) is AsStatus.ALLSPARK_SUCCESS
+    assert engine.get_model_state("a") is ModelState.Initial
+    with pytest.raises(AsException, match="already installed"):
+        engine.install_model(_runtime(loader, "a"))
+    with pytest.raises(AsException, match="is Initial"):
+        engine.start_request_ids("a", loader, [1, 2, 3], gen)
+    with pytest.raises(AsException, match="is Initial"):
+        engine.stop_model("a")
+    engine.start_model("a")
+    assert engine.get_model_state("a") is ModelState.Running
+    with pytest.raises(AsException, match="is Running"):
+        engine.start_model("a")
+    with pytest.raises(AsException, match="is Running"):
+        engine.release_model("a")
+    _, handle, q = engine.start_request_ids("a", loader, [1, 2, 3], gen)
+    engine.sync_request("a", handle)
+    engine.stop_model("a")
+    assert engine.get_model_state("a") is ModelState.Stopped
+    with pytest.raises(AsException, match="is Stopped"):
+        engine.start_request_ids("a", loader, [1, 2, 3], gen)
+    assert q.Get() is not None  # a queue outlives its model's stop until released
+    engine.start_model("a")  # Stopped -> Running again
+    _, h2, q2 = engine.start_request_ids("a", loader, [1, 2, 3], gen)
+    assert len(_ids_of(q2)) == 9
+    assert engine.release_request("a", handle) is AsStatus.ALLSPARK_SUCCESS  # from before the restart: still held
+    with pytest.raises(AsException) as e:
+        engine.release_request("a", handle)  # released already
+    assert e.value.status is AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
+    engine.stop_model("a")
+    assert engine.release_model("a") is AsStatus.ALLSPARK_SUCCESS
+    assert engine.get_model_state("a") is ModelState.Released
+    with pytest.raises(AsException, match="is Released"):
+        engine.start_model("a")
+    engine.install_model(_runtime(loader, "a"))  # a released name may be installed again
+    engine.release_model("a")
+
+
+def test_status_transitions(running):
+    engine, loader, cfg = running
+    gen = _greedy(loader, cfg, 0)
+    prompt = [11, 12, 13, 14]
+    gen["max_length"] = len(prompt) + 6
+    _, h, q = engine.start_request_ids("m", loader, prompt, gen)
+    assert q.GenerateStatus() in (S.Init, S.ContextFinished, S.Generating)
+    assert len(_ids_of(q)) == 6 and q.GeneratedLength() == 6
+    assert q.history == [S.Init, S.ContextFinished, S.Generating, S.GenerateFinished]
+    assert q.Get() is None and q.GetNoWait() is None and q.GetWithTimeout(10) is None  # finished and drained
+    stats = q.RequestStatInfo()
+    assert stats["context_token_length"] == 4 and stats["generated_token_length"] == 6
+    assert stats["time_to_first_token"] > 0 and stats["decode_time_ms"] >= 0 and "context_cached_length" in stats
+    # one token: the first token is also the last
+    gen["max_length"] = len(prompt) + 1
+    _, _, q1 = engine.start_request_ids("m", loader, prompt, gen)
+    engine.sync_request("m")
+    assert q1.history == [S.Init, S.ContextFinished, S.GenerateFinished]
+    # the terminal status shows only once the tokens are taken: the documented loop never drops any
+    assert q1.GenerateStatus() is S.ContextFinished
+    assert q1.Get().ids_from_generate and q1.GenerateStatus() is S.GenerateFinished
+
+
+def test_stop_request_and_stop_model_interrupts(running):
+    engine, loader, cfg = running
+    gen = _greedy(loader, cfg, 0)
+    gen["max_length"] = 250
+    _, h, q = engine.start_request_ids("m", loader, [1, 2, 3], gen)
+    q.GetWithTimeout(10_000)  # it has started
+    assert engine.stop_request("m", h) is AsStatus.ALLSPARK_SUCCESS
+    assert q.history[-1] is S.GenerateFinished and q.GeneratedLength() < 247
+    _, h2, q2 = engine.start_request_ids("m", loader, [1, 2, 3], gen)
+    q2.GetWithTimeout(10_000)
+    engine.stop_model("m")
+    assert q2.history[-1] is S.GenerateInterrupted
+    _ids_of(q2)
+    assert q2.GenerateStatus() is S.GenerateInterrupted
+
+
+def test_internal_error_status(running):
+    engine, loader, cfg = running
+    native = engine._models["m"].engine
+
+    def broken(*a, **k):
+        raise RuntimeError("injected failure")
+
+    native.runner.execute = broken
+    gen = _greedy(loader, cfg, 0)
+    gen["max_length"] = 10
+    _, h, q = engine.start_request_ids("m", loader, [1, 2, 3], gen)
+    assert q.Get() is None and q.GenerateStatus() is S.InternalError
+
+
+def test_sync_request_then_get_returns_everything(running, native_greedy):
+    engine, loader, cfg = running
+    gen = _greedy(loader, cfg, 0)
+    gen["max_length"] = 3 + 20
+    _, h, q = engine.start_request_ids("m", loader, torch.tensor([[7, 8, 9]]), gen)
+    assert engine.sync_request("m", h) is AsStatus.ALLSPARK_SUCCESS
+    el = q.Get()
+    assert el.ids_from_generate == native_greedy([[7, 8, 9]], 20)[0]
+    assert q.Get() is None
+    engine.release_request("m", h)
+    assert q.Get() is None
+
+
+def test_twenty_requests_polled_from_threads_then_released(running, native_greedy):
+    engine, loader, cfg = running
+    prompts = [[50 + i, 60 + 2 * i, 70 + 3 * i] for i in range(20)]
+    expected = native_greedy(prompts, 16)
+    results: dict[int, list[int]] = {}
+    handles = {}
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            gen = _greedy(loader, cfg, 0)
+            gen["max_length"] = len(prompts[i]) + 16
+            _, handles[i], q = engine.start_request_ids("m", loader, prompts[i], gen)
+            ids = []
+            while q.GenerateStatus() not in (S.GenerateFinished, S.GenerateInterrupted):
+                el = q.GetWithTimeout(50) if i % 2 else q.GetNoWait()
+                if el is not None:
+                    ids += el.ids_from_generate
+                # the GetNoWait pollers spin without sleeping, as DashInfer users do: the queue must not starve the
+                # engine thread of the GIL
+            results[i] = ids
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert [results[i] for i in range(20)] == expected
+    for h in handles.values():
+        engine.release_request("m", h)
+    stats = engine.get_as_engine_stat("m")
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == stats["waiting"] == 0
+    assert not engine._models["m"].queues
+
+
+# ----- generation config -----
+
+def test_generation_config_keys_and_translation(running):
+    engine, loader, cfg = running
+    gen = loader.create_reference_generation_config_builder(cfg)
+    assert gen["max_length"] == 256 and gen["top_k"] == 50 and gen["do_sample"] is True
+    with pytest.raises(ValueError, match="'top_q' is unknown"):
+        gen.update({"top_q": 0.5})
+    for key, value in (("lora_name", "adapter"), ("response_format", {"type": "json_object"}),
+                       ("mm_info", object())):
+        with pytest.raises(ValueError, match=f"{key}=.* is not supported yet"):
+            gen.update({key: value})
+    gen.update({"max_length": 3})
+    with pytest.raises(ValueError, match="max_length=3 is out of range"):
+        engine.start_request_ids("m", loader, [1, 2, 3], gen)
+    gen.update({"max_length": 8, "temperature": -1.0, "top_k": 5})
+    with pytest.raises(ValueError, match="temperature"):
+        engine.start_request_ids("m", loader, [1, 2, 3], gen)
+    built = ASGenerationConfigBuilder().do_sample().max_length(512).temperature(0.7).top_k(50).build()
+    assert built["max_length"] == 512 and built["temperature"] == 0.7 and built["top_k"] == 50
+
+
+def test_generation_defaults_from_the_models_generation_config(tiny, tmp_path):
+    import shutil
+
+    src = str(tmp_path / "src")
+    shutil.copytree(tiny["src"], src)
+    with open(os.path.join(src, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "eos_token_id": [2, 5]}, f)
+    loader = HuggingFaceModel(src, "g")
+    gen = loader.create_reference_generation_config_builder()
+    assert (gen["temperature"], gen["top_p"], gen["top_k"], gen["repetition_penalty"]) == (0.6, 0.9, 20, 1.1)
+    assert gen["eos_token_id"] == 2 and gen["stop_words_ids"] == [[2], [5]]  # DashInfer's reading of an EOS list
+    loader.serialize_to_path(None, str(tmp_path / "out"))
+    gen2 = DashInferModel(str(tmp_path / "out"), "g").create_reference_generation_config_builder()
+    assert (gen2["temperature"], gen2["top_p"], gen2["top_k"]) == (0.6, 0.9, 20)  # carried in the .asmodel
+
+
+def test_fields_translate_to_native_sampling(running, tiny):
+    """stop_words_ids, bad_words_ids, min_length, no_repeat_ngram_size, suppress_repetition_in_generation,
+    logprobs and seeded sampling through the facade equal the native fields on the same model."""
+    engine, loader, cfg = running
+    prompt = [21, 22, 23, 24, 25]
+    free = None
+    with LLM(tiny["model_path"], max_num_seqs=4, kv_cache_memory="16MiB") as llm:
+        def native(**kw):
+            out = llm.generate([prompt], SamplingParams(max_tokens=20, **kw), use_tqdm=False)[0].outputs[0]
+            return out
+
+        free = native(temperature=0, ignore_eos=True).token_ids
+        cases = [
+            ({"stop_words_ids": [free[3:5]]}, dict(temperature=0, ignore_eos=True, stop_token_sequences=[free[3:5]])),
+            ({"bad_words_ids": [[free[0]]]}, dict(temperature=0, ignore_eos=True, bad_words_ids=[[free[0]]])),
+            ({"no_repeat_ngram_size": 1}, dict(temperature=0, ignore_eos=True, no_repeat_ngram_size=1)),
+            ({"repetition_penalty": 1.5, "suppress_repetition_in_generation": True},
+             dict(temperature=0, ignore_eos=True, repetition_penalty=1.5, repetition_penalty_output_only=True)),
+            ({"top_k": 20, "temperature": 0.8, "top_p": 0.9, "seed": 1234},
+             dict(temperature=0.8, top_k=20, top_p=0.9, seed=1234, ignore_eos=True)),
+            ({"early_stopping": True, "eos_token_id": free[2], "min_length": len(prompt) + 4},
+             dict(temperature=0, eos_token_ids=(free[2],), min_tokens=4)),
+            ({"logprobs": True, "top_logprobs": 3}, dict(temperature=0, ignore_eos=True, logprobs=3)),
+        ]
+        for facade_fields, native_fields in cases:
+            want = native(**native_fields)
+            gen = _greedy(loader, cfg, 0, **facade_fields)
+            gen["max_length"] = len(prompt) + 20
+            _, h, q = engine.start_request_ids("m", loader, prompt, gen)
+            engine.sync_request("m", h)
+            el = q.Get()
+            assert el.ids_from_generate == want.token_ids, facade_fields
+            if "logprobs" in facade_fields:
+                assert len(el.log_probs_list) == len(want.token_ids) and all(len(p) == 3 for p in el.log_probs_list)
+                for pos, top, lp in zip(want.logprobs, el.log_probs_list, el.token_logprobs_list):
+                    ranked = sorted((v.rank, k, v.logprob) for k, v in pos.items() if v.rank <= 3)
+                    assert top == [(k, v) for _, k, v in ranked]
+                    assert lp == next(iter(pos.values())).logprob
+            engine.release_request("m", h)
+
+
+def test_start_request_text_list_and_model_loader_tokenizer(running):
+    engine, loader, cfg = running
+    gen = _greedy(loader, cfg, 0)
+    gen["max_length"] = 40
+    status, handles, queues = engine.start_request_text("m", loader.init_tokenizer(), ["hello there", "a b c"], gen)
+    assert status is AsStatus.ALLSPARK_SUCCESS and len(handles) == len(queues) == 2
+    tok = loader.get_tokenizer()
+    for text, q in zip(["hello there", "a b c"], queues):
+        engine.sync_request("m")
+        assert len(q.Get().ids_from_generate) == 40 - len(tok.encode(text))
+    with pytest.raises(ValueError, match="empty"):
+        engine.start_request_text("m", loader, "", gen)
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.start_request_ids("m", loader, [[1, 2], [3, 4]], gen)
+
+
+# ----- engines, devices, memory -----
+
+def test_two_models_in_one_engine(tiny, tiny_models, tmp_path):
+    engine = allspark.Engine()
+    a = DashInferModel(tiny["model_path"])
+    b = HuggingFaceModel(tiny_models["qwen2"], "qwen", user_set_data_type="float32")
+    b.load_model().serialize_to_path(None, str(tmp_path)).free_model()
+    for name, loader in (("llama", a), ("qwen", b)):
+        engine.install_model(_runtime(loader, name, max_batch=4))
+        engine.start_model(name)
+    prompt = [31, 32, 33]
+    got = {}
+    for name, loader in (("llama", a), ("qwen", b)):
+        gen = _greedy(loader, _runtime(loader, name), 0)
+        gen["max_length"] = 3 + 10
+        _, h, q = engine.start_request_ids(name, loader, prompt, gen)
+        got[name] = _ids_of(q)
+    for name, src in (("llama", tiny["src"]), ("qwen", tiny_models["qwen2"])):
+        with LLM(src, dtype="float32", max_num_seqs=2, kv_cache_memory="16MiB") as llm:
+            want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids
+        assert got[name] == want
+        engine.stop_model(name)
+
+
+def test_start_model_that_cannot_fit_fails_clearly(tiny, monkeypatch):
+    monkeypatch.setenv("BFC_MEM_RATIO", "0.000001")  # DashInfer's knob, read by ember
+    monkeypatch.delenv("EMBER_MEM_RATIO", raising=False)
+    engine = allspark.Engine()
+    loader = DashInferModel(tiny["model_path"])
+    engine.install_model(_runtime(loader, "big", max_batch=64, max_length=512))
+    with pytest.raises(ValueError, match="start_model\\('big'\\) failed: .*max_model_len"):
+        engine.start_model("big")
+    assert engine.get_model_state("big") is ModelState.Initial
+
+
+def test_runtime_builder_checks_and_unsupported_modes(tiny, caplog):
+    b = AsModelRuntimeConfigBuilder()
+    with pytest.raises(ValueError, match="max_batch"):
+        b.max_batch(0)
+    with pytest.raises(ValueError, match="kv_cache_span_size"):
+        b.kv_cache_span_size(24)
+    with pytest.raises(ValueError, match="target_device"):
+        b.compute_unit("TPU")
+    loader = DashInferModel(tiny["model_path"])
+    cfg = loader.create_reference_runtime_config_builder("q", TargetDevice.CPU, [0], max_batch=2) \
+        .kv_cache_mode(AsCacheMode.AsCacheQuantI8).build()
+    with pytest.raises(ValueError, match="kv_cache_mode=AsCacheQuantI8 is not supported yet"):
+        allspark.Engine().install_model(cfg)
+    cfg = AsModelRuntimeConfigBuilder().from_dict({
+        "model_name": "d", "compute_unit": {"device_type": "CUDA", "device_ids": [0], "compute_thread_in_device": 0},
+        "engine_max_length": 128, "engine_max_batch": 2, "kv_cache_span_size": 32, "enable_prefix_cache": False,
+    }).model_file_path(tiny["model_path"], tiny["model_path"][:-8] + ".asparam").build()
+    assert (cfg.engine_max_length, cfg.cache_span_size, cfg.enable_prefix_cache) == (128, 32, False)
+    engine = allspark.Engine()
+    engine.install_model(cfg)
+    engine.start_model("d")
+    if not torch.cuda.is_available():
+        assert "no CUDA device is available; running on CPU" in caplog.text
+    stats = engine.get_as_engine_stat("d")
+    assert stats["kv_blocks_total"] > 0
+    engine.stop_model("d")
