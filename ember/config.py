@@ -169,6 +169,3 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r} is out of range: it must be >= 1")
 
-    @property
-    def is_gguf(self) -> bool:
-        return self.model.endswith(".gguf")

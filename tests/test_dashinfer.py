@@ -194,6 +194,20 @@ def test_in_memory_files_removed_by_free_and_after_install(tiny, native_greedy):
     engine.stop_model("mem")
 
 
+def test_in_memory_loader_dropped_after_install_keeps_the_files(tiny):
+    import gc
+
+    engine = allspark.Engine()
+    loader = HuggingFaceModel(tiny["src"], "dropped", in_memory_serialize=True, user_set_data_type="float32")
+    engine.install_model(_runtime(loader.serialize(None), "dropped"))
+    folder = loader.temp_folder
+    del loader
+    gc.collect()
+    engine.start_model("dropped")  # the files outlive the loader (they go at exit, or with free)
+    assert os.path.isdir(folder)
+    engine.stop_model("dropped")
+
+
 def test_in_memory_files_removed_at_process_exit(tiny):
     code = ("import sys\nfrom ember.compat.dashinfer.allspark import HuggingFaceModel\n"
             f"m = HuggingFaceModel({tiny['src']!r}, 'x', in_memory_serialize=True)\n"

@@ -120,12 +120,10 @@ class Engine:
         self._check_fits(len(ids), params, max_num_tokens)
         if not params.eos_token_ids:
             params.eos_token_ids = self.loaded.eos_token_ids
-        for name in ("stop_token_ids", "eos_token_ids"):
-            bad = [t for t in getattr(params, name) if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} holds {bad[0]}, out of range: token ids must be in [0, {self.vocab_size})")
-        for name in ("stop_token_sequences", "bad_words_ids"):
-            bad = [t for seq in getattr(params, name) for t in seq if t >= self.vocab_size]
+        for name, given in (("stop_token_ids", params.stop_token_ids), ("eos_token_ids", params.eos_token_ids),
+                            ("stop_token_sequences", [t for s in params.stop_token_sequences for t in s]),
+                            ("bad_words_ids", [t for s in params.bad_words_ids for t in s])):
+            bad = [t for t in given if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} holds {bad[0]}, out of range: token ids must be in [0, {self.vocab_size})")
         rid = str(next(self._counter)) if request_id is None else str(request_id)

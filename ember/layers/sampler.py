@@ -1,6 +1,7 @@
 """One batched sampler for every request of a step.
 
-Order, as in transformers: penalties, min_tokens / no-repeat-n-gram / bad-words masks, then temperature, top-k, top-p, min-p, then a draw.
+Order, as in transformers: penalties, then the min_tokens / no-repeat-n-gram / bad-words masks, then temperature,
+top-k, top-p, min-p, then a draw.
 Greedy rows take the argmax. A draw is ``argmax(probs / Exp(1) noise)`` (the Gumbel trick): each seeded request
 draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits), as vLLM reports by default.

@@ -4,6 +4,7 @@ defaults. The three checkpoint kinds share one small interface: hf_config(), gen
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint
 from ember.models import resolve_architecture
 from ember.tokenizer import Tokenizer
+
+logger = logging.getLogger("ember")
 
 
 @dataclass(slots=True)
@@ -47,9 +50,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = ckpt.hf_config()
     generation_config = ckpt.generation_config()
     if isinstance(ckpt, AsModelCheckpoint) and ckpt.quantization.get("enable_quant"):
-        import logging
-
-        logging.getLogger("ember").warning(
+        logger.warning(
             "%s records a quantization recipe %s; ember does not apply weight quantization yet, the weights run in "
             "their stored dtype", config.model, ckpt.quantization)
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
@@ -72,11 +73,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
             if hasattr(module, "prepack"):
                 module.prepack()
 
-    if config.tokenizer is not None:
-        tokenizer = open_checkpoint(config.tokenizer).tokenizer() if config.tokenizer.endswith((".gguf", ".asmodel")) \
-            else Tokenizer.load(config.tokenizer)
-    else:
-        tokenizer = ckpt.tokenizer()
+    # a tokenizer given apart: a tokenizer folder, a .gguf or an .asmodel
+    tokenizer = (open_checkpoint(config.tokenizer) if config.tokenizer else ckpt).tokenizer()
     eos = _eos_ids(tokenizer, hf_config, generation_config)
     return LoadedModel(model, hf_config, architecture, dtype, tokenizer, generation_config, eos, max_position)
 

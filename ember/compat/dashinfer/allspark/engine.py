@@ -134,9 +134,8 @@ class Engine:
                 m.engine = NativeEngine(engine_config(m.config))
             except ValueError as e:
                 raise ValueError(f"start_model({model_name!r}) failed: {e}") from e
-            finally:
-                if m.state is ModelState.Initial:
-                    unpin_model_files(m.config.model_path)
+            if m.state is ModelState.Initial:  # loaded: in-memory files may go (a failed start keeps them)
+                unpin_model_files(m.config.model_path)
             m.state = ModelState.Running
         return _OK
 

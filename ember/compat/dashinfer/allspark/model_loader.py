@@ -30,11 +30,13 @@ class _TempPair:
     _by_model_path: dict[str, "_TempPair"] = {}
     _lock = threading.Lock()
 
-    def __init__(self, owner: Any) -> None:
+    def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="ember-asmodel-")
         self.pins = 0
         self.freed = False
-        self._finalizer = weakref.finalize(owner, shutil.rmtree, self.folder, True)  # also runs at exit
+        # tied to the class, not the loader: a loader dropped after install_model must not take the files along;
+        # runs at exit or when free() calls it
+        self._finalizer = weakref.finalize(_TempPair, shutil.rmtree, self.folder, True)
 
     def register(self, model_path: str) -> None:
         with self._lock:
@@ -262,7 +264,7 @@ class HuggingFaceModel(LLM):
         """Serialize into temporary files, removed by free_memory_serialize_file() or at process exit."""
         self.free_memory_serialize_file()
         self.in_memory_serialize = True
-        self._temp = _TempPair(self)
+        self._temp = _TempPair()
         self.model_path = self._write(self._temp.folder, enable_quant, weight_only_quant, customized_quant_config)
         self.model_output_dir = self._temp.folder
         self._temp.register(self.model_path)
