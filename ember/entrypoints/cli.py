@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from ember.quantization.config import INT4_GROUP_SIZES, QUANT_METHODS, QuantConfig
 from ember.sampling_params import SamplingParams
 
 
@@ -18,6 +19,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default: 10%% of free RAM)")
+    g.add_argument("--quantization", default=None, choices=["none", *QUANT_METHODS],
+                   help="weights: none (float), int8, int4 or w8a8 (default: as the checkpoint stores them)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "uint4"],
+                   help="KV cache entries (default auto: the model's dtype)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                       help="weights' dtype (default: the checkpoint's own, bfloat16 for GGUF)")
     conv.add_argument("--skip-if-exists", action="store_true", help="keep a pair that exists and validates")
+    conv.add_argument("--quantization", default=None, choices=list(QUANT_METHODS),
+                      help="store the linear weights quantized: int8 (per channel), int4 (groups) or w8a8")
+    conv.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES),
+                      help="int4 group size (default 128)")
+    conv.add_argument("--quantize-embeddings", action="store_true",
+                      help="also store the embedding table and LM head as int8")
     from ember.benchmarks.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -67,7 +78,8 @@ def _load(args: argparse.Namespace):
     from ember import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               kv_cache_memory=args.kv_cache_memory, max_num_seqs=8)
+               kv_cache_memory=args.kv_cache_memory, max_num_seqs=8, quantization=args.quantization,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _params(llm, args: argparse.Namespace) -> SamplingParams:
@@ -154,8 +166,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         for suffix in (".gguf", MODEL_SUFFIX):
             stem = stem.removesuffix(suffix)
         out_dir, name = args.dst, args.name or stem
+    quant = QuantConfig(args.quantization, args.group_size, args.quantize_embeddings) if args.quantization else None
     start = time.perf_counter()
-    path = convert(args.src, out_dir, name, args.dtype, skip_if_exists=args.skip_if_exists, show_progress=True)
+    path = convert(args.src, out_dir, name, args.dtype, skip_if_exists=args.skip_if_exists, show_progress=True,
+                   quant_config=quant)
     size = os.path.getsize(path[:-len(MODEL_SUFFIX)] + ".asparam")
     print(f"[ember] wrote {path} (+ .asparam, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)

@@ -30,6 +30,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's name for the tokenizer."""
+        return self.engine.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.default_params.clone()
 

@@ -7,6 +7,9 @@ writes the new tokens' K/V into their slots (``slot_mapping``), then:
   length mask hides the padding; grouped-query heads are folded into the query rows, so K/V are never repeated;
 - prefill chunks are attended one sequence at a time, causally, against their whole context in the cache.
 The batch is ordered decodes first, then prefills.
+With a quantized KV cache (``KVCacheFormat`` int8 / uint4) K and V are quantized as they are written and the blocks
+a step reads are dequantized after the gather (the compiled decode kernel reads float pools only); a fresh prompt
+chunk attends to its own exact K/V.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels import kernels_for
+from ember.layers.kv_cache import KVCacheFormat
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -110,24 +114,33 @@ class PagedAttention(nn.Module):
         # bound by the model runner once the pool is allocated
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_format: KVCacheFormat | None = None  # None: the pool holds the model's float
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         T, Hq, D = q.shape
         Hkv = self.num_kv_heads
         block_size = self.k_cache.shape[1]
-        self.k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
+        fmt = self.kv_format if self.kv_format is not None and self.kv_format.quantized else None
+        E = fmt.entry if fmt is not None else D
+        self.k_cache.view(-1, Hkv, E).index_copy_(0, meta.slot_mapping, fmt.pack(k) if fmt is not None else k)
+        self.v_cache.view(-1, Hkv, E).index_copy_(0, meta.slot_mapping, fmt.pack(v) if fmt is not None else v)
+
+        def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+            """The blocks' entries as [len(blocks) * block_size, Hkv, D] in the query's dtype."""
+            g = cache.index_select(0, blocks).view(-1, Hkv, E)  # index_select: ~4x faster than indexing on CPU
+            return fmt.unpack(g, q.dtype) if fmt is not None else g
+
         out = q.new_empty(T, Hq, D)
         nd = meta.num_decode
-        kernels = kernels_for(q.device) if nd else None
+        kernels = kernels_for(q.device) if nd and fmt is None else None
         if kernels is not None:  # reads the blocks in place: no gathered copy
             out[:nd] = kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
                                                       meta.decode_context_lens, self.sliding_window or 0, self.scale)
         elif nd:
-            flat = meta.decode_block_tables.view(-1)  # index_select: ~4x faster than advanced indexing on CPU
-            kd = self.k_cache.index_select(0, flat).view(nd, -1, Hkv, D)
-            vd = self.v_cache.index_select(0, flat).view(nd, -1, Hkv, D)
+            flat = meta.decode_block_tables.view(-1)
+            kd = gather(self.k_cache, flat).view(nd, -1, Hkv, D)
+            vd = gather(self.v_cache, flat).view(nd, -1, Hkv, D)
             mask = meta.decode_mask(self.sliding_window, block_size)
             out[:nd] = _decode_attention(q[:nd], kd, vd, mask, self.scale)
         for span in meta.prefills:
@@ -137,8 +150,8 @@ class PagedAttention(nn.Module):
             if fresh:  # nothing cached before this chunk: attend to the chunk's own K/V
                 ks, vs = k[rows], v[rows]
             else:
-                ks = self.k_cache.index_select(0, span.block_table).view(-1, Hkv, D)[:span.context_len]
-                vs = self.v_cache.index_select(0, span.block_table).view(-1, Hkv, D)[:span.context_len]
+                ks = gather(self.k_cache, span.block_table)[:span.context_len]
+                vs = gather(self.v_cache, span.block_table)[:span.context_len]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             window = self.sliding_window
             if fresh and (window is None or span.context_len <= window):

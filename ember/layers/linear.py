@@ -1,5 +1,10 @@
-"""Linear layers. Fused projections (QKV, gate/up) load their checkpoint parts into slices of one weight, so a
-decoder layer does two matmuls for attention input and MLP input instead of five."""
+"""Linear layers. Fused projections (QKV, gate/up) load their checkpoint parts into row slices of one weight, so a
+decoder layer does two matmuls for attention input and MLP input instead of five.
+
+A layer built with a QuantConfig holds no float weight: each loaded part (a float tensor, or a QuantizedTensor from
+GGUF blocks or an .asparam file) is brought to the layer's layout as it arrives, and ``finalize`` lays the whole
+weight out for the device's kernel (``ember.quantization.kernels``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, int4_group_size, requantize
 
 
 def mkldnn_prepack_available() -> bool:
@@ -33,37 +40,77 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+def load_float(target: torch.Tensor, value: torch.Tensor | QuantizedTensor, name: str) -> None:
+    """Copy value (dequantized if it is quantized) into target, shapes checked."""
+    if isinstance(value, QuantizedTensor):
+        value = value.dequantize(target.dtype)
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
+    target.copy_(value)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). Weights are allocated empty: the loader fills every element or fails."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
+        self.quant = quant
+        self.group_size = 0
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        else:
+            self.weight = None
+            self.group_size = int4_group_size(quant, in_features) if quant.method == "int4" else in_features
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.prepacked: PrepackedWeight | None = None
+        self.qmm: QuantizedMatmul | None = None
+        self._parts: list[tuple[int, QuantizedTensor]] = []  # quantized row blocks as loaded, until finalize
 
-    def prepack(self) -> None:
-        self.prepacked = PrepackedWeight(self.weight)
+    def load_weight(self, value: torch.Tensor | QuantizedTensor, offset: int = 0, name: str = "weight") -> None:
+        rows, cols = tuple(value.shape)
+        if cols != self.in_features or offset + rows > self.out_features:
+            raise ValueError(f"{name}: expected {self.in_features} columns and at most {self.out_features - offset} "
+                             f"rows, got shape {(rows, cols)}")
+        if self.quant is None:
+            load_float(self.weight.data[offset:offset + rows], value, name)
+        else:
+            self._parts.append((offset, requantize(value, self.quant.weight_kind, self.group_size)))
+
+    def finalize(self, device: torch.device, prepack: bool) -> None:
+        """After loading: lay the weight out for the device (quantized kernel, or oneDNN's packed float)."""
+        if self.quant is not None:
+            qt = concat_rows([p for _, p in sorted(self._parts, key=lambda p: p[0])]).to(device)
+            self._parts = []
+            self.qmm = QuantizedMatmul(self.quant.method, qt)
+        elif prepack:
+            self.prepacked = PrepackedWeight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qmm is not None:
+            y = self.qmm(x)
+            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias, self.prepacked)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim; ``shard_sizes`` names each part."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, quant)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
 
-    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor | QuantizedTensor) -> None:
         offset, size = self.shard_offsets[shard]
-        target = getattr(self, param_name)
-        if tensor.shape[0] != size or tensor.shape[1:] != target.shape[1:]:
-            raise ValueError(f"{param_name} of shard {shard}: expected {(size, *target.shape[1:])}, "
-                             f"got {tuple(tensor.shape)}")
-        target.data[offset:offset + size].copy_(tensor)
+        if tensor.shape[0] != size:
+            raise ValueError(f"{param_name} of shard {shard}: expected {size} rows, got shape {tuple(tensor.shape)}")
+        if param_name == "weight":
+            self.load_weight(tensor, offset, f"weight of shard {shard}")
+        else:
+            load_float(self.bias.data[offset:offset + size], tensor, f"bias of shard {shard}")

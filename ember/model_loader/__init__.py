@@ -1,6 +1,7 @@
 """Build a model from a Hugging Face folder, a GGUF file or an ember .asmodel pair, with its tokenizer and generation
-defaults. The three checkpoint kinds share one small interface: hf_config(), generation_config(), tensors(config)
-(Hugging Face names), tokenizer()."""
+defaults. The three checkpoint kinds share one small interface: hf_config(), generation_config(),
+tensors(config, keep_quantized) (Hugging Face names), native_quantization() (the quantized layout it stores, if
+any), tokenizer()."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint
 from ember.models import resolve_architecture
+from ember.quantization import QuantConfig
 from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
@@ -49,10 +51,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
     ckpt = open_checkpoint(config.model)
     hf_config = ckpt.hf_config()
     generation_config = ckpt.generation_config()
-    if isinstance(ckpt, AsModelCheckpoint) and ckpt.quantization.get("enable_quant"):
-        logger.warning(
-            "%s records a quantization recipe %s; ember does not apply weight quantization yet, the weights run in "
-            "their stored dtype", config.model, ckpt.quantization)
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
     config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
     requested = config.dtype
@@ -64,19 +62,44 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ValueError(f"max_model_len={config.max_model_len} is out of range: this model supports at most "
                          f"{max_position} positions")
 
+    quant = resolve_quantization(config, ckpt, dtype)
+    if quant is not None:
+        logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
     with torch.device("cpu"):
-        model = cls(architecture, hf_config, max_position, dtype)
-    model.load_weights(ckpt.tensors(hf_config))
+        model = cls(architecture, hf_config, max_position, dtype, quant)
+    model.load_weights(ckpt.tensors(hf_config, keep_quantized=quant is not None))
     model.to(config.device).eval()
-    if config.device.startswith("cpu") and mkldnn_prepack_available():
-        for module in model.modules():
-            if hasattr(module, "prepack"):
-                module.prepack()
+    device = torch.device(config.device)
+    prepack = device.type == "cpu" and mkldnn_prepack_available()
+    for module in model.modules():  # embedding before LM head: a tied head reuses the finalized table
+        if hasattr(module, "finalize"):
+            module.finalize(device, prepack)
 
     # a tokenizer given apart: a tokenizer folder, a .gguf or an .asmodel
     tokenizer = (open_checkpoint(config.tokenizer) if config.tokenizer else ckpt).tokenizer()
     eos = _eos_ids(tokenizer, hf_config, generation_config)
     return LoadedModel(model, hf_config, architecture, dtype, tokenizer, generation_config, eos, max_position)
+
+
+def resolve_quantization(config: EngineConfig, ckpt: Checkpoint, dtype: torch.dtype) -> QuantConfig | None:
+    """The weight layout to build: the engine config's choice, else what the checkpoint stores (see EngineConfig)."""
+    native = ckpt.native_quantization()
+    stored = isinstance(ckpt, AsModelCheckpoint) and native is not None
+    method = config.quantization
+    if method == "none":
+        return None
+    if method is None:
+        if native is None or (not stored and dtype == torch.float32):  # float32 asks for the reference precision
+            return None
+        method = native.method
+    elif stored and method != native.method:
+        raise ValueError(f"quantization={method!r}: {config.model} is stored quantized as {native.describe()}; "
+                         "convert the original checkpoint to change it, or use quantization=None or 'none'")
+    group = config.quant_group_size or (native.group_size if native is not None and native.method == "int4" else 128)
+    embeddings = config.quantize_embeddings
+    if embeddings is None:
+        embeddings = native.embeddings if native is not None else False
+    return QuantConfig(method, group, embeddings)
 
 
 def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple[int, ...]:
@@ -88,4 +111,4 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
     return tuple(ids)
 
 
-__all__ = ["Checkpoint", "LoadedModel", "load_model", "open_checkpoint"]
+__all__ = ["Checkpoint", "LoadedModel", "load_model", "open_checkpoint", "resolve_quantization"]

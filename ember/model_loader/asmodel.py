@@ -3,7 +3,9 @@
 - ``NAME.asmodel`` (JSON): format and version, architecture, the transformers config, the weights' dtype, the
   generation defaults, the tokenizer files and chat template, the quantization recipe, and an index of the weights
   (name, dtype, shape of each tensor, and the byte size of the weights file) to validate them against;
-- ``NAME.asparam`` (safetensors): the weights under Hugging Face names, already in that dtype.
+- ``NAME.asparam`` (safetensors): the weights under Hugging Face names, already in that dtype; a quantized weight
+  ``X.weight`` is stored as ``X.qdata`` (int8, or uint8 holding two int4 values), ``X.scales`` and, for int4,
+  ``X.offsets`` (see ember.quantization.tensor), with the QuantConfig that made it under ``quant_config``.
 
 DashInfer names its serialized pair the same way; its facade writes them (``HuggingFaceModel.serialize``), ``ember
 convert`` writes them, and ``ember.LLM(model="DIR/NAME.asmodel")`` runs them. Loading needs neither the source
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ember.quantization import QuantConfig, QuantizedTensor, int4_group_size, requantize
 
 FORMAT = "ember.asmodel"
 FORMAT_VERSION = 1
@@ -39,8 +43,8 @@ def pair_paths(out_dir: str, name: str) -> tuple[str, str]:
 
 @dataclass(slots=True)
 class QuantRecipe:
-    """What DashInfer's serialize(enable_quant=..., weight_only_quant=..., customized_quant_config=...) asked for.
-    Recorded in the format; the quantization issue makes the engine apply it."""
+    """What DashInfer's serialize(enable_quant=..., weight_only_quant=..., customized_quant_config=...) asked for,
+    recorded as given; the QuantConfig it translates to is what the weights were quantized with."""
 
     enable_quant: bool = False
     weight_only_quant: bool = False
@@ -59,10 +63,11 @@ class ModelContents:
     hf_config: Any
     generation_config: dict[str, Any]
     tokenizer: Any  # ember.tokenizer.Tokenizer
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | QuantizedTensor]
     dtype: torch.dtype
     source: str
     quant: QuantRecipe = field(default_factory=QuantRecipe)
+    quant_config: QuantConfig | None = None  # set: write() stores the weights quantized
 
 
 def default_dtype(hf_config: Any) -> torch.dtype:
@@ -86,7 +91,8 @@ def parse_dtype(value: str | torch.dtype | None, hf_config: Any, name: str = "dt
 
 
 def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None = None,
-            quant: QuantRecipe | None = None, skip_if_exists: bool = False, show_progress: bool = False) -> str:
+            quant: QuantRecipe | None = None, skip_if_exists: bool = False, show_progress: bool = False,
+            quant_config: QuantConfig | None = None) -> str:
     """Serialize the checkpoint at src (Hugging Face folder, .gguf or .asmodel) as out_dir/NAME.asmodel +
     .asparam; with skip_if_exists, a pair that is already there and validates is kept. Returns the .asmodel path."""
     from ember.model_loader import open_checkpoint
@@ -101,25 +107,30 @@ def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None =
         from tqdm.auto import tqdm
 
         progress = lambda items: tqdm(items, desc="Converting", unit="tensor", dynamic_ncols=True)  # noqa: E731
-    contents = read_contents(ckpt, target, os.path.abspath(src), progress)
+    contents = read_contents(ckpt, target, os.path.abspath(src), progress, keep_quantized=quant_config is not None)
     contents.quant = quant or QuantRecipe()
+    contents.quant_config = quant_config
     return write(contents, out_dir, name)[0]
 
 
 def read_contents(checkpoint: Any, dtype: torch.dtype, source: str,
-                  progress: Callable[[Iterable], Iterable] | None = None) -> ModelContents:
+                  progress: Callable[[Iterable], Iterable] | None = None, keep_quantized: bool = False) -> ModelContents:
     """Read a checkpoint (see model_loader.open_checkpoint) into memory, floating-point weights cast to dtype.
-    A tied LM head is left out, as transformers' save_pretrained does."""
+    keep_quantized: weights stored quantized (GGUF blocks, a quantized .asmodel) stay so, to be stored again without
+    a round trip through float. A tied LM head is left out, as transformers' save_pretrained does."""
     from ember.models import resolve_architecture
 
     hf_config = checkpoint.hf_config()
     architecture, _ = resolve_architecture(getattr(hf_config, "architectures", None))
     tensors: dict[str, torch.Tensor] = {}
-    items: Iterable = checkpoint.tensors(hf_config)
+    items: Iterable = checkpoint.tensors(hf_config, keep_quantized=keep_quantized)
     for name, t in (progress(items) if progress else items):
         if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
             continue
-        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+        if isinstance(t, QuantizedTensor):
+            tensors[name] = t if keep_quantized else t.dequantize(dtype).contiguous()
+        else:
+            tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
     return ModelContents(architecture, hf_config, checkpoint.generation_config(), checkpoint.tokenizer(), tensors,
                          dtype, source)
 
@@ -154,12 +165,14 @@ def write(contents: ModelContents, out_dir: str, name: str) -> tuple[str, str]:
         "chat_template": getattr(contents.tokenizer.hf, "chat_template", None),
         "tokenizer": tok_files,
         "quantization": contents.quant.to_dict(),
+        "quant_config": contents.quant_config.to_dict() if contents.quant_config else None,
         "weights": {"file": os.path.basename(param_path), "tensors": {}, "bytes": 0},
     }
     for p in (model_path, param_path):  # a half-written pair must not validate
         if os.path.exists(p):
             os.remove(p)
-    save_file(contents.tensors, param_path + ".tmp", metadata={"format": "pt", "ember": FORMAT})
+    tensors = quantize_tensors(contents.tensors, contents.quant_config, contents.dtype)
+    save_file(tensors, param_path + ".tmp", metadata={"format": "pt", "ember": FORMAT})
     os.replace(param_path + ".tmp", param_path)
     meta["weights"]["tensors"] = _header_index(param_path)
     meta["weights"]["bytes"] = os.path.getsize(param_path)
@@ -167,6 +180,32 @@ def write(contents: ModelContents, out_dir: str, name: str) -> tuple[str, str]:
         json.dump(meta, f)
     os.replace(model_path + ".tmp", model_path)
     return model_path, param_path
+
+
+def _is_quantizable(name: str, quant: QuantConfig) -> bool:
+    if name.endswith("_proj.weight"):
+        return True
+    return quant.embeddings and name in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def quantize_tensors(tensors: dict[str, torch.Tensor | QuantizedTensor], quant: QuantConfig | None,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors to store: with a QuantConfig, each weight the engine would quantize becomes X.qdata / X.scales
+    (/ X.offsets) in exactly the layout the engine builds at load time; everything else is float in dtype."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if quant is None or not _is_quantizable(name, quant):
+            out[name] = t.dequantize(dtype).contiguous() if isinstance(t, QuantizedTensor) else t
+            continue
+        if name.endswith("_proj.weight") and quant.method == "int4":
+            qt = requantize(t, "int4", int4_group_size(quant, t.shape[1]))
+        else:
+            qt = requantize(t, "int8", t.shape[1])
+        base = name.removesuffix(".weight")
+        out[base + ".qdata"], out[base + ".scales"] = qt.data.contiguous(), qt.scales.contiguous()
+        if qt.offsets is not None:
+            out[base + ".offsets"] = qt.offsets.contiguous()
+    return out
 
 
 def _header_index(param_path: str) -> dict[str, list]:
@@ -245,12 +284,28 @@ class AsModelCheckpoint:
     def quantization(self) -> dict[str, Any]:
         return dict(self.meta.get("quantization") or {})
 
-    def tensors(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def native_quantization(self) -> QuantConfig | None:
+        return QuantConfig.from_dict(self.meta.get("quant_config"))
+
+    def tensors(self, config: Any, keep_quantized: bool = True
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Stored quantized weights come back as one QuantizedTensor under their X.weight name."""
         from safetensors import safe_open
 
         with safe_open(self.param_path, framework="pt") as f:
+            names = set(f.keys())
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name.endswith((".scales", ".offsets")) and name.rsplit(".", 1)[0] + ".qdata" in names:
+                    continue
+                if not name.endswith(".qdata"):
+                    yield name, f.get_tensor(name)
+                    continue
+                base = name.removesuffix(".qdata")
+                data, scales = f.get_tensor(name), f.get_tensor(base + ".scales")
+                offsets = f.get_tensor(base + ".offsets") if base + ".offsets" in names else None
+                kind = "int8" if data.dtype == torch.int8 else "int4"
+                k = data.shape[1] * (2 if kind == "int4" else 1)
+                yield base + ".weight", QuantizedTensor(kind, data, scales, offsets, k // scales.shape[1])
 
     def tokenizer(self):
         """The embedded tokenizer files, unpacked once into ember's cache and loaded from there."""

@@ -1,5 +1,5 @@
-"""Read a GGUF file of the Llama family with the `gguf` package: config from its metadata, weights dequantized to
-torch tensors under Hugging Face names.
+"""Read a GGUF file of the Llama family with the `gguf` package: config from its metadata, weights under Hugging
+Face names, dequantized to torch tensors or, for Q8_0 / Q4_0 / Q4_1 blocks, kept in ember's int8 / int4 layout.
 
 llama.cpp's converter permutes the Q and K projections of `llama` checkpoints for its interleaved RoPE; we undo it
 so that the one rotate-half implementation serves both formats (as transformers does).
@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ember.quantization import GGUF_DIRECT_TYPES, QuantConfig, QuantizedTensor, from_gguf
 
 # GGUF general.architecture -> (Hugging Face architecture, model_type)
 GGUF_ARCHITECTURES = {
@@ -112,20 +114,46 @@ class GGUFCheckpoint:
 
         return Tokenizer.load(self.path, gguf_file=self.path)
 
-    def tensors(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def native_quantization(self) -> QuantConfig | None:
+        """The ember layout the file's blocks map to without loss: int4 g32 when every linear weight is Q4_0/Q4_1,
+        int8 when they are Q8_0 (or a mix of the three); None (float) otherwise. The embedding table stays int8
+        when it is stored in one of those types."""
+        linear, table = set(), set()
+        for t in self.reader.tensors:
+            name = _hf_name(t.name) or ""
+            if name.endswith("_proj.weight"):
+                linear.add(t.tensor_type.name)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                table.add(t.tensor_type.name)
+        if not linear or not linear <= set(GGUF_DIRECT_TYPES):
+            return None
+        method = "int4" if linear <= {"Q4_0", "Q4_1"} else "int8"
+        return QuantConfig(method, 32, embeddings=bool(table) and table <= set(GGUF_DIRECT_TYPES))
+
+    def tensors(self, config: Any, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """keep_quantized: Q8_0 / Q4_0 / Q4_1 weights come as QuantizedTensor (never expanded to float)."""
         from gguf import dequantize
 
         permute = self.gguf_arch in ("llama", "mistral")
         for t in self.reader.tensors:
-            if t.tensor_type.name not in SUPPORTED_QUANT_TYPES:
-                raise ValueError(f"GGUF tensor {t.name} has type {t.tensor_type.name}: "
-                                 f"supported types are {SUPPORTED_QUANT_TYPES}")
+            kind = t.tensor_type.name
+            if kind not in SUPPORTED_QUANT_TYPES:
+                raise ValueError(f"GGUF tensor {t.name} has type {kind}: supported types are {SUPPORTED_QUANT_TYPES}")
             name = _hf_name(t.name)
             if name is None:
                 continue
-            w = np.array(dequantize(t.data, t.tensor_type), copy=True)  # the file is mapped read-only
+            heads = None
             if permute and (".q_proj." in name or ".k_proj." in name):
                 heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            if keep_quantized and kind in GGUF_DIRECT_TYPES:
+                qt = from_gguf(t.data, kind, (int(t.shape[1]), int(t.shape[0])))  # GGUF lists dims innermost first
+                if heads is not None:
+                    qt = qt.rows(torch.from_numpy(_unpermute(np.arange(qt.shape[0]), heads)))
+                yield name, qt
+                continue
+            w = np.array(dequantize(t.data, t.tensor_type), copy=True)  # the file is mapped read-only
+            if heads is not None:
                 w = _unpermute(w, heads)
             yield name, torch.from_numpy(w)
 

@@ -72,7 +72,10 @@ class HFCheckpoint:
     def generation_config(self) -> dict[str, Any]:
         return load_generation_config(self.path)
 
-    def tensors(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def native_quantization(self) -> None:
+        return None  # float weights (pre-quantized Hugging Face formats such as GPTQ are not read)
+
+    def tensors(self, config: Any, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_safetensors(self.path)
 
     def tokenizer(self):

@@ -17,9 +17,10 @@ from torch import nn
 from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.embedding import LMHead, VocabEmbedding
-from ember.layers.linear import Linear, MergedLinear
+from ember.layers.linear import Linear, MergedLinear, load_float
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
+from ember.quantization import QuantConfig, QuantizedTensor
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,14 +56,14 @@ def layer_windows(architecture: str, config: Any) -> list[int | None]:
 
 class Attention(nn.Module):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, sw.qkv_bias, dtype)
-        self.o_proj = Linear(q, config.hidden_size, sw.o_bias, dtype)
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, sw.qkv_bias, dtype, quant)
+        self.o_proj = Linear(q, config.hidden_size, sw.o_bias, dtype, quant)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
         self.rope = rope
@@ -84,12 +85,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, dtype)
-        self.down_proj = Linear(inter, config.hidden_size, bias, dtype)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, dtype, quant)
+        self.down_proj = Linear(inter, config.hidden_size, bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -97,10 +98,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, sw, window, rope, dtype)
-        self.mlp = MLP(config, dtype)
+        self.self_attn = Attention(config, sw, window, rope, dtype, quant)
+        self.mlp = MLP(config, dtype, quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -117,14 +118,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype) -> None:
+    def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         sw = family_switches(architecture, config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rope = RotaryEmbedding(config, head_dim, max_position)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
+                                           quantized=quant is not None and quant.embeddings)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, sw, w, self.rope, dtype) for w in layer_windows(architecture, config)
+            DecoderLayer(config, sw, w, self.rope, dtype, quant) for w in layer_windows(architecture, config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -144,13 +147,16 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype) -> None:
+    def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(architecture, config, max_position, dtype)
+        self.quant = quant
+        self.model = LlamaModel(architecture, config, max_position, dtype, quant)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype,
-                              tied_to=self.model.embed_tokens if self.tied else None)
+                              tied_to=self.model.embed_tokens if self.tied else None,
+                              quantized=quant is not None and quant.embeddings)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(ids, positions, meta)
@@ -161,16 +167,21 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters; fail on anything missing."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names; a weight may come quantized) into the model; fail on anything
+        missing. Weights go through their module's load_weight, which quantizes or dequantizes as the layer needs."""
+        modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         expected: set[tuple[str, str | None]] = set()
-        for name, param in params.items():
-            if isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear):
-                module = self.get_submodule(name.rsplit(".", 1)[0])
-                expected.update((name, shard) for shard in module.shard_offsets)
-            else:
-                expected.add((name, None))
+        for mod_name, module in modules.items():
+            if isinstance(module, MergedLinear):
+                expected.update((f"{mod_name}.weight", shard) for shard in module.shard_offsets)
+                if module.bias is not None:
+                    expected.update((f"{mod_name}.bias", shard) for shard in module.shard_offsets)
+            elif hasattr(module, "load_weight") and not (module is self.lm_head and self.tied):
+                expected.add((f"{mod_name}.weight", None))
+        covered = {n for n, _ in expected}
+        expected.update((name, None) for name in params if name not in covered)
         loaded: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
@@ -180,16 +191,20 @@ class LlamaForCausalLM(nn.Module):
             if stacked is not None:
                 fused, shard = _STACKED[stacked]
                 target = name.replace(stacked, fused)
-                if target not in params:
+                if (target, shard) not in expected:
                     continue
-                self.get_submodule(target.rsplit(".", 1)[0]).load_shard(shard, parts[-1], tensor)
+                modules[target.rsplit(".", 1)[0]].load_shard(shard, parts[-1], tensor)
                 loaded.add((target, shard))
+                continue
+            mod_name, _, param_name = name.rpartition(".")
+            module = modules.get(mod_name)
+            if param_name == "weight" and hasattr(module, "load_weight"):
+                module.load_weight(tensor, name=name)
             elif name in params:
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
-                param.data.copy_(tensor)
-                loaded.add((name, None))
+                load_float(params[name].data, tensor, f"weight {name}")
+            else:
+                continue
+            loaded.add((name, None))
         missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
         if missing:
             raise ValueError(f"model file is missing {len(missing)} weights, e.g. {missing[:5]}: "

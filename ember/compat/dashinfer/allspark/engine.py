@@ -39,9 +39,6 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
     with a warning, so that CUDA scripts still run)."""
     from ember.config import EngineConfig
 
-    if cfg.cache_mode is not AsCacheMode.AsCacheDefault:
-        raise ValueError(f"kv_cache_mode={cfg.cache_mode.name} is not supported yet: the int8/uint4 KV cache lands "
-                         "with quantization; use AsCacheMode.AsCacheDefault")
     kind, ids = cfg.device_type, cfg.device_ids
     if kind == "CUDA":
         if len(ids) > 1:
@@ -65,7 +62,12 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
                         max_num_batched_tokens=cfg.engine_max_prefill_length or None,
                         enable_prefix_caching=cfg.enable_prefix_cache, block_size=cfg.cache_span_size,
                         prefix_cache_ttl=cfg.prefix_cache_ttl or None,
-                        num_threads=cfg.num_threads if device == "cpu" and cfg.num_threads else None)
+                        num_threads=cfg.num_threads if device == "cpu" and cfg.num_threads else None,
+                        kv_cache_dtype=_KV_CACHE_DTYPES[cfg.cache_mode])
+
+
+_KV_CACHE_DTYPES = {AsCacheMode.AsCacheDefault: "auto", AsCacheMode.AsCacheQuantI8: "int8",
+                    AsCacheMode.AsCacheQuantU4: "uint4"}
 
 
 class Engine:

@@ -18,8 +18,46 @@ from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfig
 from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig, AsModelRuntimeConfigBuilder
 from ember.compat.dashinfer.allspark.status import ModelSerializerException, TargetDevice
 from ember.model_loader import asmodel, open_checkpoint
+from ember.quantization import QuantConfig
 
 logger = logging.getLogger("ember")
+
+
+_QUANT_KEYS = ("quant_method", "weight_format", "group_size", "compute_method")
+
+
+def quant_config_from_recipe(enable_quant: bool, weight_only_quant: bool,
+                             custom: dict[str, Any] | None) -> QuantConfig | None:
+    """DashInfer's quantization switches as ember's QuantConfig. weight_only_quant: A16W8 (weight_format 'int8',
+    per channel) or A16W4 ('uint4', group_size 32/64/128, default 128); otherwise A8W8 (int8 weights and
+    activations: ember's 'w8a8'). customized_quant_config keys: quant_method ('instant_quant'), weight_format,
+    group_size (-1: per channel), compute_method ('weight_only' | 'activate_quant', overrides weight_only_quant)."""
+    if not enable_quant:
+        return None
+    custom = dict(custom or {})
+    unknown = sorted(set(custom) - set(_QUANT_KEYS))
+    if unknown:
+        raise ValueError(f"customized_quant_config has unknown key {unknown[0]!r}: supported keys are {_QUANT_KEYS}")
+    if custom.get("quant_method", "instant_quant") != "instant_quant":
+        raise ValueError(f"customized_quant_config quant_method={custom['quant_method']!r} is not supported: ember "
+                         "quantizes at serialization ('instant_quant')")
+    fmt = custom.get("weight_format", "int8")
+    if fmt not in ("int8", "uint4"):
+        raise ValueError(f"customized_quant_config weight_format={fmt!r} is not supported: use 'int8' or 'uint4'")
+    compute = custom.get("compute_method", "weight_only" if weight_only_quant else "activate_quant")
+    if compute not in ("weight_only", "activate_quant"):
+        raise ValueError(f"customized_quant_config compute_method={compute!r} is not supported: use 'weight_only' "
+                         "or 'activate_quant'")
+    group = custom.get("group_size", 128 if fmt == "uint4" else -1)
+    if fmt == "int8":
+        if group not in (-1, None):
+            raise ValueError(f"customized_quant_config group_size={group!r} is out of range for weight_format "
+                             "'int8': ember's int8 weights have one scale per output channel (-1)")
+        return QuantConfig("int8" if compute == "weight_only" else "w8a8")
+    if compute == "activate_quant":
+        raise ValueError("customized_quant_config weight_format='uint4' needs weight_only_quant=True (or "
+                         "compute_method='weight_only'): int4 weights with int8 activations are not supported")
+    return QuantConfig("int4", group)
 
 
 class _TempPair:
@@ -231,6 +269,7 @@ class HuggingFaceModel(LLM):
         if self.contents is None:
             self.load_model()
         self.contents.quant = asmodel.QuantRecipe(enable_quant, weight_only_quant, customized_quant_config)
+        self.contents.quant_config = quant_config_from_recipe(enable_quant, weight_only_quant, customized_quant_config)
         return asmodel.write(self.contents, out_dir, self.serialize_model_name)[0]
 
     def serialize(self, engine: Any = None, model_output_dir: str = "", enable_quant: bool = False,

@@ -44,7 +44,7 @@ class GenerateRequestStatus(IntEnum):
 
 
 class AsCacheMode(IntEnum):
-    """KV cache element type: the model's 16-bit float, int8, or uint4 (the last two land with quantization)."""
+    """KV cache element type: the model's float, int8, or uint4 (ember's kv_cache_dtype 'auto' | 'int8' | 'uint4')."""
 
     AsCacheDefault = 0
     AsCacheQuantI8 = 1

@@ -1,0 +1,117 @@
+"""Every quantization mode side by side on one model (default: the embedded SmolLM2-135M-Instruct), in one run:
+
+- perplexity on tests/data/alice_ch1.txt (20 kB of public-domain English; windows of 500 tokens prefilled in
+  128-token chunks, so later chunks read the KV cache) and greedy agreement with float32 over the 16 prompts of
+  tests/test_quantization.py, each mode run in float32 activations as the tests do;
+- weight bytes (all, and the decoder's linear layers) and KV bytes per token;
+- speed with the project's benchmark (``ember bench``'s driver, one process a run, modes interleaved, medians):
+  batch-1 decode tokens/s (latency: 32-token prompts, 128 output tokens) and W1 throughput (64 mixed requests),
+  in bf16 activations, each as a ratio to bf16 weights.
+
+    python benchmarks/quantization.py --repeats 3 --out docs/bench/quantization.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+from ember import LLM, SamplingParams
+from ember.benchmarks import metrics
+from ember.benchmarks.perplexity import perplexity
+from ember.benchmarks.runner import run_driver
+from ember.benchmarks.bench import _vocab
+from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests
+from ember.config import default_model_path
+from ember.core.model_runner import kv_bytes_per_block
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_quantization import MODES, PROMPTS, TEXT, WINDOW, _weight_bytes  # noqa: E402  (one definition of each)
+
+
+def accuracy(model: str) -> dict[str, dict]:
+    with open(TEXT, encoding="utf-8") as f:
+        text = f.read()
+    out, base = {}, None
+    for name, kw in MODES.items():
+        llm = LLM(model, **(dict(dtype="float32", max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128,
+                                 enable_prefix_caching=False) | kw))
+        ppl = perplexity(llm, llm.get_tokenizer().encode(text), window=WINDOW)
+        greedy = [o.outputs[0].token_ids for o in
+                  llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)]
+        total, linear = _weight_bytes(llm)
+        kv = kv_bytes_per_block(llm.engine.loaded, 16, llm.config.kv_cache_dtype) // 16
+        llm.shutdown()
+        if base is None:
+            base = (ppl, greedy)
+        out[name] = {"perplexity": ppl, "perplexity_vs_fp32": ppl / base[0] - 1,
+                     "greedy_agreement": sum(a == b for a, b in zip(greedy, base[1])),
+                     "weight_bytes_fp32_run": total, "linear_bytes_fp32_run": linear, "kv_bytes_per_token": kv}
+        print(name, json.dumps(out[name]), flush=True)
+    return out
+
+
+def speed(model: str, repeats: int, out_dir: str) -> dict[str, dict]:
+    vocab = _vocab(model)
+    w1 = [r.to_json() for r in build_requests(WORKLOADS["W1"], vocab, 0)]
+    lat = [r.to_json() for r in fixed_requests(32, 128, 3, vocab, 0)]
+    names = [n for n in MODES if n != "fp32"]
+    runs: dict[str, dict[str, list]] = {n: {"latency": [], "throughput": []} for n in names}
+    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            opts = {k: v for k, v in MODES[name].items() if k != "dtype"}
+            for mode, reqs in (("latency", lat), ("throughput", w1)):
+                max_len = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in reqs)
+                spec = {"model": model, "dtype": "bfloat16", "mode": mode, "threads": os.cpu_count(),
+                        "device": "cpu", "max_model_len": max_len, "options": opts, "requests": reqs}
+                done = run_driver("ember", sys.executable, spec,
+                                  os.path.join(out_dir, "logs", f"quant-{mode}-{name}.log"))
+                fig = (metrics.latency_figures if mode == "latency" else metrics.throughput_figures)(
+                    done.result, done.peak_rss_bytes)
+                runs[name][mode].append(fig["prompt_32"]["decode_tokens_per_s"] if mode == "latency"
+                                        else fig["output_tokens_per_s"])
+            print(rep, name, {m: v[-1] for m, v in runs[name].items()}, flush=True)
+    med = {n: {"decode_tok_s": statistics.median(r["latency"]), "w1_output_tok_s": statistics.median(r["throughput"]),
+               "runs": r} for n, r in runs.items()}
+    for n in names:
+        med[n]["decode_vs_bf16"] = med[n]["decode_tok_s"] / med["bf16"]["decode_tok_s"]
+        med[n]["w1_vs_bf16"] = med[n]["w1_output_tok_s"] / med["bf16"]["w1_output_tok_s"]
+    return med
+
+
+def table(acc: dict, spd: dict) -> str:
+    bf16_linear = acc["bf16"]["linear_bytes_fp32_run"] / 2  # the float run holds fp32 weights: bf16 is half
+    rows = ["| mode | perplexity (vs fp32) | greedy = fp32 | linear weights MiB (x bf16) | KV bytes/token | "
+            "batch-1 decode tok/s (x bf16) | W1 output tok/s (x bf16) |", "|---|---|---|---|---|---|---|"]
+    for name, a in acc.items():
+        linear = a["linear_bytes_fp32_run"] / (1 if MODES[name].get("quantization") not in (None, "none") else 2)
+        s = spd.get(name)
+        sp = (f"{s['decode_tok_s']:.1f} ({s['decode_vs_bf16']:.2f}x) | {s['w1_output_tok_s']:.1f} "
+              f"({s['w1_vs_bf16']:.2f}x)") if s else "- | -"
+        rows.append(f"| {name} | {a['perplexity']:.3f} ({a['perplexity_vs_fp32']:+.2%}) | {a['greedy_agreement']}/16 "
+                    f"| {linear / 2**20:.1f} ({linear / bf16_linear:.2f}x) | {a['kv_bytes_per_token']} | {sp} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="docs/bench/quantization.json")
+    p.add_argument("--skip-speed", action="store_true")
+    args = p.parse_args()
+    model = os.path.abspath(args.model or default_model_path())
+    acc = accuracy(model)
+    spd = {} if args.skip_speed else speed(model, args.repeats, os.path.dirname(args.out) or ".")
+    with open(args.out, "w") as f:
+        json.dump({"model": model, "accuracy": acc, "speed": spd, "command": " ".join(sys.argv)}, f, indent=1)
+    print(table(acc, spd))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The quantized weight layout ember stores and loads, whatever the source (a float checkpoint, GGUF blocks, an
+.asparam file), and the functions that make it.
+
+A weight ``[N, K]`` is quantized along K (the input), in groups of ``group_size`` (``K`` for one scale per output
+channel), so rows can be sliced and stacked freely (fused QKV and gate/up projections load their parts as rows).
+- int8: ``data`` int8 ``[N, K]``; ``w = data * scale``;
+- int4: ``data`` uint8 ``[N, K / 2]``, two values 0..15 a byte, element ``2i`` in the low nibble;
+  ``w = q * scale + offset``. An integer zero point z is the offset ``-z * scale``; GGUF Q4_1's ``d * q + m`` and
+  Q4_0's ``d * (q - 8)`` are the same form, so those blocks load exactly.
+``scales`` and ``offsets`` are float32 ``[N, K / group_size]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+KINDS = ("int8", "int4")
+
+
+@dataclass(slots=True)
+class QuantizedTensor:
+    kind: str
+    data: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.data.shape
+        return n, k * 2 if self.kind == "int4" else k
+
+    def unpacked(self) -> torch.Tensor:
+        """The int4 values as uint8 [N, K] (int8 data as it is)."""
+        if self.kind == "int8":
+            return self.data
+        return torch.stack([self.data & 0xF, self.data >> 4], dim=-1).view(self.data.shape[0], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size
+        q = self.unpacked().float().view(n, k // g, g)
+        w = q * self.scales[..., None]
+        if self.offsets is not None:
+            w = w + self.offsets[..., None]
+        return w.view(n, k).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> "QuantizedTensor":
+        """The same rows picked by index (undoing a row permutation)."""
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        return QuantizedTensor(self.kind, pick(self.data), pick(self.scales), pick(self.offsets), self.group_size)
+
+    def to(self, device: torch.device | str) -> "QuantizedTensor":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return QuantizedTensor(self.kind, move(self.data), move(self.scales), move(self.offsets), self.group_size)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.offsets) if t is not None)
+
+
+def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Row blocks of one layout stacked into one weight (the parts of a fused projection)."""
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    first = parts[0]
+    return QuantizedTensor(first.kind, cat([p.data for p in parts]), cat([p.scales for p in parts]),
+                           cat([p.offsets for p in parts]), first.group_size)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
+    """Symmetric int8 with one scale per output channel (row)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-10)
+    data = (w / scale).round().clamp(-127, 127).to(torch.int8)
+    return QuantizedTensor("int8", data.contiguous(), scale.contiguous(), None, w.shape[1])
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
+    """Asymmetric uint4 in groups of group_size along the input, with integer zero points (min-max, round to
+    nearest)."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4 group_size={group_size} does not divide the input size {k} of a {n}x{k} weight")
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = ((g / scale[..., None]).round() + zero[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    return QuantizedTensor("int4", pack_int4(q), scale.contiguous(), (-zero * scale).contiguous(), group_size)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] of values 0..15 -> uint8 [N, K / 2], element 2i in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def requantize(qt: QuantizedTensor | torch.Tensor, kind: str, group_size: int) -> QuantizedTensor:
+    """qt in the layout a layer wants: as it is when it already matches, else through float32."""
+    if isinstance(qt, QuantizedTensor):
+        if qt.kind == kind and qt.group_size == group_size:
+            return qt
+        qt = qt.dequantize(torch.float32)
+    return quantize_int8(qt) if kind == "int8" else quantize_int4(qt, group_size)
+
+
+# ----- GGUF blocks (ggml's layouts: 32 values a block) -----
+
+GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedTensor:
+    """Q8_0 / Q4_0 / Q4_1 rows of raw bytes ``[N, K / 32 * block_bytes]`` -> the matching ember layout."""
+    n, k = shape
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, -1)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if type_name == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8)).reshape(n, k)
+        return QuantizedTensor("int8", q, d, None, 32)
+    if type_name == "Q4_0":
+        qs, offsets = blocks[..., 2:18], -8 * d
+    elif type_name == "Q4_1":
+        qs = blocks[..., 4:20]
+        offsets = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:
+        raise ValueError(f"GGUF type {type_name} has no direct ember layout: direct types are {GGUF_DIRECT_TYPES}")
+    qs = torch.from_numpy(qs.copy())  # ggml: element j in the low nibble of byte j, element j + 16 in its high one
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)
+    return QuantizedTensor("int4", pack_int4(q), d, offsets, 32)
