@@ -3,7 +3,8 @@
 - perplexity on tests/data/alice_ch1.txt (20 kB of public-domain English; windows of 500 tokens prefilled in
   128-token chunks, so later chunks read the KV cache) and greedy agreement with float32 over the 16 prompts of
   tests/test_quantization.py, each mode run in float32 activations as the tests do;
-- weight bytes (all, and the decoder's linear layers) and KV bytes per token;
+- weight bytes (all, and the decoder's linear layers) and KV bytes per token, in the accuracy runs (float32
+  activations: the float modes hold fp32 weights and KV, bf16 holds bf16);
 - speed with the project's benchmark (``ember bench``'s driver, one process a run, modes interleaved, medians):
   batch-1 decode tokens/s (latency: 32-token prompts, 128 output tokens) and W1 throughput (64 mixed requests),
   in bf16 activations, each as a ratio to bf16 weights.
@@ -50,7 +51,7 @@ def accuracy(model: str) -> dict[str, dict]:
             base = (ppl, greedy)
         out[name] = {"perplexity": ppl, "perplexity_vs_fp32": ppl / base[0] - 1,
                      "greedy_agreement": sum(a == b for a, b in zip(greedy, base[1])),
-                     "weight_bytes_fp32_run": total, "linear_bytes_fp32_run": linear, "kv_bytes_per_token": kv}
+                     "weight_bytes": total, "linear_bytes": linear, "kv_bytes_per_token": kv}
         print(name, json.dumps(out[name]), flush=True)
     return out
 
@@ -85,11 +86,11 @@ def speed(model: str, repeats: int, out_dir: str) -> dict[str, dict]:
 
 
 def table(acc: dict, spd: dict) -> str:
-    bf16_linear = acc["bf16"]["linear_bytes_fp32_run"] / 2  # the float run holds fp32 weights: bf16 is half
+    bf16_linear = acc["bf16"]["linear_bytes"]
     rows = ["| mode | perplexity (vs fp32) | greedy = fp32 | linear weights MiB (x bf16) | KV bytes/token | "
             "batch-1 decode tok/s (x bf16) | W1 output tok/s (x bf16) |", "|---|---|---|---|---|---|---|"]
     for name, a in acc.items():
-        linear = a["linear_bytes_fp32_run"] / (1 if MODES[name].get("quantization") not in (None, "none") else 2)
+        linear = a["linear_bytes"]  # in that run's dtype: fp32 for the float modes other than bf16
         s = spd.get(name)
         sp = (f"{s['decode_tok_s']:.1f} ({s['decode_vs_bf16']:.2f}x) | {s['w1_output_tok_s']:.1f} "
               f"({s['w1_vs_bf16']:.2f}x)") if s else "- | -"
