@@ -48,16 +48,76 @@ def test_cpu_int4_pack_is_inverted_exactly():
     assert torch.equal(unpack_cpu_int4(packed, 192, 96).to(torch.int32), q)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
-@pytest.mark.parametrize("rows", [1, 7, 200])
-def test_quantized_matmul_matches_dense_matmul_of_the_dequantized_weight(method, rows):
+def _weight(method: str, device: str = "cpu"):
     torch.manual_seed(1)
     w = torch.randn(192, 256)
-    qt = quantize_int4(w, 64) if method == "int4" else quantize_int8(w)
+    return (quantize_int4(w, 64) if method == "int4" else quantize_int8(w)).to(device)
+
+
+@pytest.mark.parametrize("method,path", [(m, p) for m in ("int8", "int4", "w8a8") for p in (f"cpu-{m}", "portable")])
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_quantized_matmul_matches_dense_matmul_of_the_dequantized_weight(method, path, rows):
+    qt = _weight(method)
     x = torch.randn(rows, 256)
     ref = x @ qt.dequantize().t()
-    y = QuantizedMatmul(method, qt)(x.bfloat16()).float()
+    mm = QuantizedMatmul(method, qt, path=path)
+    y = mm(x.bfloat16()).float()
     # bf16 activations (and, for w8a8, int8 activations: one step of 1/127 of the row's max)
+    tol = 0.05 if method == "w8a8" else 0.02
+    assert ((y - ref).norm() / ref.norm()).item() < tol
+    w = qt.dequantize()
+    assert ((mm.dequantized(torch.float32) - w).norm() / w.norm()).item() < 0.01  # bf16 scales on the CPU ops
+
+
+def test_cpu_weights_take_the_packed_ops():
+    assert [QuantizedMatmul(m, _weight(m)).path for m in ("int8", "int4", "w8a8")] == ["cpu-int8", "cpu-int4",
+                                                                                       "cpu-w8a8"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
+def test_cuda_paths_lay_weights_out_as_torchs_kernels_expect(method):
+    """No GPU here: fake tensors run each CUDA path's re-layout and call through torch's checks of the kernels'
+    inputs (the values are checked on a GPU by the next test and by the self-check at load)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    qt = _weight(method)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = lambda t: None if t is None else mode.from_tensor(t)  # noqa: E731
+        mm = QuantizedMatmul(method, type(qt)(qt.kind, fake(qt.data), fake(qt.scales), fake(qt.offsets),
+                                              qt.group_size), path=f"cuda-{method}")
+        for rows in (1, 7, 200):
+            y = mm(torch.empty(rows, 256))
+            assert y.shape == (rows, 192) and y.dtype == torch.float32
+    if method == "int4":  # tinygemm's tiles: [N / 8, K / (16 * inner_k_tiles), 32, inner_k_tiles / 2]
+        assert tuple(mm.w.shape) == (192 // 8, 256 // 128, 32, 4)
+
+
+def test_self_check_rejects_a_kernel_that_disagrees(monkeypatch, caplog):
+    """The check that guards the (GPU-untested) CUDA paths at load, run here on a CPU path and a broken copy."""
+    from ember.quantization import kernels
+
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    qt = _weight("int4")
+    assert QuantizedMatmul("int4", qt)._self_check(qt, torch.device("cpu"))
+    broken = QuantizedMatmul("int4", qt)
+    broken.s = broken.s.flip(1)  # scales and zeros of the wrong rows
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    with caplog.at_level("WARNING", logger="ember"):
+        assert not broken._self_check(qt, torch.device("cpu"))
+    assert "self-check FAILED" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_cuda_quantized_matmul_matches_dense_matmul_of_the_dequantized_weight(method, rows):
+    qt = _weight(method, "cuda")
+    x = torch.randn(rows, 256, device="cuda")
+    ref = x @ qt.dequantize().t()
+    mm = QuantizedMatmul(method, qt)
+    if method != "int8":  # int8 has a CUDA kernel only in some torch builds
+        assert mm.path == f"cuda-{method}"  # chosen, and its self-check passed
+    y = mm(x.bfloat16()).float()
     tol = 0.05 if method == "w8a8" else 0.02
     assert ((y - ref).norm() / ref.norm()).item() < tol
 

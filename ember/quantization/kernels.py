@@ -1,27 +1,62 @@
 """Quantized matmuls: a QuantizedTensor re-laid out once for the device's kernel, then ``y = x W^T``.
 
-CPU: torch's packed ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, ``_int_mm``). They are fast
-for decode-sized batches and only in bf16 (fp32 inputs run 10-40x slower), so activations enter them as bf16
-whatever the model's dtype. For big batches (prefill chunks) dequantizing the weight once and running one dense
-matmul is faster than the packed ops: measured for a 1536x576 weight, 512 rows, bf16: packed int8 7.4 ms, int4
-6.9 ms, dequantize + matmul 2.1 ms; at 64 rows the packed ops win (0.7 ms vs 0.75 ms; at 1 row 17 us vs 360 us).
-Only the packed form is kept: the dense path unpacks it. Other devices (CUDA) dequantize per call: correct
-everywhere; a fast CUDA kernel is future work.
+One *path* a weight, chosen at load:
+- ``cpu-int8`` / ``cpu-int4`` / ``cpu-w8a8``: torch's packed CPU ops (``_weight_int8pack_mm``,
+  ``_weight_int4pack_mm_for_cpu``, ``_int_mm``). They are fast for decode-sized batches and only in bf16 (fp32
+  inputs run 10-40x slower), so activations enter them as bf16 whatever the model's dtype. For big batches
+  (prefill chunks) dequantizing the weight once and running one dense matmul is faster: measured for a 1536x576
+  weight, 512 rows, bf16: packed int8 7.4 ms, int4 6.9 ms, dequantize + matmul 2.1 ms; at 64 rows the packed ops
+  win (0.7 ms vs 0.75 ms; at 1 row 17 us vs 360 us). Only the packed form is kept: the dense path unpacks it.
+- ``cuda-int4``: torch's tinygemm (``_convert_weight_to_int4pack`` + ``_weight_int4pack_mm``, sm80+, bf16), every
+  batch size (as gpt-fast); ``cuda-int8``: ``_weight_int8pack_mm`` where the installed torch has its CUDA kernel;
+  ``cuda-w8a8``: ``torch._int_mm`` (cuBLASLt int8, at least 17 rows: smaller batches are zero-padded).
+- ``portable``: dequantize per call (int8 per channel: cast, matmul, scale). Correct on every device.
+The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
+process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
+and that path is not used again in the process (its weights run the portable path).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from ember.quantization.tensor import QuantizedTensor
 
+logger = logging.getLogger("ember")
+
 DENSE_MIN_ROWS = 128  # from this many rows on, dequantize + one dense matmul beats the packed CPU ops
 _INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows; other row counts take the portable path
+_INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more than 16 rows
+_CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
 
 
-def _fast_cpu(device: torch.device, op: str) -> bool:
-    return device.type == "cpu" and hasattr(torch.ops.aten, op)
+def _has_kernel(op: str, key: str) -> bool:
+    packet = getattr(torch.ops.aten, op, None)
+    return packet is not None and torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), key)
+
+
+def select_path(method: str, device: torch.device, n: int, k: int, group_size: int) -> str:
+    """The fastest path this device and shape allow (``portable`` when none does)."""
+    if device.type == "cpu":
+        if method == "int4" and _has_kernel("_weight_int4pack_mm_for_cpu", "CPU") and n % _INT4_BLOCK_N == 0:
+            return "cpu-int4"
+        if method == "int8" and _has_kernel("_weight_int8pack_mm", "CPU"):
+            return "cpu-int8"
+        if method == "w8a8" and _has_kernel("_int_mm", "CPU"):
+            return "cpu-w8a8"
+    elif device.type == "cuda":
+        if (method == "int4" and _has_kernel("_weight_int4pack_mm", "CUDA")
+                and torch.cuda.get_device_capability(device) >= (8, 0) and n % 8 == 0 and k % 32 == 0
+                and group_size in (32, 64, 128, 256)):
+            return "cuda-int4"
+        if method == "int8" and _has_kernel("_weight_int8pack_mm", "CUDA"):
+            return "cuda-int8"
+        if method == "w8a8" and _has_kernel("_int_mm", "CUDA") and n % 8 == 0 and k % 8 == 0:
+            return "cuda-w8a8"
+    return "portable"
 
 
 def unpack_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -32,72 +67,133 @@ def unpack_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return q.transpose(1, 2).reshape(n, k)
 
 
+def _scale_zeros(qt: QuantizedTensor) -> torch.Tensor:
+    """Both int4 kernels compute w = (q - 8) * scale + zero, so zero = offset + 8 * scale; bf16 [K/g, N, 2]."""
+    zeros = qt.offsets + 8 * qt.scales
+    return torch.stack([qt.scales, zeros], dim=-1).transpose(0, 1).contiguous().bfloat16()
+
+
+def _tinygemm_inner_k_tiles(k: int) -> int:
+    """tinygemm packs 2, 4 or 8 k-tiles of 16 together and needs K divisible by that span: the widest that fits."""
+    return next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+
+
 class QuantizedMatmul:
     """A weight prepared for ``method`` ('int8' | 'int4' | 'w8a8') on its tensors' device."""
 
-    __slots__ = ("method", "n", "k", "group_size", "qt", "int8", "int8_t", "scales", "packed", "scale_zeros")
+    __slots__ = ("method", "n", "k", "group_size", "path", "w", "s", "qt")
 
-    def __init__(self, method: str, qt: QuantizedTensor) -> None:
+    def __init__(self, method: str, qt: QuantizedTensor, path: str | None = None) -> None:
         self.method = method
         self.n, self.k = qt.shape
         self.group_size = qt.group_size
-        self.qt: QuantizedTensor | None = None  # the portable form, kept only when no fast path took it
-        self.int8 = self.int8_t = self.scales = self.packed = self.scale_zeros = None
+        if method != "int4" and (qt.kind != "int8" or qt.group_size != self.k):
+            raise ValueError(f"{method} matmul needs an int8 weight with one scale per output channel, got "
+                             f"{qt.kind} in groups of {qt.group_size} (requantize it first)")
         device = qt.data.device
-        if method == "int4" and _fast_cpu(device, "_weight_int4pack_mm_for_cpu") and self.n % _INT4_BLOCK_N == 0:
-            # the kernel's form: w = (q - 8) * scale + zero, so zero = offset + 8 * scale
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpacked().to(torch.int32), 1)
-            zeros = qt.offsets + 8 * qt.scales
-            self.scale_zeros = torch.stack([qt.scales, zeros], dim=-1).transpose(0, 1).contiguous().bfloat16()
-        elif method == "int8" and _fast_cpu(device, "_weight_int8pack_mm"):
-            self.int8, self.scales = qt.data.contiguous(), qt.scales.view(-1).bfloat16()  # the op's scale dtype
-        elif method == "w8a8" and _fast_cpu(device, "_int_mm"):
-            self.int8_t, self.scales = qt.data.t().contiguous(), qt.scales.view(-1).float()  # _int_mm takes [K, N]
+        self.path = path or select_path(method, device, self.n, self.k, self.group_size)
+        self.w = self.s = None  # the kernel's weight and scales
+        self.qt: QuantizedTensor | None = None  # the portable form, kept only when no fast path took it
+        self._prepare(qt)
+        if self.path.startswith("cuda") and device.type == "cuda" and not self._self_check(qt, device):
+            self.path, self.w, self.s = "portable", None, None
+            self.qt = qt
+
+    def _prepare(self, qt: QuantizedTensor) -> None:
+        path = self.path
+        if path == "cpu-int4":
+            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpacked().to(torch.int32), 1)
+            self.s = _scale_zeros(qt)
+        elif path == "cuda-int4":
+            q = qt.unpacked()
+            hi_first = ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()  # CUDA's input order: element 2i high
+            self.w = torch.ops.aten._convert_weight_to_int4pack(hi_first, _tinygemm_inner_k_tiles(self.k))
+            self.s = _scale_zeros(qt)
+        elif path in ("cpu-int8", "cuda-int8"):
+            self.w, self.s = qt.data.contiguous(), qt.scales.view(-1).bfloat16()  # the op's scale dtype is x's
+        elif path == "cpu-w8a8":
+            self.w, self.s = qt.data.t().contiguous(), qt.scales.view(-1).float()  # [K, N]: _int_mm's mat2
+        elif path == "cuda-w8a8":
+            self.w, self.s = qt.data.contiguous().t(), qt.scales.view(-1).float()  # column-major [K, N] view
         else:
             self.qt = qt
 
+    def _self_check(self, qt: QuantizedTensor, device: torch.device) -> bool:
+        """Once per path and device in a process: the kernel against the portable result on a random input."""
+        key = (self.path, str(device))
+        if key not in _CHECKED:
+            gen = torch.Generator(device=device).manual_seed(0)  # the global RNG stays as the user seeded it
+            x = torch.randn(3, self.k, device=device, dtype=torch.bfloat16, generator=gen)
+            ref = F.linear(x.float(), qt.dequantize(torch.float32))
+            try:
+                y = self(x).float()
+                err = ((y - ref).norm() / ref.norm().clamp(min=1e-6)).item()
+                ok, why = err < 0.05, f"relative error {err:.3g}"
+            except RuntimeError as e:  # a build or GPU without the kernel
+                ok, why = False, str(e).splitlines()[0]
+            (logger.info if ok else logger.warning)(
+                "quantized matmul %s on %s: %s (%s)", self.path, device,
+                "self-check passed" if ok else "self-check FAILED, using the portable path", why)
+            _CHECKED[key] = ok
+        return _CHECKED[key]
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.packed is not None:
-            sz = self.scale_zeros.float()  # [G, N, 2]
+        path = self.path
+        if path == "cpu-int4":
+            sz = self.s.float()  # [G, N, 2]
             g = self.group_size
-            q = unpack_cpu_int4(self.packed, self.n, self.k).float().view(self.n, self.k // g, g)
+            q = unpack_cpu_int4(self.w, self.n, self.k).float().view(self.n, self.k // g, g)
             scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
             return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
-        if self.int8 is not None:
-            return self.int8.to(dtype) * self.scales.to(dtype)[:, None]
-        if self.int8_t is not None:
-            return self.int8_t.t().to(dtype) * self.scales.to(dtype)[:, None]
+        if path == "cuda-int4":  # tinygemm's layout is opaque: multiply the identity through it
+            eye = torch.eye(self.k, device=self.w.device, dtype=torch.bfloat16)
+            return torch.ops.aten._weight_int4pack_mm(eye, self.w, self.group_size, self.s).t().to(dtype)
+        if path in ("cpu-int8", "cuda-int8"):
+            return self.w.to(dtype) * self.s.to(dtype)[:, None]
+        if path in ("cpu-w8a8", "cuda-w8a8"):
+            return self.w.t().to(dtype) * self.s.to(dtype)[:, None]
         return self.qt.dequantize(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
         if self.method == "w8a8":
             return self._w8a8(x)
-        if rows >= DENSE_MIN_ROWS or (self.packed is None and self.int8 is None):
+        rows = x.numel() // x.shape[-1]
+        path = self.path
+        if path == "portable":
+            qt = self.qt
+            if qt.kind == "int8" and qt.group_size == self.k:  # per channel: no float copy of the scaled weight
+                return F.linear(x, qt.data.to(x.dtype)) * qt.scales.view(-1).to(x.dtype)
+            return F.linear(x, qt.dequantize(x.dtype))
+        if path.startswith("cpu") and rows >= DENSE_MIN_ROWS:
             return F.linear(x, self.dequantized(x.dtype))
         xb = x.reshape(rows, self.k).to(torch.bfloat16)
-        if self.packed is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zeros)
+        if path == "cpu-int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w, self.group_size, self.s)
+        elif path == "cuda-int4":
+            y = torch.ops.aten._weight_int4pack_mm(xb, self.w, self.group_size, self.s)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.int8, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.w, self.s)
         return y.to(x.dtype).view(*x.shape[:-1], self.n)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         """Dynamic per-token int8 activations x int8 per-channel weights, int32 accumulation, float rescale."""
         x2 = x.reshape(-1, self.k).float()
+        rows = x2.shape[0]
         xs = (x2.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-10)
         xq = (x2 / xs).round().clamp(-127, 127).to(torch.int8)
-        if self.int8_t is not None:
-            acc = torch._int_mm(xq, self.int8_t).float()
-            scales = self.scales
+        if self.path == "cpu-w8a8":
+            acc, scales = torch._int_mm(xq, self.w).float(), self.s
+        elif self.path == "cuda-w8a8":
+            if rows < _INT_MM_MIN_ROWS:
+                xq = F.pad(xq, (0, 0, 0, _INT_MM_MIN_ROWS - rows))
+            acc, scales = torch._int_mm(xq, self.w)[:rows].float(), self.s
         else:  # no int8 GEMM here: the same arithmetic in float (exact while the int32 sums stay below 2**24)
-            acc = xq.float() @ self.qt.data.float().t()
-            scales = self.qt.scales.view(-1)
+            acc, scales = xq.float() @ self.qt.data.float().t(), self.qt.scales.view(-1)
         return (acc * xs * scales).to(x.dtype).view(*x.shape[:-1], self.n)
 
     def tensors(self) -> list[torch.Tensor]:
         """What this weight holds in memory."""
-        held = [self.int8, self.int8_t, self.scales, self.packed, self.scale_zeros]
+        held = [self.w, self.s]
         if self.qt is not None:
             held += [self.qt.data, self.qt.scales, self.qt.offsets]
         return [t for t in held if t is not None]
