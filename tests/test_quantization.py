@@ -10,7 +10,6 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import default_gguf
 from ember import LLM, SamplingParams

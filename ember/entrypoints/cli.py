@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from ember.layers.kv_cache import KV_CACHE_DTYPES
 from ember.quantization.config import INT4_GROUP_SIZES, QUANT_METHODS, QuantConfig
 from ember.sampling_params import SamplingParams
 
@@ -21,7 +22,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default: 10%% of free RAM)")
     g.add_argument("--quantization", default=None, choices=["none", *QUANT_METHODS],
                    help="weights: none (float), int8, int4 or w8a8 (default: as the checkpoint stores them)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "uint4"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache entries (default auto: the model's dtype)")
 
 

@@ -32,7 +32,7 @@ class LLM:
 
     def get_tokenizer(self):
         """vLLM's name for the tokenizer."""
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.default_params.clone()

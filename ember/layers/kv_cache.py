@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-KV_KINDS = ("auto", "int8", "uint4")
+KV_CACHE_DTYPES = ("auto", "int8", "uint4")  # EngineConfig.kv_cache_dtype
 UINT4_GROUP = 32  # values sharing one scale and minimum in a uint4 entry (the whole head when smaller)
 
 
@@ -22,8 +22,8 @@ class KVCacheFormat:
     __slots__ = ("kind", "head_dim", "dtype", "entry", "pool_dtype", "group")
 
     def __init__(self, kind: str, head_dim: int, dtype: torch.dtype) -> None:
-        if kind not in KV_KINDS:
-            raise ValueError(f"kv_cache_dtype={kind!r} is not supported: use one of {KV_KINDS}")
+        if kind not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kind!r} is not supported: use one of {KV_CACHE_DTYPES}")
         if kind == "uint4" and head_dim % 8:
             raise ValueError(f"kv_cache_dtype='uint4' needs a head_dim divisible by 8, this model has {head_dim}")
         if kind == "int8" and head_dim % 4:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, int4_group_size, requantize
+from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
 
 def mkldnn_prepack_available() -> bool:
@@ -57,12 +57,9 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.quant = quant
-        self.group_size = 0
-        if quant is None:
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        else:
-            self.weight = None
-            self.group_size = int4_group_size(quant, in_features) if quant.method == "int4" else in_features
+        self.kind, self.group_size = quant.linear_layout(in_features) if quant is not None else ("", 0)
+        self.weight = None if quant is not None else nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                                                  requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.prepacked: PrepackedWeight | None = None
         self.qmm: QuantizedMatmul | None = None
@@ -76,7 +73,7 @@ class Linear(nn.Module):
         if self.quant is None:
             load_float(self.weight.data[offset:offset + rows], value, name)
         else:
-            self._parts.append((offset, requantize(value, self.quant.weight_kind, self.group_size)))
+            self._parts.append((offset, requantize(value, self.kind, self.group_size)))
 
     def finalize(self, device: torch.device, prepack: bool) -> None:
         """After loading: lay the weight out for the device (quantized kernel, or oneDNN's packed float)."""

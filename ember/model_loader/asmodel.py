@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ember.quantization import QuantConfig, QuantizedTensor, int4_group_size, requantize
+from ember.quantization import QuantConfig, QuantizedTensor, requantize
 
 FORMAT = "ember.asmodel"
 FORMAT_VERSION = 1
@@ -197,10 +197,9 @@ def quantize_tensors(tensors: dict[str, torch.Tensor | QuantizedTensor], quant: 
         if quant is None or not _is_quantizable(name, quant):
             out[name] = t.dequantize(dtype).contiguous() if isinstance(t, QuantizedTensor) else t
             continue
-        if name.endswith("_proj.weight") and quant.method == "int4":
-            qt = requantize(t, "int4", int4_group_size(quant, t.shape[1]))
-        else:
-            qt = requantize(t, "int8", t.shape[1])
+        # the layout Linear builds from the same QuantConfig (embedding tables: int8 per row)
+        kind, group = quant.linear_layout(t.shape[1]) if name.endswith("_proj.weight") else ("int8", t.shape[1])
+        qt = requantize(t, kind, group)
         base = name.removesuffix(".weight")
         out[base + ".qdata"], out[base + ".scales"] = qt.data.contiguous(), qt.scales.contiguous()
         if qt.offsets is not None:

@@ -28,10 +28,16 @@ class QuantConfig:
             raise ValueError(f"group_size={self.group_size!r} is out of range: int4 groups are one of "
                              f"{INT4_GROUP_SIZES}")
 
-    @property
-    def weight_kind(self) -> str:
-        """The stored weight layout: 'int8' (int8 and w8a8) or 'int4'."""
-        return "int4" if self.method == "int4" else "int8"
+    def linear_layout(self, in_features: int) -> tuple[str, int]:
+        """(kind, group size) of a linear weight with in_features inputs: int4 in groups (the configured one, or the
+        largest smaller one that divides in_features: small test models), int8 (and w8a8) one scale per channel."""
+        if self.method != "int4":
+            return "int8", in_features
+        for g in (self.group_size, *sorted((g for g in INT4_GROUP_SIZES if g < self.group_size), reverse=True)):
+            if in_features % g == 0:
+                return "int4", g
+        raise ValueError(f"int4 quantization needs input sizes divisible by {min(INT4_GROUP_SIZES)}: a layer has "
+                         f"{in_features} inputs")
 
     def describe(self) -> str:
         return f"int4 g{self.group_size}" if self.method == "int4" else self.method
@@ -43,11 +49,3 @@ class QuantConfig:
     def from_dict(cls, d: dict[str, Any] | None) -> "QuantConfig | None":
         return cls(**d) if d else None
 
-
-def int4_group_size(quant: QuantConfig, in_features: int) -> int:
-    """The configured group, or the largest smaller one that divides in_features (small test models)."""
-    for g in (quant.group_size, *sorted((g for g in INT4_GROUP_SIZES if g < quant.group_size), reverse=True)):
-        if in_features % g == 0:
-            return g
-    raise ValueError(f"int4 quantization needs input sizes divisible by {min(INT4_GROUP_SIZES)}: a layer has "
-                     f"{in_features} inputs")
