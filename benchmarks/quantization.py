@@ -56,7 +56,7 @@ def accuracy(model: str) -> dict[str, dict]:
     return out
 
 
-def speed(model: str, repeats: int, out_dir: str) -> dict[str, dict]:
+def speed(model: str, repeats: int, out_dir: str, device: str = "cpu") -> dict[str, dict]:
     vocab = _vocab(model)
     w1 = [r.to_json() for r in build_requests(WORKLOADS["W1"], vocab, 0)]
     lat = [r.to_json() for r in fixed_requests(32, 128, 3, vocab, 0)]
@@ -69,7 +69,7 @@ def speed(model: str, repeats: int, out_dir: str) -> dict[str, dict]:
             for mode, reqs in (("latency", lat), ("throughput", w1)):
                 max_len = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in reqs)
                 spec = {"model": model, "dtype": "bfloat16", "mode": mode, "threads": os.cpu_count(),
-                        "device": "cpu", "max_model_len": max_len, "options": opts, "requests": reqs}
+                        "device": device, "max_model_len": max_len, "options": opts, "requests": reqs}
                 done = run_driver("ember", sys.executable, spec,
                                   os.path.join(out_dir, "logs", f"quant-{mode}-{name}.log"))
                 fig = (metrics.latency_figures if mode == "latency" else metrics.throughput_figures)(
@@ -86,6 +86,10 @@ def speed(model: str, repeats: int, out_dir: str) -> dict[str, dict]:
 
 
 def table(acc: dict, spd: dict) -> str:
+    if not acc:
+        return "\n".join(["| mode | batch-1 decode tok/s (x bf16) | W1 output tok/s (x bf16) |", "|---|---|---|"] + [
+            f"| {n} | {s['decode_tok_s']:.1f} ({s['decode_vs_bf16']:.2f}x) | {s['w1_output_tok_s']:.1f} "
+            f"({s['w1_vs_bf16']:.2f}x) |" for n, s in spd.items()])
     bf16_linear = acc["bf16"]["linear_bytes"]
     rows = ["| mode | perplexity (vs fp32) | greedy = fp32 | linear weights MiB (x bf16) | KV bytes/token | "
             "batch-1 decode tok/s (x bf16) | W1 output tok/s (x bf16) |", "|---|---|---|---|---|---|---|"]
@@ -105,10 +109,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="docs/bench/quantization.json")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument("--device", default="cpu", help="where the speed runs go: cpu or cuda")
     args = p.parse_args()
     model = os.path.abspath(args.model or default_model_path())
-    acc = accuracy(model)
-    spd = {} if args.skip_speed else speed(model, args.repeats, os.path.dirname(args.out) or ".")
+    acc = {} if args.skip_accuracy else accuracy(model)
+    spd = {} if args.skip_speed else speed(model, args.repeats, os.path.dirname(args.out) or ".", args.device)
     with open(args.out, "w") as f:
         json.dump({"model": model, "accuracy": acc, "speed": spd, "command": " ".join(sys.argv)}, f, indent=1)
     print(table(acc, spd))

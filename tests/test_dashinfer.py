@@ -457,8 +457,10 @@ def test_fields_translate_to_native_sampling(running, tiny):
                 assert len(el.log_probs_list) == len(want.token_ids) and all(len(p) == 3 for p in el.log_probs_list)
                 for pos, top, lp in zip(want.logprobs, el.log_probs_list, el.token_logprobs_list):
                     ranked = sorted((v.rank, k, v.logprob) for k, v in pos.items() if v.rank <= 3)
-                    assert top == [(k, v) for _, k, v in ranked]
-                    assert lp == next(iter(pos.values())).logprob
+                    # same engine, same step: equal up to the reduction order of the device's softmax
+                    assert [k for k, _ in top] == [k for _, k, _ in ranked]
+                    assert [v for _, v in top] == pytest.approx([v for _, _, v in ranked], abs=1e-5)
+                    assert lp == pytest.approx(next(iter(pos.values())).logprob, abs=1e-5)
             engine.release_request("m", h)
 
 

@@ -116,7 +116,7 @@ def test_quantized_gguf_matches_transformers_gguf_loader(tiny_models, tokenizer_
     prompt = random_prompts(1, 15, 15, src.config.vocab_size, seed=43)[0]
     llm = LLM(str(tmp_path / "m.gguf"), tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
     try:
-        ours = llm.engine.loaded.model.model.layers[0].mlp.down_proj.weight
+        ours = llm.engine.loaded.model.model.layers[0].mlp.down_proj.weight.cpu()
         orig = src.model.layers[0].mlp.down_proj.weight
         assert (ours - orig).abs().max() <= orig.abs().max() / 4  # 4-bit is coarse, but not garbage
         got = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

