@@ -23,17 +23,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    from ember.config import EngineConfig
-    from ember.core.model_runner import ModelRunner
+    from ember.config import EngineConfig, SchedulerConfig
     from ember.layers.attention import AttentionMetadata
-    from ember.model_loader import load_model
+    from ember.worker.worker import Worker
 
     torch.set_num_threads(args.threads)  # this thread runs every op, as the engine thread does
     B, L = args.batch, args.context
     cfg = EngineConfig(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=L + 16,
                        max_num_seqs=B, kv_cache_memory="2GiB")
-    runner = ModelRunner(cfg, load_model(cfg), L + 16)
-    model = runner.model
+    resolved = cfg.resolve()
+    worker = Worker(resolved.model, resolved.cache)
+    worker.init_cache(SchedulerConfig.resolve(cfg, worker.loaded.max_position))
+    model = worker.model
     nbl = -(-L // cfg.block_size)
     tables = torch.arange(B * nbl).view(B, nbl)
     slots = tables[:, (L - 1) // cfg.block_size] * cfg.block_size + (L - 1) % cfg.block_size

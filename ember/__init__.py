@@ -1,9 +1,11 @@
 """ember: a small, fast LLM inference engine with a vLLM-style API."""
 
-from ember.core.async_llm import AsyncLLM
+from ember.entrypoints.async_llm import AsyncLLM
 from ember.entrypoints.llm import LLM
+from ember.errors import BadRequestError, ConfigError, DoesNotFitError, EmberError, EngineDeadError
 from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.sampling_params import OutputKind, SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "OutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "OutputKind", "RequestOutput", "CompletionOutput", "Logprob",
+           "EmberError", "BadRequestError", "ConfigError", "DoesNotFitError", "EngineDeadError"]
 __version__ = "0.1.0"

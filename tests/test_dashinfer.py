@@ -48,7 +48,7 @@ def test_quick_start_example_runs_unchanged_and_matches_native(tmp_path, monkeyp
         prompt = llm.tokenizer.encode(out["prompt"])
         native = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=256),
                               use_tqdm=False)[0].outputs[0].token_ids
-        eos = llm.engine.loaded.eos_token_ids
+        eos = llm.client.eos_token_ids
     assert out["ids"][:256] == native
     # ... and it ran to the end: max_length (prompt + output = 2048) or an EOS
     assert len(prompt) + len(out["ids"]) == 2048 or out["ids"][-1] in eos
@@ -150,7 +150,8 @@ def test_asmodel_format_contents(tiny):
     assert meta["format"] == "ember.asmodel" and meta["architecture"] == "LlamaForCausalLM"
     assert meta["dtype"] == "float32" and meta["config"]["model_type"] == "llama"
     assert "tokenizer.json" in meta["tokenizer"] and meta["chat_template"]
-    assert meta["quantization"] == {"enable_quant": False, "weight_only_quant": False, "customized_quant_config": None}
+    recipe = meta["extra"]["dashinfer"]["serialize"]  # the facade's flags, kept in the pair's "extra"
+    assert recipe == {"enable_quant": False, "weight_only_quant": False, "customized_quant_config": None}
     from safetensors import safe_open
 
     with safe_open(os.path.join(tiny["dir"], "tiny_llama.asparam"), framework="pt") as f:
@@ -164,7 +165,8 @@ def test_skip_if_exists_and_validation(tiny, tmp_path):
                              customized_quant_config={"quant_method": "instant_quant", "weight_format": "int8"})
     model_path, param_path = asmodel.pair_paths(str(tmp_path), "m")
     meta = asmodel.read_meta(model_path)
-    assert meta["quantization"]["enable_quant"] and meta["quantization"]["customized_quant_config"]["weight_format"]
+    recipe = meta["extra"]["dashinfer"]["serialize"]
+    assert recipe["enable_quant"] and recipe["customized_quant_config"]["weight_format"]
     stamp = os.stat(param_path).st_mtime_ns
     loader.serialize_to_path(None, str(tmp_path), skip_if_exists=True)
     assert os.stat(param_path).st_mtime_ns == stamp  # kept
@@ -325,7 +327,7 @@ def test_internal_error_status(running):
     def broken(*a, **k):
         raise RuntimeError("injected failure")
 
-    native.runner.execute = broken
+    native.engine_core.worker.execute = broken
     gen = _greedy(loader, cfg, 0)
     gen["max_length"] = 10
     _, h, q = engine.start_request_ids("m", loader, [1, 2, 3], gen)

@@ -9,7 +9,7 @@ import pytest
 from conftest import random_prompts
 
 from ember import LLM, SamplingParams
-from ember.core.model_runner import kv_bytes_per_block
+from ember.worker.startup import kv_bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -19,7 +19,7 @@ def _tokens(outs):
 
 
 def test_batch_invariance_greedy(tiny_llm):
-    prompts = random_prompts(32, 2, 120, tiny_llm.engine.vocab_size, seed=11)
+    prompts = random_prompts(32, 2, 120, tiny_llm.model_info.vocab_size, seed=11)
     batched = _tokens(tiny_llm.generate(prompts, GREEDY, use_tqdm=False))
     for i in (0, 7, 31):
         alone = _tokens(tiny_llm.generate([prompts[i]], GREEDY, use_tqdm=False))[0]
@@ -27,7 +27,7 @@ def test_batch_invariance_greedy(tiny_llm):
 
 
 def test_seeded_sampling_independent_of_batch(tiny_llm):
-    prompts = random_prompts(12, 5, 60, tiny_llm.engine.vocab_size, seed=12)
+    prompts = random_prompts(12, 5, 60, tiny_llm.model_info.vocab_size, seed=12)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
     other = SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True)
     alone = _tokens(tiny_llm.generate([prompts[0]], seeded, use_tqdm=False))[0]
@@ -38,14 +38,14 @@ def test_seeded_sampling_independent_of_batch(tiny_llm):
 
 
 def test_preemption_keeps_greedy_output(llama_dir, tiny_llm):
-    prompts = random_prompts(16, 20, 60, tiny_llm.engine.vocab_size, seed=13)
+    prompts = random_prompts(16, 20, 60, tiny_llm.model_info.vocab_size, seed=13)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
     # 64 blocks of 16 tokens hold only ~1,000 tokens; the batch needs ~1,400
-    per_block = kv_bytes_per_block(tiny_llm.engine.loaded, 16)
+    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
     small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=64 * per_block)
     try:
-        assert small.engine.block_manager.num_blocks == 64
+        assert small.client.engine_core.block_manager.num_blocks == 64
         outs = small.generate(prompts, params, use_tqdm=False)
         assert small.stats()["preemptions"] > 0
         assert _tokens(outs) == expected
@@ -55,7 +55,7 @@ def test_preemption_keeps_greedy_output(llama_dir, tiny_llm):
 
 
 def test_n_samples_share_prompt_blocks(tiny_llm):
-    prompt = random_prompts(1, 40, 40, tiny_llm.engine.vocab_size, seed=14)[0]
+    prompt = random_prompts(1, 40, 40, tiny_llm.model_info.vocab_size, seed=14)[0]
     one = tiny_llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     out = tiny_llm.generate([prompt], GREEDY.clone(n=3), use_tqdm=False)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
@@ -67,7 +67,7 @@ def test_n_samples_share_prompt_blocks(tiny_llm):
 
 
 def test_stop_conditions(tiny_llm):
-    prompt = random_prompts(1, 10, 10, tiny_llm.engine.vocab_size, seed=15)[0]
+    prompt = random_prompts(1, 10, 10, tiny_llm.model_info.vocab_size, seed=15)[0]
     free = tiny_llm.generate([prompt], GREEDY.clone(max_tokens=30), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 30
     # stop_token_ids: stop at the 5th generated token
@@ -91,7 +91,7 @@ def test_stop_conditions(tiny_llm):
 
 def test_generation_config_eos_and_defaults(tiny_llm, llama_dir, tmp_path):
     """generation_config.json's EOS ids end generation and its values become the default sampling params."""
-    prompt = random_prompts(1, 8, 8, tiny_llm.engine.vocab_size, seed=16)[0]
+    prompt = random_prompts(1, 8, 8, tiny_llm.model_info.vocab_size, seed=16)[0]
     free = tiny_llm.generate([prompt], GREEDY.clone(max_tokens=10), use_tqdm=False)[0].outputs[0].token_ids
     eos = free[3]
     folder = tmp_path / "model"
@@ -114,7 +114,7 @@ def test_generation_config_eos_and_defaults(tiny_llm, llama_dir, tmp_path):
 @pytest.mark.parametrize("prompt,match", [("", "prompt"), ([], "prompt"), ([10**7], "token id"),
                                           ([5] * 600, "max_model_len")])
 def test_bad_request_rejected_while_others_run(tiny_llm, prompt, match):
-    good = random_prompts(1, 10, 10, tiny_llm.engine.vocab_size, seed=17)[0]
+    good = random_prompts(1, 10, 10, tiny_llm.model_info.vocab_size, seed=17)[0]
     stream = tiny_llm.stream(good, GREEDY.clone(max_tokens=30))
     first = next(stream)
     with pytest.raises(ValueError, match=match):
@@ -150,14 +150,14 @@ def test_token_prompts_and_text_prompts_agree(tiny_llm):
 
 def test_engine_failure_reaches_every_consumer(llama_dir):
     """A crash in the model ends every request with an error instead of a hang; later calls fail fast."""
-    from ember.core.engine import EngineDeadError
+    from ember.errors import EngineDeadError
 
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
     try:
         def boom(batch):
             raise RuntimeError("simulated kernel failure")
 
-        llm.engine.runner.execute = boom
+        llm.client.engine_core.worker.execute = boom
         with pytest.raises(EngineDeadError, match="simulated kernel failure"):
             llm.generate(["hello", "world"], GREEDY, use_tqdm=False)
         with pytest.raises(EngineDeadError):
@@ -167,7 +167,7 @@ def test_engine_failure_reaches_every_consumer(llama_dir):
 
 
 def test_chunked_prefill_same_outputs_and_prompt_logprobs(llama_dir, tiny_llm):
-    prompts = random_prompts(6, 30, 200, tiny_llm.engine.vocab_size, seed=18)
+    prompts = random_prompts(6, 30, 200, tiny_llm.model_info.vocab_size, seed=18)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
     whole = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", enable_chunked_prefill=False)
     chunked = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=40)
@@ -185,7 +185,7 @@ def test_chunked_prefill_same_outputs_and_prompt_logprobs(llama_dir, tiny_llm):
 
 
 def test_prefix_caching_hits_and_same_outputs(llama_dir, tiny_llm):
-    vocab = tiny_llm.engine.vocab_size
+    vocab = tiny_llm.model_info.vocab_size
     system = random_prompts(1, 384, 384, vocab, seed=22)[0]
     prompts = [system + suffix for suffix in random_prompts(6, 16, 64, vocab, seed=23)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -211,12 +211,12 @@ def test_prefix_caching_hits_and_same_outputs(llama_dir, tiny_llm):
 
 
 def test_prefix_caching_with_preemption_in_a_tiny_pool(llama_dir, tiny_llm):
-    vocab = tiny_llm.engine.vocab_size
+    vocab = tiny_llm.model_info.vocab_size
     system = random_prompts(1, 100, 100, vocab, seed=24)[0]
     prompts = [system + suffix for suffix in random_prompts(12, 5, 40, vocab, seed=25)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
-    per_block = kv_bytes_per_block(tiny_llm.engine.loaded, 16)
+    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
     small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=40 * per_block,
                 max_num_batched_tokens=64)
     try:

@@ -99,7 +99,7 @@ def test_gguf_file_matches_source_model(tiny_models, tokenizer_dir, tmp_path, ki
     prompt = random_prompts(1, 15, 15, hf.config.vocab_size, seed=42)[0]
     llm = LLM(path, tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
     try:
-        assert llm.engine.loaded.architecture == hf.config.architectures[0]
+        assert llm.client.engine_core.worker.loaded.architecture == hf.config.architectures[0]
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 20)
     finally:
         llm.shutdown()
@@ -116,7 +116,7 @@ def test_quantized_gguf_matches_transformers_gguf_loader(tiny_models, tokenizer_
     prompt = random_prompts(1, 15, 15, src.config.vocab_size, seed=43)[0]
     llm = LLM(str(tmp_path / "m.gguf"), tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
     try:
-        ours = llm.engine.loaded.model.model.layers[0].mlp.down_proj.weight.cpu()
+        ours = llm.client.engine_core.worker.loaded.model.model.layers[0].mlp.down_proj.weight.cpu()
         orig = src.model.layers[0].mlp.down_proj.weight
         assert (ours - orig).abs().max() <= orig.abs().max() / 4  # 4-bit is coarse, but not garbage
         got = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_tiny_model, random_prompts
 
 from ember import LLM, SamplingParams
-from ember.core.model_runner import kv_bytes_per_block
+from ember.worker.startup import kv_bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -27,8 +27,8 @@ def _pool(model_dir, **kw) -> tuple[int, int, str]:
     """(pool bytes, activation bytes, how the budget was decided)."""
     llm = LLM(model_dir, dtype="float32", max_model_len=8192, max_num_seqs=64, device="cpu", **kw)
     try:
-        runner = llm.engine.runner
-        return llm.stats()["kv_cache_bytes"], runner.activation_bytes, runner.budget_source
+        stats = llm.stats()
+        return stats["kv_cache_bytes"], stats["activation_bytes"], stats["kv_budget_source"]
     finally:
         llm.shutdown()
 
@@ -69,7 +69,7 @@ def test_configuration_that_cannot_fit_names_what_would(llama_dir):
 def kv_bytes_per_block_of(llama_dir) -> int:
     llm = LLM(llama_dir, dtype="float32", max_model_len=64, kv_cache_memory="1MiB")
     try:
-        return kv_bytes_per_block(llm.engine.loaded, 16)
+        return kv_bytes_per_block(llm.client.engine_core.worker.loaded, 16)
     finally:
         llm.shutdown()
 
@@ -80,7 +80,7 @@ sys.path.insert(0, sys.argv[2])
 from conftest import random_prompts
 from ember import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=256, max_model_len=256, kv_cache_memory="64MiB")
-prompts = random_prompts(250, 40, 40, llm.engine.vocab_size, seed=40)
+prompts = random_prompts(250, 40, 40, llm.model_info.vocab_size, seed=40)
 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
 print(json.dumps(llm.stats()))
 llm.shutdown()
@@ -107,10 +107,10 @@ def test_serving_needs_no_more_memory_than_the_warm_up(llama_dir):
 
 @pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
 def test_policies_keep_greedy_outputs_in_a_tiny_pool(llama_dir, tiny_llm, policy):
-    prompts = random_prompts(16, 20, 60, tiny_llm.engine.vocab_size, seed=41)
+    prompts = random_prompts(16, 20, 60, tiny_llm.model_info.vocab_size, seed=41)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
-    per_block = kv_bytes_per_block(tiny_llm.engine.loaded, 16)
+    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
     small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=24 * per_block,
                 scheduling_policy=policy, max_num_batched_tokens=64)
     try:
@@ -143,13 +143,14 @@ def test_request_that_can_never_be_reserved_fails_at_once(llama_dir):
 def test_request_given_up_ends_interrupted_and_keeps_its_tokens(llama_dir):
     """When a sequence cannot get a block even alone (here a block holder outside the scheduler shrinks the pool
     under it, as another model in the same engine could), it ends with "interrupted"; the others carry on."""
-    from ember.core.sequence import Sequence
+    from ember.core.records import EngineRequest
+    from ember.core.request import CoreRequest
 
     per_block = kv_bytes_per_block_of(llama_dir)
     llm = LLM(llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 * per_block)
     try:
-        holder = Sequence(llm.engine.make_request([1], GREEDY, lambda _: None), 0, [1], None, None)
-        llm.engine.block_manager.allocate(holder, 5 * 16)  # 5 of the 8 blocks: 48 tokens left
+        holder = CoreRequest(EngineRequest("holder", [1], GREEDY, 128)).seqs[0]
+        llm.client.engine_core.block_manager.allocate(holder, 5 * 16)  # 5 of the 8 blocks: 48 tokens left
         long, short = llm.generate([[7] * 20, [8] * 4], [SamplingParams(temperature=0, max_tokens=100,
                                                                         ignore_eos=True), GREEDY], use_tqdm=False)
         assert long.finished and long.outputs[0].finish_reason == "interrupted"
@@ -164,12 +165,12 @@ def test_request_given_up_ends_interrupted_and_keeps_its_tokens(llama_dir):
 def test_host_tier_serves_evicted_prefixes(llama_dir, tiny_llm, monkeypatch):
     """The host tier, run on CPU through its test switch: prefixes pushed out of a tiny device pool come back
     from host memory, the outputs report them per tier, and the tokens stay those of an engine without it."""
-    vocab = tiny_llm.engine.vocab_size
+    vocab = tiny_llm.model_info.vocab_size
     system = random_prompts(1, 96, 96, vocab, seed=42)[0]
     first = [system + s for s in random_prompts(4, 8, 20, vocab, seed=43)]
     flood = random_prompts(12, 100, 120, vocab, seed=44)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    per_block = kv_bytes_per_block(tiny_llm.engine.loaded, 16)
+    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
     cpu = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=24 * per_block,
               cpu_cache_memory=256 * per_block, device="cpu")
     try:
@@ -201,7 +202,7 @@ def test_4000_token_prompt_delays_no_decoding_request(long_llama_dir):
     llm = LLM(long_llama_dir, dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=512,
               max_model_len=4200)
     steps: list[tuple[set[int], list[int]]] = []
-    sched = llm.engine.scheduler
+    sched = llm.client.engine_core.scheduler
     original = sched.schedule
 
     def recording():
@@ -212,7 +213,7 @@ def test_4000_token_prompt_delays_no_decoding_request(long_llama_dir):
 
     sched.schedule = recording
     try:
-        vocab = llm.engine.vocab_size
+        vocab = llm.model_info.vocab_size
         streams = [llm.stream(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
                    for p in random_prompts(8, 5, 10, vocab, seed=45)]
         for s in streams:

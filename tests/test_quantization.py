@@ -88,7 +88,7 @@ def test_cuda_paths_lay_weights_out_as_torchs_kernels_expect(method):
             y = mm(torch.empty(rows, 256))
             assert y.shape == (rows, 192) and y.dtype == torch.float32
     if method == "int4":  # tinygemm's tiles: [N / 8, K / (16 * inner_k_tiles), 32, inner_k_tiles / 2]
-        assert tuple(mm.w.shape) == (192 // 8, 256 // 128, 32, 4)
+        assert tuple(mm.impl.w.shape) == (192 // 8, 256 // 128, 32, 4)
 
 
 def test_self_check_rejects_a_kernel_that_disagrees(monkeypatch, caplog):
@@ -99,7 +99,7 @@ def test_self_check_rejects_a_kernel_that_disagrees(monkeypatch, caplog):
     qt = _weight("int4")
     assert QuantizedMatmul("int4", qt)._self_check(qt, torch.device("cpu"))
     broken = QuantizedMatmul("int4", qt)
-    broken.s = broken.s.flip(1)  # scales and zeros of the wrong rows
+    broken.impl.s = broken.impl.s.flip(1)  # scales and zeros of the wrong rows
     monkeypatch.setattr(kernels, "_CHECKED", {})
     with caplog.at_level("WARNING", logger="ember"):
         assert not broken._self_check(qt, torch.device("cpu"))
@@ -220,7 +220,7 @@ def _weight_bytes(llm) -> tuple[int, int]:
     """(all weight bytes, bytes of the decoder's linear weights), each tensor counted once."""
     from ember.layers.linear import Linear
 
-    model = llm.engine.loaded.model
+    model = llm.client.engine_core.worker.loaded.model
     seen, total, linear = set(), 0, 0
     for module in model.modules():
         held = list(module.parameters(recurse=False))
@@ -240,7 +240,7 @@ def _weight_bytes(llm) -> tuple[int, int]:
 
 def test_default_model_keeps_its_gguf_footprint_and_int4_is_under_0_3x_of_bf16():
     llm = LLM(max_num_seqs=2, max_model_len=256)  # the embedded Q4_1 GGUF, dtype auto
-    quant = llm.engine.loaded.model.quant
+    quant = llm.client.engine_core.worker.loaded.model.quant
     assert quant is not None and quant.method == "int4" and quant.group_size == 32 and quant.embeddings
     total, g32 = _weight_bytes(llm)
     assert total < 110 * 2**20, total  # the .gguf file is 94 MiB; dequantized to bf16 it is 270 MiB
@@ -259,7 +259,7 @@ def test_quantized_layers_replace_the_float_weights(llama_dir):
     from ember.layers.linear import Linear
 
     llm = LLM(llama_dir, quantization="int8", max_num_seqs=2, max_model_len=128)
-    layers = [m for m in llm.engine.loaded.model.modules() if isinstance(m, Linear)]
+    layers = [m for m in llm.client.engine_core.worker.loaded.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight is None and m.qmm is not None for m in layers)
     llm.shutdown()
 
@@ -289,7 +289,7 @@ def test_convert_stores_int4_and_loads_back_to_the_same_tokens(llama_dir, tmp_pa
     assert "model.layers.0.mlp.down_proj.weight" not in tensors
     params = SamplingParams(temperature=0, max_tokens=12)
     stored = LLM(str(tmp_path / "q.asmodel"), dtype="float32", max_num_seqs=2, max_model_len=128)
-    assert stored.engine.loaded.model.quant.describe() == "int4 g32"
+    assert stored.client.engine_core.worker.loaded.model.quant.describe() == "int4 g32"
     a = [o.outputs[0].token_ids for o in stored.generate(PROMPTS[:4], params, use_tqdm=False)]
     stored.shutdown()
     live = LLM(llama_dir, dtype="float32", quantization="int4", quant_group_size=32, max_num_seqs=2,
@@ -320,7 +320,8 @@ def test_dashinfer_quantization_switches(llama_dir, tmp_path):
                                           customized_quant_config={"weight_format": "uint4", "group_size": 64})
     meta = json.loads((tmp_path / "tq.asmodel").read_text())
     assert meta["quant_config"]["method"] == "int4" and meta["quant_config"]["group_size"] == 64
-    assert meta["quantization"]["customized_quant_config"] == {"weight_format": "uint4", "group_size": 64}
+    recipe = meta["extra"]["dashinfer"]["serialize"]
+    assert recipe["customized_quant_config"] == {"weight_format": "uint4", "group_size": 64}
     cfg = loader.create_reference_runtime_config_builder("tq", TargetDevice.CPU, [0], max_batch=2) \
         .max_length(128).kv_cache_mode(AsCacheMode.AsCacheQuantU4).build()
     assert engine_config(cfg).kv_cache_dtype == "uint4"
@@ -328,6 +329,7 @@ def test_dashinfer_quantization_switches(llama_dir, tmp_path):
     engine.install_model(cfg)
     engine.start_model("tq")
     native = engine._models["tq"].engine
-    assert native.runner.kv_format.kind == "uint4" and native.loaded.model.quant.method == "int4"
+    worker = native.engine_core.worker
+    assert worker.kv_format.kind == "uint4" and worker.loaded.model.quant.method == "int4"
     engine.stop_model("tq")
     engine.release_model("tq")

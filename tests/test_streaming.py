@@ -6,7 +6,7 @@ import pytest
 from conftest import random_prompts
 
 from ember import SamplingParams
-from ember.detokenizer import IncrementalDetokenizer
+from ember.frontend.detokenizer import IncrementalDetokenizer
 from ember.tokenizer import Tokenizer
 
 TEXTS = ["Hello 😀 world 🎉🎉 done", "東京は日本の首都です。北京和上海", "mixed: café ñ 한국어 👩‍👩‍👧 ok", "🤖"]
@@ -45,7 +45,7 @@ def test_stop_string_never_streamed(tokenizer):
 
 
 def test_stream_deltas_equal_final_text(tiny_llm):
-    prompts = random_prompts(3, 5, 30, tiny_llm.engine.vocab_size, seed=21)
+    prompts = random_prompts(3, 5, 30, tiny_llm.model_info.vocab_size, seed=21)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     finals = tiny_llm.generate(prompts, params, use_tqdm=False)
     for prompt, final in zip(prompts, finals):

@@ -11,10 +11,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ember import envs
+
 BACKENDS = ("ember", "hf", "vllm", "llamacpp")
 BACKEND_NAMES = {"ember": "ember", "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
-DEFAULT_VENVS = os.environ.get("EMBER_BENCH_VENVS", os.path.join(".bench", "venvs"))
+DEFAULT_VENVS = envs.bench_venvs()
 
 
 class BenchError(RuntimeError):

@@ -1,1 +1,1 @@
-"""The engine core: requests and sequences, KV block manager, scheduler, model runner, engine loop."""
+"""The engine core: the loop, scheduler and block manager, and the after-step work, on plain records."""

@@ -13,7 +13,7 @@ then forgets the hash, so only unreferenced blocks are evicted, least recently u
 Host tier (CUDA engines with ``cpu_cache_memory``): a cached block evicted from the device is copied to a host
 block instead of being forgotten, and a later prefix hit there is copied back into a fresh device block. The tiers
 are exclusive: a block lives on the device or on the host. Nothing here touches tensors: the copies are queued as
-``(direction, source, destination)`` and the model runner performs them, in order, before the step's forward pass,
+``(direction, source, destination)`` and the worker performs them, in order, before the step's forward pass,
 which is exactly the order in which this bookkeeping reused the blocks.
 """
 
@@ -24,8 +24,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ember.core.sequence import Sequence
+from ember.worker.batch import SWAP_IN, SWAP_OUT
 
-SWAP_OUT, SWAP_IN = "out", "in"  # device -> host, host -> device
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def request_blocks(num_prompt_tokens: int, max_num_tokens: int, num_samples: int, block_size: int) -> int:
+    """Blocks a request holds at most: one sample of max_num_tokens, each further one without the shared prompt
+    blocks (the last prompt token is always computed again: each sample needs its logits)."""
+    full = blocks_for(max_num_tokens, block_size)
+    return full + (num_samples - 1) * (full - (num_prompt_tokens - 1) // block_size)
 
 
 @dataclass(slots=True)
@@ -117,7 +127,7 @@ class BlockManager:
         return self.num_blocks - len(self.free_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def shared_prompt_blocks(self, num_prompt_tokens: int) -> int:
         """Full prompt blocks the n samples of a request share; the last prompt token is always computed again
@@ -125,10 +135,7 @@ class BlockManager:
         return (num_prompt_tokens - 1) // self.block_size
 
     def request_blocks(self, num_prompt_tokens: int, max_num_tokens: int, num_samples: int) -> int:
-        """Blocks a request holds at most: one sample of max_num_tokens, each further one without the shared
-        prompt blocks."""
-        full = self.blocks_for(max_num_tokens)
-        return full + (num_samples - 1) * (full - self.shared_prompt_blocks(num_prompt_tokens))
+        return request_blocks(num_prompt_tokens, max_num_tokens, num_samples, self.block_size)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table covers num_tokens tokens."""
@@ -190,12 +197,12 @@ class BlockManager:
             self.cached[h], self.block_hash[device_block], self.block_tokens[device_block] = device_block, h, tokens
             seq.block_table.append(device_block)
         bs, host = self.block_size, hit.num_host * self.block_size
-        seq.num_computed_tokens = hit.num_blocks * bs
+        cached = hit.num_blocks * bs
         seq.num_hashed_blocks = hit.num_blocks
         self.queried_tokens += seq.num_tokens
-        self.hit_tokens += seq.num_computed_tokens
+        self.hit_tokens += cached
         self.host_hit_tokens += host
-        return seq.num_computed_tokens - host, host
+        return cached - host, host
 
     def commit(self, seq: Sequence) -> None:
         """Register seq's newly completed full blocks in the prefix cache."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from ember.config import SCHEDULING_POLICIES
 from ember.core.block_manager import BlockManager
 from ember.core.sequence import Sequence, SequenceStatus
+from ember.errors import ConfigError
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens of each sequence computed this step
     preempted: list[Sequence] = field(default_factory=list)
-    interrupted: list[Sequence] = field(default_factory=list)  # given up: the engine ends them
+    interrupted: list[Sequence] = field(default_factory=list)  # given up: the after-step work ends them
     copies: list[tuple[str, int, int]] = field(default_factory=list)  # host-tier block copies to run first
 
     def __len__(self) -> int:
@@ -44,8 +45,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True, policy: str = "max_utilization") -> None:
         if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy={policy!r} is not supported: use one of "
-                             f"{', '.join(SCHEDULING_POLICIES)}")
+            raise ConfigError(f"scheduling_policy={policy!r} is not supported: use one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -146,6 +147,7 @@ class Scheduler:
             self.waiting.popleft()
             if hit is not None:
                 device, host = self.bm.take_cached(seq, hit)
+                seq.num_computed_tokens = device + host
                 if seq.index == 0 and seq.request.num_cached_tokens is None:
                     seq.request.num_cached_tokens = device + host
                     seq.request.num_host_cached_tokens = host

@@ -1,7 +1,10 @@
-"""One sample being generated: its tokens, how many of them have KV in the cache, and its block table.
+"""One sample being generated, as the scheduler sees it: its tokens, how many of them have KV in the cache, its
+block table and its status. Nothing here is sampling or output state: the sampler's state lives in the worker
+under ``seq_id`` and the text in the front end.
 
-A request with n > 1 starts as one sequence; once its prompt is prefilled the scheduler forks the other n - 1,
-which share the prompt's full KV blocks.
+A request with n > 1 starts as one sequence; once its prompt is prefilled the after-step work forks the other
+n - 1, which share the prompt's full KV blocks. ``num_computed_tokens`` is written by the scheduler (a prefix hit,
+a preemption) and by the after-step work (the tokens a step computed, a fork), nowhere else.
 """
 
 from __future__ import annotations
@@ -10,13 +13,8 @@ import itertools
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-import torch
-
-from ember.detokenizer import IncrementalDetokenizer
-from ember.outputs import PositionLogprobs
-
 if TYPE_CHECKING:
-    from ember.core.request import Request
+    from ember.core.request import CoreRequest
 
 _ids = itertools.count()
 
@@ -29,12 +27,10 @@ class SequenceStatus(Enum):
 
 class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "block_table", "status", "generator", "detokenizer", "pending_fork", "finish_reason",
-                 "stop_reason", "cumulative_logprob", "new_token_ids", "new_logprobs", "final_sent",
-                 "num_hashed_blocks", "max_num_tokens", "cache_salt", "ngram_index")
+                 "block_table", "status", "pending_fork", "finish_reason", "stop_reason", "num_hashed_blocks",
+                 "max_num_tokens", "cache_salt")
 
-    def __init__(self, request: "Request", index: int, token_ids: list[int], generator: torch.Generator | None,
-                 detokenizer: IncrementalDetokenizer | None, pending_fork: int = 0,
+    def __init__(self, request: "CoreRequest", index: int, token_ids: list[int], pending_fork: int = 0,
                  max_num_tokens: int | None = None, cache_salt: str | None = None) -> None:
         self.seq_id = next(_ids)
         self.request = request
@@ -49,17 +45,9 @@ class Sequence:
         self.max_num_tokens = max_num_tokens if max_num_tokens is not None else len(token_ids)
         self.cache_salt = cache_salt  # extra prefix-cache key (a LoRA name): equal tokens under another salt miss
         self.status = SequenceStatus.WAITING
-        self.generator = generator
-        self.detokenizer = detokenizer
         self.pending_fork = pending_fork  # siblings to create once the prompt is prefilled
         self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.cumulative_logprob = 0.0
-        # what happened since the last output of the request was emitted
-        self.new_token_ids: list[int] = []
-        self.new_logprobs: list[PositionLogprobs] = []
-        self.final_sent = False  # the delta carrying finish_reason went out
-        self.ngram_index = None  # no_repeat_ngram_size: n-grams seen so far, built by the sampler as tokens come
+        self.stop_reason: int | str | list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +64,9 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: int | str | list[int] | None = None) -> None:
+        self.status, self.finish_reason, self.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
 
     def seats(self) -> int:
         """Slots of max_num_seqs this sequence will occupy, its future siblings included."""

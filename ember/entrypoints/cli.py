@@ -7,8 +7,8 @@ import logging
 import sys
 import time
 
-from ember.layers.kv_cache import KV_CACHE_DTYPES
-from ember.quantization.config import INT4_GROUP_SIZES, QUANT_METHODS, QuantConfig
+from ember.config import INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_METHODS
+from ember.quantization.config import QuantConfig
 from ember.sampling_params import SamplingParams
 
 
@@ -88,7 +88,7 @@ def _params(llm, args: argparse.Namespace) -> SamplingParams:
     changes = {"max_tokens": args.max_tokens, "seed": args.seed}
     if args.temperature is not None:
         changes["temperature"] = args.temperature
-    elif "temperature" not in llm.engine.loaded.generation_config:
+    elif "temperature" not in llm.client.generation_config:
         changes["temperature"] = 0.0
     if args.top_p is not None:
         changes["top_p"] = args.top_p
@@ -122,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.no_chat or not llm.tokenizer.has_chat_template:
         prompt = args.prompt
     else:
-        prompt = llm._chat_prompt(_messages(args.system) + [{"role": "user", "content": args.prompt}])
+        prompt = llm.client.chat_prompt(_messages(args.system) + [{"role": "user", "content": args.prompt}])
     _stream_reply(llm, prompt, params)
     llm.shutdown()
     return 0
@@ -147,7 +147,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        reply = _stream_reply(llm, llm._chat_prompt(history), params)
+        reply = _stream_reply(llm, llm.client.chat_prompt(history), params)
         history.append({"role": "assistant", "content": reply})
     llm.shutdown()
     return 0

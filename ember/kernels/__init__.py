@@ -14,6 +14,8 @@ import os
 import threading
 from types import ModuleType
 
+from ember import envs
+
 logger = logging.getLogger("ember")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -34,7 +36,7 @@ def cpu_kernels() -> ModuleType | None:
     with _lock:
         if _module is not None or _failed:
             return _module
-        if os.environ.get("EMBER_CPU_KERNELS", "1") == "0":
+        if not envs.cpu_kernels_enabled():
             _failed = True
             return None
         try:
@@ -54,7 +56,7 @@ def _build() -> ModuleType:
     import torch
     from torch.utils.cpp_extension import load
 
-    from ember.config import cache_dir
+    from ember.cache import cache_dir
 
     here = os.path.dirname(__file__)
     sources = [os.path.join(here, s) for s in _SOURCES]

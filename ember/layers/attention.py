@@ -1,25 +1,33 @@
-"""Paged attention over a flat, ragged batch, in plain torch (the CPU backend; CUDA runs the same code).
+"""Paged attention over a flat, ragged batch, through a backend chosen once for the device and KV format.
 
 The KV cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V. Every step
 writes the new tokens' K/V into their slots (``slot_mapping``), then:
-- decode tokens (one query each) are attended together: on CPU by ember's compiled kernel, which reads each
-  sequence's blocks in place (``ember.kernels``); otherwise their blocks are gathered into one padded batch and a
-  length mask hides the padding; grouped-query heads are folded into the query rows, so K/V are never repeated;
-- prefill chunks are attended one sequence at a time, causally, against their whole context in the cache.
+- decode tokens (one query each) are attended together: by the ``cpu-kernel`` backend with ember's compiled kernel,
+  which reads each sequence's blocks in place (``ember.kernels``); by the ``torch`` backend (CUDA, no compiler,
+  a quantized pool) their blocks are gathered into one padded batch and a length mask hides the padding;
+  grouped-query heads are folded into the query rows, so K/V are never repeated;
+- prefill chunks are attended one sequence at a time, causally, against their whole context in the cache (SDPA,
+  in both backends).
 The batch is ordered decodes first, then prefills.
 With a quantized KV cache (``KVCacheFormat`` int8 / uint4) K and V are quantized as they are written and the blocks
-a step reads are dequantized after the gather (the compiled decode kernel reads float pools only); a fresh prompt
-chunk attends to its own exact K/V.
+a step reads are dequantized after the gather (the compiled decode kernel reads float pools only, so a quantized
+pool selects the ``torch`` backend); a fresh prompt chunk attends to its own exact K/V.
+
+``select_attention_backend`` picks the backend once; ``bind_attention_backend`` gives it to every layer of a model,
+so ``PagedAttention.forward`` holds no per-call device or format checks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.errors import ConfigError
 from ember.kernels import kernels_for
 from ember.layers.kv_cache import KVCacheFormat
 
@@ -105,6 +113,160 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.matmul(probs.to(v.dtype), v.transpose(1, 2)).reshape(nd, Hq, D)
 
 
+def _quantized(fmt: KVCacheFormat | None) -> KVCacheFormat | None:
+    """The format when the pool holds quantized entries, None when it holds the model's float."""
+    return fmt if fmt is not None and fmt.quantized else None
+
+
+def _gather(layer: PagedAttention, cache: torch.Tensor, blocks: torch.Tensor, fmt: KVCacheFormat | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The blocks' entries as [len(blocks) * block_size, Hkv, D] in dtype (the query's)."""
+    E = fmt.entry if fmt is not None else layer.head_dim
+    g = cache.index_select(0, blocks).view(-1, layer.num_kv_heads, E)  # index_select: ~4x faster than indexing on CPU
+    return fmt.unpack(g, dtype) if fmt is not None else g
+
+
+class AttentionBackend:
+    """How a ``PagedAttention`` layer stores its new K/V and attends, chosen once (``select_attention_backend``).
+
+    One instance serves every layer of a model: it holds no per-layer state and reads the layer's caches, heads,
+    window and scale at each call. Subclasses implement ``decode`` and ``prefill``; ``forward`` runs a step."""
+
+    __slots__ = ()
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device) -> None:
+        """Construct through ``select_attention_backend``, which checks ``supports`` first."""
+
+    @classmethod
+    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None) -> bool:
+        """Whether this backend can run layers on device whose pool is in kv_format (None: the model's float)."""
+        raise NotImplementedError
+
+    def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]: write the batch's K/V, then attend decodes and prefills."""
+        T, Hq, D = q.shape
+        fmt = _quantized(layer.kv_format)
+        self.write(layer, k, v, meta.slot_mapping, fmt)
+        out = q.new_empty(T, Hq, D)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self.decode(layer, q[:nd], meta, fmt)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.length)
+            out[rows] = self.prefill(layer, q[rows], k[rows], v[rows], span, fmt)
+        return out.view(T, Hq * D)
+
+    def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              fmt: KVCacheFormat | None) -> None:
+        """Store k/v [T, Hkv, D] in their flat slots, quantized as they are written when the pool is."""
+        E = fmt.entry if fmt is not None else layer.head_dim
+        Hkv = layer.num_kv_heads
+        layer.k_cache.view(-1, Hkv, E).index_copy_(0, slots, fmt.pack(k) if fmt is not None else k)
+        layer.v_cache.view(-1, Hkv, E).index_copy_(0, slots, fmt.pack(v) if fmt is not None else v)
+
+    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
+               fmt: KVCacheFormat | None) -> torch.Tensor:
+        """The decode rows: q [nd, Hq, D] -> [nd, Hq, D]."""
+        raise NotImplementedError
+
+    def prefill(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
+                fmt: KVCacheFormat | None) -> torch.Tensor:
+        """One sequence's chunk: q [L, Hq, D], its own k/v [L, Hkv, D] -> [L, Hq, D]."""
+        raise NotImplementedError
+
+
+class TorchAttention(AttentionBackend):
+    """Every device and KV format: decode gathers the blocks into a padded batch, prefill runs SDPA."""
+
+    __slots__ = ()
+    name = "torch"
+
+    @classmethod
+    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None) -> bool:
+        return True
+
+    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
+               fmt: KVCacheFormat | None) -> torch.Tensor:
+        nd, Hkv, D = q.shape[0], layer.num_kv_heads, layer.head_dim
+        flat = meta.decode_block_tables.view(-1)
+        kd = _gather(layer, layer.k_cache, flat, fmt, q.dtype).view(nd, -1, Hkv, D)
+        vd = _gather(layer, layer.v_cache, flat, fmt, q.dtype).view(nd, -1, Hkv, D)
+        mask = meta.decode_mask(layer.sliding_window, layer.k_cache.shape[1])
+        return _decode_attention(q, kd, vd, mask, layer.scale)
+
+    def prefill(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
+                fmt: KVCacheFormat | None) -> torch.Tensor:
+        qs = q.transpose(0, 1).unsqueeze(0)
+        fresh = span.context_len == span.length
+        if fresh:  # nothing cached before this chunk: attend to the chunk's own K/V
+            ks, vs = k, v
+        else:
+            ks = _gather(layer, layer.k_cache, span.block_table, fmt, q.dtype)[:span.context_len]
+            vs = _gather(layer, layer.v_cache, span.block_table, fmt, q.dtype)[:span.context_len]
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+        window = layer.sliding_window
+        if fresh and (window is None or span.context_len <= window):
+            o = _sdpa(qs, ks, vs, None, True, layer.scale)
+        else:
+            mask = _causal_mask(span.length, span.context_len, window, q.device)
+            o = _sdpa(qs, ks, vs, mask, False, layer.scale)
+        return o.squeeze(0).transpose(0, 1)
+
+
+class CpuKernelAttention(TorchAttention):
+    """CPU with ember's compiled kernels and a float pool: decode reads the blocks in place, with no gathered copy;
+    prefill as ``torch``."""
+
+    __slots__ = ("kernels",)
+    name = "cpu-kernel"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        kernels = kernels_for(device)
+        if kernels is None:
+            raise RuntimeError(f"the compiled CPU kernels are not available on {device}")
+        self.kernels: ModuleType = kernels
+
+    @classmethod
+    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None) -> bool:
+        return _quantized(kv_format) is None and kernels_for(device) is not None
+
+    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
+               fmt: KVCacheFormat | None) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, layer.sliding_window or 0, layer.scale)
+
+
+# name -> backend, in order of preference: selection takes the first that supports the device and KV format
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (CpuKernelAttention, TorchAttention)}
+
+
+def select_attention_backend(device: torch.device, kv_format: KVCacheFormat | None,
+                             name: str | None = None) -> AttentionBackend:
+    """The backend for layers on device with a pool in kv_format: ``name`` when given, else the first of
+    ``ATTENTION_BACKENDS`` that supports them (the compiled kernel for a float pool on CPU, else torch)."""
+    if name is None:
+        name = next(n for n, b in ATTENTION_BACKENDS.items() if b.supports(device, kv_format))
+    backend = ATTENTION_BACKENDS.get(name)
+    if backend is None:
+        raise ConfigError(f"attention backend {name!r} is unknown: use one of {tuple(ATTENTION_BACKENDS)}")
+    if not backend.supports(device, kv_format):
+        kind = kv_format.kind if kv_format is not None else "auto"
+        raise ConfigError(f"attention backend {name!r} cannot run on {device} with kv_cache_dtype={kind!r}")
+    return backend(device)
+
+
+def bind_attention_backend(layers: list[PagedAttention], device: torch.device,
+                           kv_format: KVCacheFormat | None) -> AttentionBackend:
+    """Select the backend once and give it to every layer; returns it (its ``name`` says which)."""
+    backend = select_attention_backend(device, kv_format)
+    for layer in layers:
+        layer.backend = backend
+    return backend
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
         super().__init__()
@@ -115,49 +277,11 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kv_format: KVCacheFormat | None = None  # None: the pool holds the model's float
+        # set by bind_attention_backend; a layer built on its own selects one at its first call and keeps it
+        self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
-        T, Hq, D = q.shape
-        Hkv = self.num_kv_heads
-        block_size = self.k_cache.shape[1]
-        fmt = self.kv_format if self.kv_format is not None and self.kv_format.quantized else None
-        E = fmt.entry if fmt is not None else D
-        self.k_cache.view(-1, Hkv, E).index_copy_(0, meta.slot_mapping, fmt.pack(k) if fmt is not None else k)
-        self.v_cache.view(-1, Hkv, E).index_copy_(0, meta.slot_mapping, fmt.pack(v) if fmt is not None else v)
-
-        def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-            """The blocks' entries as [len(blocks) * block_size, Hkv, D] in the query's dtype."""
-            g = cache.index_select(0, blocks).view(-1, Hkv, E)  # index_select: ~4x faster than indexing on CPU
-            return fmt.unpack(g, q.dtype) if fmt is not None else g
-
-        out = q.new_empty(T, Hq, D)
-        nd = meta.num_decode
-        kernels = kernels_for(q.device) if nd and fmt is None else None
-        if kernels is not None:  # reads the blocks in place: no gathered copy
-            out[:nd] = kernels.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
-                                                      meta.decode_context_lens, self.sliding_window or 0, self.scale)
-        elif nd:
-            flat = meta.decode_block_tables.view(-1)
-            kd = gather(self.k_cache, flat).view(nd, -1, Hkv, D)
-            vd = gather(self.v_cache, flat).view(nd, -1, Hkv, D)
-            mask = meta.decode_mask(self.sliding_window, block_size)
-            out[:nd] = _decode_attention(q[:nd], kd, vd, mask, self.scale)
-        for span in meta.prefills:
-            rows = slice(span.start, span.start + span.length)
-            qs = q[rows].transpose(0, 1).unsqueeze(0)
-            fresh = span.context_len == span.length
-            if fresh:  # nothing cached before this chunk: attend to the chunk's own K/V
-                ks, vs = k[rows], v[rows]
-            else:
-                ks = gather(self.k_cache, span.block_table)[:span.context_len]
-                vs = gather(self.v_cache, span.block_table)[:span.context_len]
-            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-            window = self.sliding_window
-            if fresh and (window is None or span.context_len <= window):
-                o = _sdpa(qs, ks, vs, None, True, self.scale)
-            else:
-                mask = _causal_mask(span.length, span.context_len, window, q.device)
-                o = _sdpa(qs, ks, vs, mask, False, self.scale)
-            out[rows] = o.squeeze(0).transpose(0, 1)
-        return out.view(T, Hq * D)
+        if self.backend is None:
+            self.backend = select_attention_backend(q.device, self.kv_format)
+        return self.backend.forward(self, q, k, v, meta)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ember.quantization.tensor import quantize_int8_symmetric
+
 KV_CACHE_DTYPES = ("auto", "int8", "uint4")  # EngineConfig.kv_cache_dtype
 UINT4_GROUP = 32  # values sharing one scale and minimum in a uint4 entry (the whole head when smaller)
 
@@ -47,9 +49,8 @@ class KVCacheFormat:
             return x
         x = x.float()
         if self.kind == "int8":
-            scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-10)
-            q = (x / scale).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
-            return torch.cat([q, scale.view(torch.uint8)], dim=-1)
+            q, scale = quantize_int8_symmetric(x)
+            return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
         g = x.view(*x.shape[:-1], -1, self.group)
         lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
         scale = ((hi - lo) / 15).clamp(min=1e-10)

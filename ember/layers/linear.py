@@ -8,19 +8,18 @@ weight out for the device's kernel (``ember.quantization.kernels``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember import envs
 from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
 
 def mkldnn_prepack_available() -> bool:
     """oneDNN can pre-pack linear weights on CPU: about 2x faster matmuls for decode-sized batches, bf16 and fp32.
     EMBER_MKLDNN_LINEAR=0 turns it off."""
-    return (os.environ.get("EMBER_MKLDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
+    return (envs.mkldnn_linear_enabled() and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 

@@ -8,11 +8,59 @@
 - no_repeat_ngram_size / bad_words_ids: transformers semantics (NoRepeatNGramLogitsProcessor over prompt and
   output; NoBadWordsLogitsProcessor: a one-token bad word is always banned, a longer one's last token is banned when
   the sequence ends with the rest of it).
+
+Each sits behind one protocol, ``LogitsProcessor``: it says which rows want it and rewrites their logits. What a
+processor remembers between steps (the n-gram index, later a grammar matcher) lives in the row's ``RowState``,
+which belongs to the sample: the worker keeps it under the sample's handle until the engine core releases it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
+
+from ember.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row to sample this step, as the worker receives it: plain values, picklable."""
+
+    handle: int  # the sample's id: keys its RowState in the worker
+    params: SamplingParams
+    seed: int | None  # the sample's own seed (params.seed + its index); None draws from the global RNG
+    num_output_tokens: int
+    token_ids: list[int] | None = None  # prompt + output, sent only to rows whose processors read the history
+    num_prompt_tokens: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @staticmethod
+    def reads_history(params: SamplingParams) -> bool:
+        return params.needs_penalties or params.bans_tokens
+
+
+class RowState:
+    """What a sample's sampling remembers between steps: its generator and the processors' state."""
+
+    __slots__ = ("generator", "ngram")
+
+    def __init__(self, seed: int | None) -> None:
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.ngram: NGramIndex | None = None
+
+
+class LogitsProcessor(Protocol):
+    def wants(self, params: SamplingParams) -> bool:
+        """Whether a row with these parameters needs this processor at all."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], batch: list[SamplingRow],
+                 states: list[RowState]) -> torch.Tensor:
+        """logits [B, V] of the whole batch -> new logits; only the given rows change."""
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -73,3 +121,59 @@ def bad_word_tokens(tokens: list[int], bad_words: list[list[int]]) -> list[int]:
         if k == 0 or (len(tokens) >= k and tokens[len(tokens) - k:] == word[:-1]):
             out.append(word[-1])
     return out
+
+
+class Penalties:
+    """repetition_penalty, presence_penalty and frequency_penalty, batched over the rows that use them."""
+
+    def wants(self, params: SamplingParams) -> bool:
+        return params.needs_penalties
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], batch: list[SamplingRow],
+                 states: list[RowState]) -> torch.Tensor:
+        device, vocab = logits.device, logits.shape[1]
+        params = [batch[i].params for i in rows]
+        idx = torch.tensor(rows, device=device)
+        sub = logits[idx]
+        f32 = dict(dtype=torch.float32, device=device)
+        rep = torch.tensor([p.repetition_penalty for p in params], **f32)
+        if bool((rep != 1).any()):
+            seen = token_counts([batch[i].output_token_ids if p.repetition_penalty_output_only
+                                 else batch[i].token_ids for i, p in zip(rows, params)], vocab, device) > 0
+            sub = apply_repetition_penalty(sub, seen, rep)
+        pres = torch.tensor([p.presence_penalty for p in params], **f32)
+        freq = torch.tensor([p.frequency_penalty for p in params], **f32)
+        if bool((pres != 0).any() or (freq != 0).any()):
+            counts = token_counts([batch[i].output_token_ids for i in rows], vocab, device)
+            sub = apply_presence_frequency(sub, counts, pres, freq)
+        return logits.index_copy(0, idx, sub)
+
+
+class TokenBans:
+    """min_tokens (EOS and stop ids masked), no_repeat_ngram_size and bad_words_ids: one masking pass."""
+
+    def wants(self, params: SamplingParams) -> bool:
+        return params.min_tokens > 0 or params.bans_tokens
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], batch: list[SamplingRow],
+                 states: list[RowState]) -> torch.Tensor:
+        banned: dict[int, list[int]] = {}
+        for i in rows:
+            row, p = batch[i], batch[i].params
+            if row.num_output_tokens < p.min_tokens:
+                banned[i] = list(p.eos_token_ids) + p.stop_token_ids
+            if p.bans_tokens:
+                ids = banned.setdefault(i, [])
+                if p.no_repeat_ngram_size:
+                    if states[i].ngram is None:
+                        states[i].ngram = NGramIndex(p.no_repeat_ngram_size)
+                    ids.extend(states[i].ngram.banned(row.token_ids))
+                ids.extend(bad_word_tokens(row.token_ids, p.bad_words_ids))
+        if banned:
+            logits = logits.clone()
+            mask_tokens(logits, list(banned), list(banned.values()))
+        return logits
+
+
+# in transformers' order: penalties, then the masks
+DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (Penalties(), TokenBans())

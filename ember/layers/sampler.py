@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.core.sequence import Sequence
-from ember.layers.logits_processors import (NGramIndex, apply_presence_frequency, apply_repetition_penalty,
-                                            bad_word_tokens, mask_tokens, token_counts)
+from ember.layers.logits_processors import DEFAULT_PROCESSORS, LogitsProcessor, RowState, SamplingRow
 
 
 @dataclass(slots=True)
@@ -87,19 +85,25 @@ def _kept_logsumexp(logits: torch.Tensor, vals: torch.Tensor, use_k: torch.Tenso
 
 
 class Sampler:
-    def __init__(self, vocab_size: int) -> None:
+    """Samples one token per row from plain rows (``SamplingRow``) and their states; reads no engine object."""
+
+    def __init__(self, vocab_size: int, processors: tuple[LogitsProcessor, ...] = DEFAULT_PROCESSORS) -> None:
         self.vocab_size = vocab_size
+        self.processors = processors
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits [B, V] float32, one row per sequence to sample."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], states: list[RowState]) -> SamplerOutput:
+        """logits [B, V] float32, one row per sample."""
         B, V = logits.shape
         device = logits.device
-        params = [s.request.params for s in seqs]
+        params = [r.params for r in rows]
         max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = logits.log_softmax(dim=-1) if max_lp is not None else None
 
-        logits = self._process(logits, seqs)
+        for proc in self.processors:
+            wanted = [i for i, p in enumerate(params) if proc.wants(p)]
+            if wanted:
+                logits = proc(logits, wanted, rows, states)
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         # rows that filter their candidates, and rows that draw from the whole vocabulary, go separately
@@ -107,7 +111,7 @@ class Sampler:
         for group in (filtered, [i for i in rand_rows if i not in set(filtered)]):
             if group:
                 idx = torch.tensor(group, device=device)
-                tokens[idx] = self._draw(logits[idx], [seqs[i] for i in group])
+                tokens[idx] = self._draw(logits[idx], [params[i] for i in group], [states[i] for i in group])
         token_list = tokens.tolist()
 
         lps: list[TokenLogprobs | None] = [None] * B
@@ -124,13 +128,12 @@ class Sampler:
                                        top_ids[i, :k].tolist() if k else [], top_vals[i, :k].tolist() if k else [])
         return SamplerOutput(token_list, lps)
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, params: list, states: list[RowState]) -> torch.Tensor:
         """Sample one token per row: argmax(p / E) with E ~ Exp(1) (the Gumbel trick, exact).
 
         A seeded row draws noise for the whole vocabulary from its own generator and reads it at its candidates,
         so its tokens do not depend on the batch, nor on how many candidates were ranked."""
         device = logits.device
-        params = [s.request.params for s in seqs]
         f32 = dict(dtype=torch.float32, device=device)
         logits = logits / torch.tensor([p.temperature for p in params], **f32)[:, None]
         cand = filter_candidates(
@@ -141,45 +144,20 @@ class Sampler:
         )
         probs = cand.logits.softmax(dim=-1)
         uniform = torch.rand_like(probs)  # -log(U) ~ Exp(1); rand is far cheaper than exponential_ on CPU
-        for j, s in enumerate(seqs):
-            if s.generator is not None:
-                uniform[j] = torch.rand(self.vocab_size, generator=s.generator).to(device)[cand.ids[j]]
+        for j, st in enumerate(states):
+            if st.generator is not None:
+                uniform[j] = torch.rand(self.vocab_size, generator=st.generator).to(device)[cand.ids[j]]
         choice = (probs / -uniform.log()).argmax(dim=-1, keepdim=True)
         return cand.ids.gather(1, choice).squeeze(1)
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.request.params for s in seqs]
-        device = logits.device
-        rows = [i for i, p in enumerate(params) if p.needs_penalties]
-        if rows:
-            idx = torch.tensor(rows, device=device)
-            sub = logits[idx]
-            f32 = dict(dtype=torch.float32, device=device)
-            rep = torch.tensor([params[i].repetition_penalty for i in rows], **f32)
-            if bool((rep != 1).any()):
-                seen = token_counts([seqs[i].output_token_ids if params[i].repetition_penalty_output_only
-                                     else seqs[i].token_ids for i in rows], self.vocab_size, device) > 0
-                sub = apply_repetition_penalty(sub, seen, rep)
-            pres = torch.tensor([params[i].presence_penalty for i in rows], **f32)
-            freq = torch.tensor([params[i].frequency_penalty for i in rows], **f32)
-            if bool((pres != 0).any() or (freq != 0).any()):
-                counts = token_counts([seqs[i].output_token_ids for i in rows], self.vocab_size, device)
-                sub = apply_presence_frequency(sub, counts, pres, freq)
-            logits = logits.index_copy(0, idx, sub)
-        banned: dict[int, list[int]] = {}
-        for i, s in enumerate(seqs):
-            p = params[i]
-            if s.num_output_tokens < p.min_tokens:
-                banned[i] = list(p.eos_token_ids) + p.stop_token_ids
-            if p.bans_tokens:
-                ids = banned.setdefault(i, [])
-                if p.no_repeat_ngram_size:
-                    if s.ngram_index is None:
-                        s.ngram_index = NGramIndex(p.no_repeat_ngram_size)
-                    ids.extend(s.ngram_index.banned(s.token_ids))
-                ids.extend(bad_word_tokens(s.token_ids, p.bad_words_ids))
-        if banned:
-            logits = logits.clone() if not rows else logits
-            rows_b = list(banned)
-            mask_tokens(logits, rows_b, [banned[i] for i in rows_b])
-        return logits
+
+def rank_logprobs(logprobs: torch.Tensor, chosen_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """For rows of log-probabilities and the token each row scored: its logprob, its rank, and the top k."""
+    if logprobs.shape[0] == 0:
+        return []
+    ids = torch.tensor(chosen_ids, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1)
+    ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    return [TokenLogprobs(v, ranks[i], top_ids[i].tolist() if k else [], top_vals[i].tolist() if k else [])
+            for i, v in enumerate(chosen.tolist())]

@@ -1,7 +1,7 @@
-"""Build a model from a Hugging Face folder, a GGUF file or an ember .asmodel pair, with its tokenizer and generation
-defaults. The three checkpoint kinds share one small interface: hf_config(), generation_config(),
-tensors(config, keep_quantized) (Hugging Face names), native_quantization() (the quantized layout it stores, if
-any), tokenizer()."""
+"""Build a model from a Hugging Face folder, a GGUF file or an ember .asmodel pair (``load_model``, for workers), and
+its tokenizer and generation defaults (``load_tokenizer``, for the front end). The three checkpoint kinds share one
+small interface: hf_config(), generation_config(), tensors(config, keep_quantized) (Hugging Face names),
+native_quantization() (the quantized layout it stores, if any), tokenizer()."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ember.config import EngineConfig, resolve_dtype
+from ember.config import ModelConfig, ModelShape, resolve_dtype
 from ember.layers.linear import mkldnn_prepack_available
 from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.gguf import GGUFCheckpoint
@@ -29,10 +29,21 @@ class LoadedModel:
     hf_config: Any
     architecture: str
     dtype: torch.dtype
+    shape: ModelShape
+    quant: QuantConfig | None
+
+    @property
+    def max_position(self) -> int:
+        return self.shape.max_position
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerInfo:
+    """What the front end needs of a checkpoint: its tokenizer, generation defaults and every EOS id."""
+
     tokenizer: Tokenizer
     generation_config: dict[str, Any]
     eos_token_ids: tuple[int, ...]
-    max_position: int
 
 
 Checkpoint = HFCheckpoint | GGUFCheckpoint | AsModelCheckpoint
@@ -47,26 +58,21 @@ def open_checkpoint(path: str) -> Checkpoint:
     return HFCheckpoint(path)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    ckpt = open_checkpoint(config.model)
+def load_model(config: ModelConfig) -> LoadedModel:
+    ckpt = open_checkpoint(config.path)
     hf_config = ckpt.hf_config()
-    generation_config = ckpt.generation_config()
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
     config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
     requested = config.dtype
     if requested == "auto" and isinstance(ckpt, AsModelCheckpoint):
         requested = ckpt.meta["dtype"]  # chosen when it was serialized: run it as stored
     dtype = resolve_dtype(requested, config_dtype, config.device)
-    max_position = int(getattr(hf_config, "max_position_embeddings", 0) or 8192)
-    if config.max_model_len is not None and config.max_model_len > max_position:
-        raise ValueError(f"max_model_len={config.max_model_len} is out of range: this model supports at most "
-                         f"{max_position} positions")
-
+    shape = ModelShape.of(hf_config)
     quant = resolve_quantization(config, ckpt, dtype)
     if quant is not None:
         logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
     with torch.device("cpu"):
-        model = cls(architecture, hf_config, max_position, dtype, quant)
+        model = cls(architecture, hf_config, shape.max_position, dtype, quant)
     model.load_weights(ckpt.tensors(hf_config, keep_quantized=quant is not None))
     model.to(config.device).eval()
     device = torch.device(config.device)
@@ -74,14 +80,20 @@ def load_model(config: EngineConfig) -> LoadedModel:
     for module in model.modules():  # embedding before LM head: a tied head reuses the finalized table
         if hasattr(module, "finalize"):
             module.finalize(device, prepack)
+    return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
 
-    # a tokenizer given apart: a tokenizer folder, a .gguf or an .asmodel
+
+def load_tokenizer(config: ModelConfig) -> TokenizerInfo:
+    """The tokenizer (from a tokenizer given apart: a folder, a .gguf or an .asmodel), the generation defaults and
+    the EOS ids of the tokenizer, the generation config and the model config together."""
+    ckpt = open_checkpoint(config.path)
     tokenizer = (open_checkpoint(config.tokenizer) if config.tokenizer else ckpt).tokenizer()
-    eos = _eos_ids(tokenizer, hf_config, generation_config)
-    return LoadedModel(model, hf_config, architecture, dtype, tokenizer, generation_config, eos, max_position)
+    generation_config = ckpt.generation_config()
+    eos = _eos_ids(tokenizer, ckpt.hf_config(), generation_config)
+    return TokenizerInfo(tokenizer, generation_config, eos)
 
 
-def resolve_quantization(config: EngineConfig, ckpt: Checkpoint, dtype: torch.dtype) -> QuantConfig | None:
+def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype) -> QuantConfig | None:
     """The weight layout to build: the engine config's choice, else what the checkpoint stores (see EngineConfig)."""
     native = ckpt.native_quantization()
     stored = isinstance(ckpt, AsModelCheckpoint) and native is not None
@@ -93,7 +105,7 @@ def resolve_quantization(config: EngineConfig, ckpt: Checkpoint, dtype: torch.dt
             return None
         method = native.method
     elif stored and method != native.method:
-        raise ValueError(f"quantization={method!r}: {config.model} is stored quantized as {native.describe()}; "
+        raise ValueError(f"quantization={method!r}: {config.path} is stored quantized as {native.describe()}; "
                          "convert the original checkpoint to change it, or use quantization=None or 'none'")
     group = config.quant_group_size or (native.group_size if native is not None and native.method == "int4" else 128)
     embeddings = config.quantize_embeddings
@@ -111,4 +123,5 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
     return tuple(ids)
 
 
-__all__ = ["Checkpoint", "LoadedModel", "load_model", "open_checkpoint", "resolve_quantization"]
+__all__ = ["Checkpoint", "LoadedModel", "TokenizerInfo", "load_model", "load_tokenizer", "open_checkpoint",
+           "resolve_quantization"]

@@ -1,8 +1,9 @@
 """ember's serialized model: two files side by side, named after the model.
 
 - ``NAME.asmodel`` (JSON): format and version, architecture, the transformers config, the weights' dtype, the
-  generation defaults, the tokenizer files and chat template, the quantization recipe, and an index of the weights
-  (name, dtype, shape of each tensor, and the byte size of the weights file) to validate them against;
+  generation defaults, the tokenizer files and chat template, the flags of the program that wrote it (``extra``),
+  and an index of the weights (name, dtype, shape of each tensor, and the byte size of the weights file) to
+  validate them against;
 - ``NAME.asparam`` (safetensors): the weights under Hugging Face names, already in that dtype; a quantized weight
   ``X.weight`` is stored as ``X.qdata`` (int8, or uint8 holding two int4 values), ``X.scales`` and, for int4,
   ``X.offsets`` (see ember.quantization.tensor), with the QuantConfig that made it under ``quant_config``.
@@ -23,12 +24,12 @@ from typing import Any
 
 import torch
 
+from ember import dtypes
 from ember.quantization import QuantConfig, QuantizedTensor, requantize
 
 FORMAT = "ember.asmodel"
 FORMAT_VERSION = 1
 MODEL_SUFFIX, PARAM_SUFFIX = ".asmodel", ".asparam"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "U8": "uint8", "I32": "int32",
               "I64": "int64", "BOOL": "bool"}
 
@@ -42,20 +43,6 @@ def pair_paths(out_dir: str, name: str) -> tuple[str, str]:
 
 
 @dataclass(slots=True)
-class QuantRecipe:
-    """What DashInfer's serialize(enable_quant=..., weight_only_quant=..., customized_quant_config=...) asked for,
-    recorded as given; the QuantConfig it translates to is what the weights were quantized with."""
-
-    enable_quant: bool = False
-    weight_only_quant: bool = False
-    customized_quant_config: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"enable_quant": self.enable_quant, "weight_only_quant": self.weight_only_quant,
-                "customized_quant_config": self.customized_quant_config}
-
-
-@dataclass(slots=True)
 class ModelContents:
     """Everything a serialized model holds, in memory (what HuggingFaceModel.load_model reads)."""
 
@@ -66,7 +53,9 @@ class ModelContents:
     tensors: dict[str, torch.Tensor | QuantizedTensor]
     dtype: torch.dtype
     source: str
-    quant: QuantRecipe = field(default_factory=QuantRecipe)
+    # what the program that wrote the pair wants kept with it (a facade's own flags: DashInfer's serialize
+    # arguments); stored verbatim under "extra", never read by ember
+    extra: dict[str, Any] = field(default_factory=dict)
     quant_config: QuantConfig | None = None  # set: write() stores the weights quantized
 
 
@@ -74,25 +63,24 @@ def default_dtype(hf_config: Any) -> torch.dtype:
     """The checkpoint's own float dtype (config.json's dtype), else bfloat16 (GGUF, or no dtype recorded)."""
     name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(name, torch.dtype):
-        return name if name in _DTYPE_NAMES else torch.bfloat16
-    return {v: k for k, v in _DTYPE_NAMES.items()}.get(str(name).removeprefix("torch."), torch.bfloat16)
+        return name if name in dtypes.NAMES else torch.bfloat16
+    return dtypes.DTYPES.get(str(name).removeprefix("torch."), torch.bfloat16)
 
 
 def parse_dtype(value: str | torch.dtype | None, hf_config: Any, name: str = "dtype") -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' (or a torch dtype); None or 'auto' is the checkpoint's own."""
     if value is None or value == "auto":
         return default_dtype(hf_config)
-    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
+    if isinstance(value, torch.dtype) and value in dtypes.NAMES:
         return value
-    by_name = {v: k for k, v in _DTYPE_NAMES.items()}
-    if value not in by_name:
+    if value not in dtypes.DTYPES:
         raise ValueError(f"{name}={value!r} is not supported: use 'float32', 'bfloat16' or 'float16'")
-    return by_name[value]
+    return dtypes.DTYPES[value]
 
 
 def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None = None,
-            quant: QuantRecipe | None = None, skip_if_exists: bool = False, show_progress: bool = False,
-            quant_config: QuantConfig | None = None) -> str:
+            skip_if_exists: bool = False, show_progress: bool = False, quant_config: QuantConfig | None = None,
+            extra: dict[str, Any] | None = None) -> str:
     """Serialize the checkpoint at src (Hugging Face folder, .gguf or .asmodel) as out_dir/NAME.asmodel +
     .asparam; with skip_if_exists, a pair that is already there and validates is kept. Returns the .asmodel path."""
     from ember.model_loader import open_checkpoint
@@ -108,7 +96,7 @@ def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None =
 
         progress = lambda items: tqdm(items, desc="Converting", unit="tensor", dynamic_ncols=True)  # noqa: E731
     contents = read_contents(ckpt, target, os.path.abspath(src), progress, keep_quantized=quant_config is not None)
-    contents.quant = quant or QuantRecipe()
+    contents.extra = dict(extra or {})
     contents.quant_config = quant_config
     return write(contents, out_dir, name)[0]
 
@@ -144,7 +132,7 @@ def write(contents: ModelContents, out_dir: str, name: str) -> tuple[str, str]:
     model_path, param_path = pair_paths(out_dir, name)
     os.makedirs(out_dir, exist_ok=True)
     config = contents.hf_config.to_dict()
-    config["dtype"] = _DTYPE_NAMES[contents.dtype]
+    config["dtype"] = dtypes.NAMES[contents.dtype]
     config.pop("torch_dtype", None)
     with tempfile.TemporaryDirectory() as tmp:
         contents.tokenizer.hf.save_pretrained(tmp)
@@ -159,12 +147,12 @@ def write(contents: ModelContents, out_dir: str, name: str) -> tuple[str, str]:
         "model_name": name,
         "architecture": contents.architecture,
         "source": contents.source,
-        "dtype": _DTYPE_NAMES[contents.dtype],
+        "dtype": dtypes.NAMES[contents.dtype],
         "config": config,
         "generation_config": contents.generation_config,
         "chat_template": getattr(contents.tokenizer.hf, "chat_template", None),
         "tokenizer": tok_files,
-        "quantization": contents.quant.to_dict(),
+        "extra": contents.extra,
         "quant_config": contents.quant_config.to_dict() if contents.quant_config else None,
         "weights": {"file": os.path.basename(param_path), "tensors": {}, "bytes": 0},
     }
@@ -280,8 +268,8 @@ class AsModelCheckpoint:
         return dict(self.meta.get("generation_config") or {})
 
     @property
-    def quantization(self) -> dict[str, Any]:
-        return dict(self.meta.get("quantization") or {})
+    def extra(self) -> dict[str, Any]:
+        return dict(self.meta.get("extra") or {})
 
     def native_quantization(self) -> QuantConfig | None:
         return QuantConfig.from_dict(self.meta.get("quant_config"))
@@ -308,7 +296,7 @@ class AsModelCheckpoint:
 
     def tokenizer(self):
         """The embedded tokenizer files, unpacked once into ember's cache and loaded from there."""
-        from ember.config import cache_dir, file_key
+        from ember.cache import cache_dir, file_key
         from ember.tokenizer import Tokenizer
 
         folder = cache_dir("asmodel-tokenizers", file_key(self.path))

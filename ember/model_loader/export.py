@@ -42,7 +42,7 @@ def export_hf_folder(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.fl
 
 def cached_hf_folder(gguf_path: str, dtype: torch.dtype = torch.float32) -> str:
     """The exported folder of this GGUF file under the ember cache, made on first use."""
-    from ember.config import cache_dir, file_key
+    from ember.cache import cache_dir, file_key
 
     out = cache_dir("hf-export", f"{os.path.basename(gguf_path)[:-5]}-{file_key(gguf_path, dtype)}")
     if not os.path.isfile(os.path.join(out, "model.safetensors")):

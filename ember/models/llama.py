@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.config import ModelShape
 from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.embedding import LMHead, VocabEmbedding
@@ -58,9 +59,8 @@ class Attention(nn.Module):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
                  dtype: torch.dtype, quant: QuantConfig | None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        shape = ModelShape.of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, sw.qkv_bias, dtype, quant)
         self.o_proj = Linear(q, config.hidden_size, sw.o_bias, dtype, quant)
@@ -122,8 +122,7 @@ class LlamaModel(nn.Module):
                  quant: QuantConfig | None = None) -> None:
         super().__init__()
         sw = family_switches(architecture, config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rope = RotaryEmbedding(config, head_dim, max_position)
+        self.rope = RotaryEmbedding(config, ModelShape.of(config).head_dim, max_position)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
                                            quantized=quant is not None and quant.embeddings)
         self.layers = nn.ModuleList(

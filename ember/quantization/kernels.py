@@ -1,6 +1,6 @@
 """Quantized matmuls: a QuantizedTensor re-laid out once for the device's kernel, then ``y = x W^T``.
 
-One *path* a weight, chosen at load:
+One *path* a weight, chosen at load by ``select_path`` and run by its class in ``MATMUL_PATHS``:
 - ``cpu-int8`` / ``cpu-int4`` / ``cpu-w8a8``: torch's packed CPU ops (``_weight_int8pack_mm``,
   ``_weight_int4pack_mm_for_cpu``, ``_int_mm``). They are fast for decode-sized batches and only in bf16 (fp32
   inputs run 10-40x slower), so activations enter them as bf16 whatever the model's dtype. For big batches
@@ -19,11 +19,13 @@ and that path is not used again in the process (its weights run the portable pat
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ember.quantization.tensor import QuantizedTensor
+from ember.quantization.tensor import QuantizedTensor, quantize_int8_symmetric
 
 logger = logging.getLogger("ember")
 
@@ -78,10 +80,222 @@ def _tinygemm_inner_k_tiles(k: int) -> int:
     return next(t for t in (8, 4, 2) if k % (16 * t) == 0)
 
 
-class QuantizedMatmul:
-    """A weight prepared for ``method`` ('int8' | 'int4' | 'w8a8') on its tensors' device."""
+def _w8a8(x: torch.Tensor, n: int, k: int, int_mm: Callable[[torch.Tensor], torch.Tensor],
+          scales: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token int8 activations x int8 per-channel weights: ``int_mm`` accumulates the int8 products
+    (as float), then one float rescale by the token's and the channel's scales."""
+    xq, xs = quantize_int8_symmetric(x.reshape(-1, k), dim=1)
+    return (int_mm(xq) * xs * scales).to(x.dtype).view(*x.shape[:-1], n)
 
-    __slots__ = ("method", "n", "k", "group_size", "path", "w", "s", "qt")
+
+class MatmulPath:
+    """One way to run ``y = x W^T``: ``prepare`` lays the weight out for its kernel once, ``matmul`` runs it.
+
+    ``w`` and ``s`` are the kernel's weight and scales; ``checked_at_load`` marks the paths whose first weight in a
+    process is checked against the portable result (``QuantizedMatmul._self_check``)."""
+
+    __slots__ = ("method", "n", "k", "group_size", "w", "s")
+    name: ClassVar[str]
+    checked_at_load: ClassVar[bool] = False
+
+    def __init__(self, method: str, n: int, k: int, group_size: int) -> None:
+        self.method, self.n, self.k, self.group_size = method, n, k, group_size
+        self.w: torch.Tensor | None = None
+        self.s: torch.Tensor | None = None
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] as this path holds it, in dtype."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What this weight holds in memory."""
+        return [t for t in (self.w, self.s) if t is not None]
+
+
+class PortablePath(MatmulPath):
+    """Dequantize per call; correct on every device. Keeps the QuantizedTensor as it is."""
+
+    __slots__ = ("qt",)
+    name = "portable"
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        self.qt = qt
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        qt = self.qt
+        if self.method == "w8a8":
+            return _w8a8(x, self.n, self.k, self._float_int_mm, qt.scales.view(-1))
+        if qt.kind == "int8" and qt.group_size == self.k:  # per channel: no float copy of the scaled weight
+            return F.linear(x, qt.data.to(x.dtype)) * qt.scales.view(-1).to(x.dtype)
+        return F.linear(x, qt.dequantize(x.dtype))
+
+    def _float_int_mm(self, xq: torch.Tensor) -> torch.Tensor:
+        """No int8 GEMM here: the same arithmetic in float (exact while the int32 sums stay below 2**24)."""
+        return xq.float() @ self.qt.data.float().t()
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qt.dequantize(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qt.data, self.qt.scales, self.qt.offsets) if t is not None]
+
+
+class _WeightOnlyPath(MatmulPath):
+    """int8 / int4 weights through one of torch's packed ops, which take bf16 activations."""
+
+    __slots__ = ()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        xb = x.reshape(rows, self.k).to(torch.bfloat16)
+        return self.packed_mm(xb).to(x.dtype).view(*x.shape[:-1], self.n)
+
+    def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        """bf16 [rows, K] -> bf16 [rows, N] through the kernel."""
+        raise NotImplementedError
+
+
+class _CpuDenseForBigBatches(_WeightOnlyPath):
+    """The packed CPU ops win below DENSE_MIN_ROWS rows; from there on one dense matmul of the dequantized weight
+    is faster (figures in the module docstring)."""
+
+    __slots__ = ()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // x.shape[-1] >= DENSE_MIN_ROWS:
+            return F.linear(x, self.dequantized(x.dtype))
+        return super().matmul(x)
+
+
+class _Int8PackPath(_WeightOnlyPath):
+    """``_weight_int8pack_mm``: int8 [N, K] and one scale a row in the activations' dtype."""
+
+    __slots__ = ()
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        self.w, self.s = qt.data.contiguous(), qt.scales.view(-1).bfloat16()  # the op's scale dtype is x's
+
+    def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(xb, self.w, self.s)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.w.to(dtype) * self.s.to(dtype)[:, None]
+
+
+class CpuInt8Path(_CpuDenseForBigBatches, _Int8PackPath):
+    __slots__ = ()
+    name = "cpu-int8"
+
+
+class CudaInt8Path(_Int8PackPath):
+    __slots__ = ()
+    name = "cuda-int8"
+    checked_at_load = True
+
+
+class CpuInt4Path(_CpuDenseForBigBatches):
+    """``_weight_int4pack_mm_for_cpu``: the packed form is the only copy kept; the dense path unpacks it."""
+
+    __slots__ = ()
+    name = "cpu-int4"
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpacked().to(torch.int32), 1)
+        self.s = _scale_zeros(qt)
+
+    def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w, self.group_size, self.s)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        sz = self.s.float()  # [G, N, 2]
+        g = self.group_size
+        q = unpack_cpu_int4(self.w, self.n, self.k).float().view(self.n, self.k // g, g)
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
+        return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
+
+
+class CudaInt4Path(_WeightOnlyPath):
+    """tinygemm (``_weight_int4pack_mm``), every batch size."""
+
+    __slots__ = ()
+    name = "cuda-int4"
+    checked_at_load = True
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        q = qt.unpacked()
+        hi_first = ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()  # CUDA's input order: element 2i high
+        self.w = torch.ops.aten._convert_weight_to_int4pack(hi_first, _tinygemm_inner_k_tiles(self.k))
+        self.s = _scale_zeros(qt)
+
+    def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm(xb, self.w, self.group_size, self.s)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """tinygemm's layout is opaque: the identity multiplied through it."""
+        eye = torch.eye(self.k, device=self.w.device, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm(eye, self.w, self.group_size, self.s).t().to(dtype)
+
+
+class _W8A8Path(MatmulPath):
+    """``torch._int_mm`` on int8 activations (quantized per token at each call) and int8 weights [K, N]."""
+
+    __slots__ = ()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _w8a8(x, self.n, self.k, self.int_mm, self.s)
+
+    def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
+        """int8 [rows, K] -> the int32 products as float [rows, N]."""
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.w.t().to(dtype) * self.s.to(dtype)[:, None]
+
+
+class CpuW8A8Path(_W8A8Path):
+    __slots__ = ()
+    name = "cpu-w8a8"
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        self.w, self.s = qt.data.t().contiguous(), qt.scales.view(-1).float()  # [K, N]: _int_mm's mat2
+
+    def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
+        return torch._int_mm(xq, self.w).float()
+
+
+class CudaW8A8Path(_W8A8Path):
+    """cuBLASLt int8 GEMM: batches under _INT_MM_MIN_ROWS rows are zero-padded up to it."""
+
+    __slots__ = ()
+    name = "cuda-w8a8"
+    checked_at_load = True
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        self.w, self.s = qt.data.contiguous().t(), qt.scales.view(-1).float()  # column-major [K, N] view
+
+    def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
+        rows = xq.shape[0]
+        if rows < _INT_MM_MIN_ROWS:
+            xq = F.pad(xq, (0, 0, 0, _INT_MM_MIN_ROWS - rows))
+        return torch._int_mm(xq, self.w)[:rows].float()
+
+
+MATMUL_PATHS: dict[str, type[MatmulPath]] = {p.name: p for p in (
+    CpuInt8Path, CpuInt4Path, CpuW8A8Path, CudaInt4Path, CudaInt8Path, CudaW8A8Path, PortablePath)}
+
+
+class QuantizedMatmul:
+    """A weight prepared for ``method`` ('int8' | 'int4' | 'w8a8') on its tensors' device: ``impl`` is the path
+    (a ``MatmulPath``) chosen once here, ``path`` its name."""
+
+    __slots__ = ("method", "n", "k", "group_size", "impl")
 
     def __init__(self, method: str, qt: QuantizedTensor, path: str | None = None) -> None:
         self.method = method
@@ -91,32 +305,20 @@ class QuantizedMatmul:
             raise ValueError(f"{method} matmul needs an int8 weight with one scale per output channel, got "
                              f"{qt.kind} in groups of {qt.group_size} (requantize it first)")
         device = qt.data.device
-        self.path = path or select_path(method, device, self.n, self.k, self.group_size)
-        self.w = self.s = None  # the kernel's weight and scales
-        self.qt: QuantizedTensor | None = None  # the portable form, kept only when no fast path took it
-        self._prepare(qt)
-        if self.path.startswith("cuda") and device.type == "cuda" and not self._self_check(qt, device):
-            self.path, self.w, self.s = "portable", None, None
-            self.qt = qt
+        self.impl = self._build(path or select_path(method, device, self.n, self.k, self.group_size), qt)
+        if self.impl.checked_at_load and device.type == "cuda" and not self._self_check(qt, device):
+            self.impl = self._build(PortablePath.name, qt)
 
-    def _prepare(self, qt: QuantizedTensor) -> None:
-        path = self.path
-        if path == "cpu-int4":
-            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpacked().to(torch.int32), 1)
-            self.s = _scale_zeros(qt)
-        elif path == "cuda-int4":
-            q = qt.unpacked()
-            hi_first = ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()  # CUDA's input order: element 2i high
-            self.w = torch.ops.aten._convert_weight_to_int4pack(hi_first, _tinygemm_inner_k_tiles(self.k))
-            self.s = _scale_zeros(qt)
-        elif path in ("cpu-int8", "cuda-int8"):
-            self.w, self.s = qt.data.contiguous(), qt.scales.view(-1).bfloat16()  # the op's scale dtype is x's
-        elif path == "cpu-w8a8":
-            self.w, self.s = qt.data.t().contiguous(), qt.scales.view(-1).float()  # [K, N]: _int_mm's mat2
-        elif path == "cuda-w8a8":
-            self.w, self.s = qt.data.contiguous().t(), qt.scales.view(-1).float()  # column-major [K, N] view
-        else:
-            self.qt = qt
+    def _build(self, path: str, qt: QuantizedTensor) -> MatmulPath:
+        if path not in MATMUL_PATHS:
+            raise ValueError(f"quantized matmul path {path!r} is unknown: use one of {tuple(MATMUL_PATHS)}")
+        impl = MATMUL_PATHS[path](self.method, self.n, self.k, self.group_size)
+        impl.prepare(qt)
+        return impl
+
+    @property
+    def path(self) -> str:
+        return self.impl.name
 
     def _self_check(self, qt: QuantizedTensor, device: torch.device) -> bool:
         """Once per path and device in a process: the kernel against the portable result on a random input."""
@@ -138,62 +340,11 @@ class QuantizedMatmul:
         return _CHECKED[key]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        path = self.path
-        if path == "cpu-int4":
-            sz = self.s.float()  # [G, N, 2]
-            g = self.group_size
-            q = unpack_cpu_int4(self.w, self.n, self.k).float().view(self.n, self.k // g, g)
-            scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
-            return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
-        if path == "cuda-int4":  # tinygemm's layout is opaque: multiply the identity through it
-            eye = torch.eye(self.k, device=self.w.device, dtype=torch.bfloat16)
-            return torch.ops.aten._weight_int4pack_mm(eye, self.w, self.group_size, self.s).t().to(dtype)
-        if path in ("cpu-int8", "cuda-int8"):
-            return self.w.to(dtype) * self.s.to(dtype)[:, None]
-        if path in ("cpu-w8a8", "cuda-w8a8"):
-            return self.w.t().to(dtype) * self.s.to(dtype)[:, None]
-        return self.qt.dequantize(dtype)
+        return self.impl.dequantized(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.method == "w8a8":
-            return self._w8a8(x)
-        rows = x.numel() // x.shape[-1]
-        path = self.path
-        if path == "portable":
-            qt = self.qt
-            if qt.kind == "int8" and qt.group_size == self.k:  # per channel: no float copy of the scaled weight
-                return F.linear(x, qt.data.to(x.dtype)) * qt.scales.view(-1).to(x.dtype)
-            return F.linear(x, qt.dequantize(x.dtype))
-        if path.startswith("cpu") and rows >= DENSE_MIN_ROWS:
-            return F.linear(x, self.dequantized(x.dtype))
-        xb = x.reshape(rows, self.k).to(torch.bfloat16)
-        if path == "cpu-int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w, self.group_size, self.s)
-        elif path == "cuda-int4":
-            y = torch.ops.aten._weight_int4pack_mm(xb, self.w, self.group_size, self.s)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.w, self.s)
-        return y.to(x.dtype).view(*x.shape[:-1], self.n)
-
-    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        """Dynamic per-token int8 activations x int8 per-channel weights, int32 accumulation, float rescale."""
-        x2 = x.reshape(-1, self.k).float()
-        rows = x2.shape[0]
-        xs = (x2.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-10)
-        xq = (x2 / xs).round().clamp(-127, 127).to(torch.int8)
-        if self.path == "cpu-w8a8":
-            acc, scales = torch._int_mm(xq, self.w).float(), self.s
-        elif self.path == "cuda-w8a8":
-            if rows < _INT_MM_MIN_ROWS:
-                xq = F.pad(xq, (0, 0, 0, _INT_MM_MIN_ROWS - rows))
-            acc, scales = torch._int_mm(xq, self.w)[:rows].float(), self.s
-        else:  # no int8 GEMM here: the same arithmetic in float (exact while the int32 sums stay below 2**24)
-            acc, scales = xq.float() @ self.qt.data.float().t(), self.qt.scales.view(-1)
-        return (acc * xs * scales).to(x.dtype).view(*x.shape[:-1], self.n)
+        return self.impl.matmul(x)
 
     def tensors(self) -> list[torch.Tensor]:
         """What this weight holds in memory."""
-        held = [self.w, self.s]
-        if self.qt is not None:
-            held += [self.qt.data, self.qt.scales, self.qt.offsets]
-        return [t for t in held if t is not None]
+        return self.impl.tensors()

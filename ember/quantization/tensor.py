@@ -71,11 +71,19 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
                            cat([p.offsets for p in parts]), first.group_size)
 
 
+def quantize_int8_symmetric(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 along dim, computed in float32: (q int8, scale float32 with dim kept as 1), x ~ q * scale.
+
+    The one quantizer of int8 weights (per output channel), w8a8 activations (per token) and int8 KV entries:
+    values -127..127 so the range is symmetric; the scale's floor keeps an all-zero slice at exact zeros."""
+    x = x.float()
+    scale = (x.abs().amax(dim=dim, keepdim=True) / 127).clamp(min=1e-10)
+    return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
 def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
     """Symmetric int8 with one scale per output channel (row)."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-10)
-    data = (w / scale).round().clamp(-127, 127).to(torch.int8)
+    data, scale = quantize_int8_symmetric(w, dim=1)
     return QuantizedTensor("int8", data.contiguous(), scale.contiguous(), None, w.shape[1])
 
 

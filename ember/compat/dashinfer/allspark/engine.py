@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ember import envs
 from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfigBuilder, to_sampling_params
 from ember.compat.dashinfer.allspark.model_loader import (DashInferModel, HuggingFaceModel, LLM, pin_model_files,
                                                           unpin_model_files)
@@ -30,7 +32,7 @@ _OK = AsStatus.ALLSPARK_SUCCESS
 class _Model:
     config: AsModelConfig
     state: ModelState = ModelState.Initial
-    engine: Any = None  # ember.core.engine.Engine while Running
+    engine: Any = None  # an ember EngineClient while Running
     queues: dict[str, ResultQueue] = field(default_factory=dict)  # request id -> queue, until release_request
 
 
@@ -57,13 +59,18 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
                            cfg.model_name, ids)
         device = "cpu"
     meta = asmodel.read_meta(cfg.model_path)
+    # DashInfer's memory knob: the runtime config's cuda_mem.memory_ratio, else its BFC_MEM_RATIO variable;
+    # ember's own EMBER_MEM_RATIO, when set, wins as it does for every engine
+    fraction = cfg.memory_ratio
+    if fraction is None and os.environ.get(envs.MEM_RATIO) is None:
+        fraction = envs.ratio_from("BFC_MEM_RATIO", os.environ.get("BFC_MEM_RATIO"))
     return EngineConfig(model=cfg.model_path, dtype=meta["dtype"], device=device, max_num_seqs=cfg.engine_max_batch,
                         max_model_len=cfg.engine_max_length,
                         max_num_batched_tokens=cfg.engine_max_prefill_length or None,
                         enable_prefix_caching=cfg.enable_prefix_cache, block_size=cfg.cache_span_size,
                         prefix_cache_ttl=cfg.prefix_cache_ttl or None,
                         num_threads=cfg.num_threads if device == "cpu" and cfg.num_threads else None,
-                        kv_cache_dtype=_KV_CACHE_DTYPES[cfg.cache_mode])
+                        kv_cache_dtype=_KV_CACHE_DTYPES[cfg.cache_mode], kv_cache_memory_fraction=fraction)
 
 
 _KV_CACHE_DTYPES = {AsCacheMode.AsCacheDefault: "auto", AsCacheMode.AsCacheQuantI8: "int8",
@@ -128,12 +135,12 @@ class Engine:
     def start_model(self, model_name: str) -> AsStatus:
         """Load the model and warm it up at max_batch x max_length; a configuration that cannot fit fails with
         what would fit."""
-        from ember.core.engine import Engine as NativeEngine
+        from ember.frontend.client import EngineClient
 
         with self._lock:
             m = self._model(model_name, ModelState.Initial, ModelState.Stopped)
             try:
-                m.engine = NativeEngine(engine_config(m.config))
+                m.engine = EngineClient(engine_config(m.config))
             except ValueError as e:
                 raise ValueError(f"start_model({model_name!r}) failed: {e}") from e
             if m.state is ModelState.Initial:  # loaded: in-memory files may go (a failed start keeps them)
@@ -214,16 +221,14 @@ class Engine:
         with self._lock:
             m = self._model(model_name, ModelState.Running)
             cfg = gen.build() if isinstance(gen, ASGenerationConfigBuilder) else dict(gen)
-            params = to_sampling_params(cfg, len(ids), m.engine.max_model_len)
-            queue = ResultQueue("", len(ids), params.logprobs or 0)
-            rid = cfg.get("uuid") or f"{model_name}-{next(self._ids)}"
+            params = to_sampling_params(cfg, len(ids), m.engine.model_info.max_model_len)
+            rid = str(cfg.get("uuid") or f"{model_name}-{next(self._ids)}")
             if rid in m.queues:
                 raise ValueError(f"uuid={rid!r} is already in use by a request of model {model_name!r}")
-            request = m.engine.make_request(ids, params, queue._put, request_id=rid)
-            queue.request_id = request.request_id
-            m.engine.submit([request])
-            m.queues[request.request_id] = queue
-        return _OK, RequestHandle(model_name, request.request_id), queue
+            queue = ResultQueue(rid, len(ids), params.logprobs or 0)
+            m.engine.submit([ids], [params], queue._put, [rid])
+            m.queues[rid] = queue
+        return _OK, RequestHandle(model_name, rid), queue
 
     def _queue(self, model_name: str, handle: RequestHandle, *allowed: ModelState) -> tuple[_Model, ResultQueue]:
         m = self._model(model_name, *allowed)

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,12 +19,27 @@ from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfig
 from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig, AsModelRuntimeConfigBuilder
 from ember.compat.dashinfer.allspark.status import ModelSerializerException, TargetDevice
 from ember.model_loader import asmodel, open_checkpoint
-from ember.quantization import QuantConfig
+from ember.quantization.config import QuantConfig
 
 logger = logging.getLogger("ember")
 
 
 _QUANT_KEYS = ("quant_method", "weight_format", "group_size", "compute_method")
+
+
+@dataclass(slots=True)
+class QuantRecipe:
+    """What DashInfer's serialize(enable_quant=..., weight_only_quant=..., customized_quant_config=...) asked for,
+    recorded as given in the pair's ``extra["dashinfer"]["serialize"]``; the QuantConfig it translates to
+    (``quant_config_from_recipe``) is what the weights were quantized with."""
+
+    enable_quant: bool = False
+    weight_only_quant: bool = False
+    customized_quant_config: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"enable_quant": self.enable_quant, "weight_only_quant": self.weight_only_quant,
+                "customized_quant_config": self.customized_quant_config}
 
 
 def quant_config_from_recipe(enable_quant: bool, weight_only_quant: bool,
@@ -230,7 +246,7 @@ class HuggingFaceModel(LLM):
         self.user_set_data_type = user_set_data_type
         self.data_type: str | None = user_set_data_type
         self.contents: asmodel.ModelContents | None = None
-        self.quant = asmodel.QuantRecipe()
+        self.quant = QuantRecipe()
         self._temp: _TempPair | None = None
         self._ckpt = None
         if user_set_data_type is not None:
@@ -261,14 +277,15 @@ class HuggingFaceModel(LLM):
     def init_quantization(self, enable: bool = True, customized_quant_config: dict | None = None
                           ) -> "HuggingFaceModel":
         """Record a quantization recipe (written into the serialized model)."""
-        self.quant = asmodel.QuantRecipe(enable, self.quant.weight_only_quant, customized_quant_config)
+        self.quant = QuantRecipe(enable, self.quant.weight_only_quant, customized_quant_config)
         return self
 
     def _write(self, out_dir: str, enable_quant: bool, weight_only_quant: bool,
                customized_quant_config: dict | None) -> str:
         if self.contents is None:
             self.load_model()
-        self.contents.quant = asmodel.QuantRecipe(enable_quant, weight_only_quant, customized_quant_config)
+        self.contents.extra["dashinfer"] = {
+            "serialize": QuantRecipe(enable_quant, weight_only_quant, customized_quant_config).to_dict()}
         self.contents.quant_config = quant_config_from_recipe(enable_quant, weight_only_quant, customized_quant_config)
         return asmodel.write(self.contents, out_dir, self.serialize_model_name)[0]
 

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember import envs
 from ember.compat.dashinfer.allspark.status import AsCacheMode, TargetDevice
 
 logger = logging.getLogger("ember")
@@ -35,6 +36,7 @@ class AsModelConfig:
     lora_max_rank: int = 64
     lora_max_num: int = 5
     enable_sparsity_matmul: bool = False
+    memory_ratio: float | None = None  # cuda_mem.memory_ratio: ember's kv_cache_memory_fraction
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -194,7 +196,8 @@ class AsModelRuntimeConfigBuilder:
             if key in rfield:
                 setter(rfield[key])
         if "cuda_mem" in rfield and "memory_ratio" in rfield["cuda_mem"]:
-            os.environ["BFC_MEM_RATIO"] = str(rfield["cuda_mem"]["memory_ratio"])  # ember reads it as its ratio
+            ratio = rfield["cuda_mem"]["memory_ratio"]
+            self.new_runtime_cfg.memory_ratio = envs.ratio_from("cuda_mem.memory_ratio", str(ratio))
         return self
 
     def build(self) -> AsModelConfig:

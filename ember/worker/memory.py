@@ -10,39 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import re
 from dataclasses import dataclass
 
 import torch
 
-from ember.config import EngineConfig, available_memory_bytes, is_ratio, parse_bytes
+from ember import envs
+from ember.config import CacheConfig, available_memory_bytes, is_ratio, parse_bytes
 
 logger = logging.getLogger("ember")
 
-MEM_RATIO_ENV = "EMBER_MEM_RATIO"
 DEFAULT_CUDA_RATIO = 0.9
 DEFAULT_CPU_RATIO = 0.1
 DEFAULT_CPU_CAP = 4 << 30  # the CPU default (no fraction given) stays modest: other processes share the RAM
-HOST_TIER_ON_CPU_ENV = "EMBER_HOST_TIER_ON_CPU"  # tests only: run the host tier's bookkeeping and copies on CPU
-
-
-def mem_ratio(config: EngineConfig) -> tuple[float | None, str]:
-    """The memory fraction and where it came from: the config, EMBER_MEM_RATIO (or an alias), or none."""
-    if config.kv_cache_memory_fraction is not None:
-        return config.kv_cache_memory_fraction, "kv_cache_memory_fraction"
-    for name in (MEM_RATIO_ENV, "BFC_MEM_RATIO"):  # BFC_MEM_RATIO: DashInfer's name for the same knob
-        raw = os.environ.get(name)
-        if raw is None:
-            continue
-        try:
-            value = float(raw)
-        except ValueError:
-            value = float("nan")
-        if not 0 < value <= 1:
-            raise ValueError(f"{name}={raw!r} is out of range: it must be a number in (0, 1]")
-        return value, name
-    return None, "default"
 
 
 def _rss_bytes(field: str) -> int:
@@ -113,11 +93,11 @@ class PoolBudget:
     source: str  # how it was decided, for messages
 
 
-def kv_pool_budget(config: EngineConfig, device: torch.device, activation_bytes: int) -> PoolBudget:
+def kv_pool_budget(cache: CacheConfig, device: torch.device, activation_bytes: int) -> PoolBudget:
     """Bytes the KV pool may take once the weights and a step's activations are accounted for."""
-    if config.kv_cache_memory is not None:
-        return PoolBudget(parse_bytes(config.kv_cache_memory), f"kv_cache_memory={config.kv_cache_memory!r}")
-    ratio, source = mem_ratio(config)
+    if cache.kv_cache_memory is not None:
+        return PoolBudget(cache.kv_cache_memory, f"kv_cache_memory={cache.kv_cache_memory_text}")
+    ratio, source = cache.memory_fraction, cache.memory_fraction_source
     act = f"{activation_bytes / 2**20:.0f} MiB of peak activations"
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -135,12 +115,12 @@ def kv_pool_budget(config: EngineConfig, device: torch.device, activation_bytes:
                       f"{source}={ratio} of {avail / 2**30:.1f} GiB available RAM, less {act}")
 
 
-def host_tier_bytes(config: EngineConfig, device: torch.device) -> int:
+def host_tier_bytes(cache: CacheConfig, device: torch.device) -> int:
     """Bytes of the host tier: only on CUDA (on a CPU engine the KV already lives in host memory)."""
-    value = config.cpu_cache_memory
+    value = cache.cpu_cache_memory
     if value is None:
         return 0
-    if device.type != "cuda" and os.environ.get(HOST_TIER_ON_CPU_ENV) != "1":
+    if device.type != "cuda" and not envs.host_tier_on_cpu():
         logger.info("host KV tier is off on a CPU engine: the KV cache already lives in host memory "
                     "(cpu_cache_memory=%r ignored)", value)
         return 0

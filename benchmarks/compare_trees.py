@@ -1,0 +1,66 @@
+"""ember against ember: the same benchmarks run from two source trees, interleaved, in one run.
+
+    git worktree add /tmp/before <commit>
+    python benchmarks/compare_trees.py /tmp/before . --repeats 3
+
+Each repeat runs, for each tree in turn, `ember bench throughput --workload W1` and `ember bench latency` (batch 1)
+with that tree first on PYTHONPATH, so both see the same machine state; medians and after/before ratios come out
+as a table (and JSON with --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run_tree(tree: str, mode: str, out: str, extra: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    cmd = [sys.executable, "-m", "ember.entrypoints.cli", "bench", mode, "--backends", "ember", "--repeats", "1",
+           "--out", out, *extra]
+    subprocess.run(cmd, env=env, cwd=os.path.abspath(tree), check=True, stdout=subprocess.DEVNULL)
+    name = "throughput-W1.json" if mode == "throughput" else "latency.json"
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)["runs"]["ember"][0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("before")
+    p.add_argument("after")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--latency-runs", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args()
+    trees = {"before": args.before, "after": args.after}
+    figures: dict[str, dict[str, list[float]]] = {t: {"w1": [], "b1_32": [], "b1_512": []} for t in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for name, tree in trees.items():
+                out = os.path.join(tmp, f"{name}-{r}")
+                w1 = run_tree(tree, "throughput", out, ["--workload", "W1"])
+                lat = run_tree(tree, "latency", out, ["--runs", str(args.latency_runs)])
+                figures[name]["w1"].append(w1["output_tokens_per_s"])
+                figures[name]["b1_32"].append(lat["prompt_32"]["decode_tokens_per_s"])
+                figures[name]["b1_512"].append(lat["prompt_512"]["decode_tokens_per_s"])
+                print(f"repeat {r + 1} {name}: W1 {w1['output_tokens_per_s']:.1f} out tok/s, batch-1 decode "
+                      f"{lat['prompt_32']['decode_tokens_per_s']:.1f} / {lat['prompt_512']['decode_tokens_per_s']:.1f}"
+                      " tok/s (prompt 32 / 512)", flush=True)
+    print("\n| figure | before (median) | after (median) | after / before |\n|---|---|---|---|")
+    for key, label in (("w1", "W1 output tok/s"), ("b1_32", "batch-1 decode tok/s, prompt 32"),
+                       ("b1_512", "batch-1 decode tok/s, prompt 512")):
+        b, a = statistics.median(figures["before"][key]), statistics.median(figures["after"][key])
+        runs = [", ".join(f"{x:.1f}" for x in figures[t][key]) for t in ("before", "after")]
+        print(f"| {label} | {b:.1f} ({runs[0]}) | {a:.1f} ({runs[1]}) | {a / b:.3f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"trees": trees, "figures": figures, "command": " ".join(sys.argv)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The scheduler's choice for a step, written as the worker's ``BatchDescription``: one flat ragged batch,
+decode rows first, then prefill chunks; which rows are sampled and which score prompt tokens."""
+
+from __future__ import annotations
+
+from ember.core.scheduler import ScheduledBatch
+from ember.core.sequence import Sequence
+from ember.layers.logits_processors import SamplingRow
+from ember.worker.batch import BatchDescription, PrefillChunk, PromptLogprobsRows
+
+
+def describe(batch: ScheduledBatch, block_size: int, released: list[int]) -> tuple[BatchDescription, list[Sequence]]:
+    """The description, and the sequences that sample a token (aligned with its sampling rows)."""
+    d = BatchDescription(copies=batch.copies, released=released)
+    ids, positions, slots, bs = d.input_ids, d.positions, d.slots, block_size
+    sampled: list[Sequence] = []
+    for i in sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1):  # decodes first
+        seq, n = batch.seqs[i], batch.num_tokens[i]
+        start, c = len(ids), seq.num_computed_tokens
+        ids.extend(seq.token_ids[c:c + n])
+        positions.extend(range(c, c + n))
+        table = seq.block_table
+        slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+        if n == 1:
+            d.decode_block_tables.append(table)
+            d.decode_context_lens.append(c + 1)
+        else:
+            d.prefills.append(PrefillChunk(start, n, c + n, table))
+        req = seq.request
+        if c + n == seq.num_tokens:
+            p = req.params
+            history = SamplingRow.reads_history(p)
+            d.sample_rows.append(start + n - 1)
+            d.sampling.append(SamplingRow(seq.seq_id, p, req.seed_of(seq), seq.num_output_tokens,
+                                          seq.token_ids if history else None, seq.num_prompt_tokens))
+            sampled.append(seq)
+        if seq.index == 0 and req.wants_prompt_logprobs and c < seq.num_prompt_tokens:
+            # rows at positions c..end-1 predict prompt tokens c+1..end
+            end = min(c + n, seq.num_prompt_tokens - 1)
+            d.prompt_logprobs.append(PromptLogprobsRows(seq.seq_id, start, seq.token_ids[c + 1:end + 1],
+                                                        req.params.prompt_logprobs))
+    return d, sampled

@@ -1,0 +1,124 @@
+"""The after-step work, in one place: commit the tokens a step computed, fork the samples of n > 1 requests once
+their prompt is in the cache, append sampled tokens and check the stops the core can see (EOS, stop token ids and
+sequences, max_tokens, max_model_len). Stop *strings* need text, so the front end checks them and finishes the
+sample through ``EngineCore.stop_sample`` before the next step is scheduled.
+
+``Decoding`` is the strategy for n independent samples; beam search extends it (its own fork and finish rules).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ember.core.block_manager import BlockManager
+from ember.core.records import EngineOutput
+from ember.core.request import CoreRequest
+from ember.core.scheduler import ScheduledBatch, Scheduler
+from ember.core.sequence import Sequence
+from ember.layers.sampler import TokenLogprobs
+from ember.worker.batch import WorkerOutput
+
+logger = logging.getLogger("ember")
+
+
+class Decoding:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.released: list[int] = []  # handles of finished samples, for the worker to drop with the next batch
+
+    def _output(self, outputs: dict[str, EngineOutput], req: CoreRequest) -> EngineOutput:
+        out = outputs.get(req.request_id)
+        if out is None:
+            out = outputs[req.request_id] = EngineOutput(
+                req.request_id, num_cached_tokens=req.num_cached_tokens,
+                num_host_cached_tokens=req.num_host_cached_tokens, first_scheduled_time=req.first_scheduled_time)
+        return out
+
+    def after_step(self, batch: ScheduledBatch, sampled: list[Sequence], result: WorkerOutput,
+                   outputs: dict[str, EngineOutput]) -> None:
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)
+            req = seq.request
+            out = self._output(outputs, req)
+            chunk = result.prompt_logprobs.get(seq.seq_id)
+            if chunk is not None:
+                out.prompt_logprobs, out.prompt_logprobs_start = chunk, start
+                if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    req.prompt_logprobs_done = out.prompt_logprobs_done = True
+            if seq.pending_fork and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.fork(seq)
+        for seq, token, lp in zip(sampled, result.token_ids, result.logprobs):
+            self.append(seq, token, lp, self._output(outputs, seq.request))
+
+    def fork(self, parent: Sequence) -> None:
+        """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
+        shared = self.bm.shared_prompt_blocks(parent.num_prompt_tokens) * self.bm.block_size
+        for child in parent.request.fork(parent):
+            self.bm.share(parent, child, shared)
+            child.num_computed_tokens = shared
+            self.scheduler.add_running(child)
+
+    def append(self, seq: Sequence, token: int, lp: TokenLogprobs | None, out: EngineOutput) -> None:
+        """Add a sampled token, finishing the sample if it stops."""
+        params = seq.request.params
+        seq.token_ids.append(token)
+        sample = out.sample(seq.index)
+        sample.new_token_ids.append(token)
+        if lp is not None:
+            sample.new_logprobs = (sample.new_logprobs or []) + [lp]
+        n_out = seq.num_output_tokens
+        may_stop = n_out >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in params.eos_token_ids:
+            self.finish(seq, "stop", None, out)
+        elif may_stop and token in params.stop_token_ids:
+            self.finish(seq, "stop", token, out)
+        elif may_stop and (stop_seq := _ended_by(seq, params.stop_token_sequences)) is not None:
+            self.finish(seq, "stop", stop_seq, out)
+        elif (params.max_tokens is not None and n_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length", None, out)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | list[int] | None,
+               out: EngineOutput | None) -> None:
+        seq.finish(reason, stop_reason)
+        self.scheduler.finish(seq)
+        self.released.append(seq.seq_id)
+        if out is not None:
+            sample = out.sample(seq.index)
+            sample.finish_reason, sample.stop_reason = reason, stop_reason
+
+    def interrupted(self, seq: Sequence, outputs: dict[str, EngineOutput]) -> None:
+        """The policy gave seq up (the scheduler freed it): it ends with finish_reason "interrupted", keeping its
+        tokens; siblings that never started end with it."""
+        req = seq.request
+        logger.warning("request %s: sample %d interrupted (it no longer fits the KV pool)", req.request_id, seq.index)
+        out = self._output(outputs, req)
+        self.released.append(seq.seq_id)
+        out.sample(seq.index).finish_reason = "interrupted"
+        if seq.pending_fork:
+            for child in req.fork(seq):
+                child.finish("interrupted")
+                out.sample(child.index).finish_reason = "interrupted"
+
+    def abort(self, req: CoreRequest) -> EngineOutput:
+        """End every sample not yet finished (siblings not yet forked included) with finish_reason "abort"."""
+        out = self._output({}, req)
+        for s in list(req.seqs):
+            if s.pending_fork:
+                req.fork(s)
+        for s in req.seqs:
+            if not s.is_finished:
+                self.finish(s, "abort", None, out)
+        return out
+
+
+def _ended_by(seq: Sequence, sequences: list[list[int]]) -> list[int] | None:
+    """The first stop token sequence the output now ends with, or None."""
+    out = seq.output_token_ids
+    for stop in sequences:
+        if len(out) >= len(stop) and out[len(out) - len(stop):] == stop:
+            return stop
+    return None

@@ -1,0 +1,118 @@
+"""The engine core: requests in, one step at a time, outputs out. It owns the scheduler, the block manager and the
+after-step work, and drives one worker with plain batch descriptions. It runs on one thread (``EngineLoop``) and
+knows nothing of tokenizers, text or output streams.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ember.config import EngineConfig, ResolvedConfig, SchedulerConfig
+from ember.core.batching import describe
+from ember.core.block_manager import BlockManager
+from ember.core.decoding import Decoding
+from ember.core.records import EngineOutput, EngineRequest, ModelInfo
+from ember.core.request import CoreRequest
+from ember.core.scheduler import Scheduler
+from ember.dtypes import name_of
+from ember.worker.batch import BatchDescription
+from ember.worker.worker import Worker
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, resolved: ResolvedConfig) -> None:
+        self.worker = worker = Worker(resolved.model, resolved.cache)
+        self.sched_config = sched = SchedulerConfig.resolve(config, worker.loaded.max_position)
+        plan = worker.init_cache(sched)
+        cache = resolved.cache
+        self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                          plan.num_host_blocks, cache.prefix_cache_ttl)
+        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.enable_chunked_prefill, sched.policy)
+        self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
+        self.requests: dict[str, CoreRequest] = {}
+        loaded = worker.loaded
+        self.model_info = ModelInfo(
+            model=resolved.model.path, architecture=loaded.architecture, dtype=name_of(loaded.dtype),
+            device=str(worker.device), vocab_size=loaded.shape.vocab_size, max_model_len=sched.max_model_len,
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            block_size=cache.block_size, num_kv_blocks=plan.num_blocks, scheduling_policy=sched.policy,
+            kv_cache_dtype=cache.kv_cache_dtype, quantization=loaded.quant.describe() if loaded.quant else None)
+
+    def add(self, record: EngineRequest) -> None:
+        req = CoreRequest(record)
+        self.requests[record.request_id] = req
+        self.scheduler.add(req.seqs[0])
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        req = self.requests.pop(request_id, None)
+        return self.decoding.abort(req) if req is not None else None
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """The front end found a stop string in this sample's text: finish it now, before the next step."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.index == index and not seq.is_finished:
+                self.decoding.finish(seq, "stop", None, None)
+        self._forget_finished([req])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[EngineOutput]:
+        self.block_manager.expire(time.monotonic())
+        batch = self.scheduler.schedule()
+        outputs: dict[str, EngineOutput] = {}
+        for seq in batch.interrupted:
+            self.decoding.interrupted(seq, outputs)
+        released, self.decoding.released = self.decoding.released, []
+        if not batch.seqs:
+            if batch.copies or released:
+                self.worker.execute(BatchDescription(copies=batch.copies, released=released))
+        else:
+            now = time.time()
+            for seq in batch.seqs:
+                if seq.request.first_scheduled_time is None:
+                    seq.request.first_scheduled_time = now
+            description, sampled = describe(batch, self.block_manager.block_size, released)
+            result = self.worker.execute(description)
+            self.decoding.after_step(batch, sampled, result, outputs)
+        self._forget_finished(self.requests[rid] for rid in outputs if rid in self.requests)
+        return list(outputs.values())
+
+    def _forget_finished(self, reqs: Any) -> None:
+        for req in list(reqs):
+            if req.all_finished():
+                self.requests.pop(req.request_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (thread-safe enough for monitoring: plain reads of ints and lists)."""
+        bm, sched, worker = self.block_manager, self.scheduler, self.worker
+        host = bm.host
+        return {
+            "scheduling_policy": sched.policy,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free,
+            "kv_cache_usage": bm.num_used / bm.num_blocks,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "preempted_waiting": sched.num_preempted_waiting,
+            "preemptions": sched.num_preemptions,
+            "interrupted": sched.num_interrupted,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "prefix_cache_hit_tokens": bm.hit_tokens,
+            "prefix_cache_host_hit_tokens": bm.host_hit_tokens,
+            "prefix_cache_ttl": bm.prefix_cache_ttl,
+            "prefix_cache_expired_blocks": bm.expired_blocks,
+            "host_tier": ("off (CPU engine: the KV cache is in host memory)" if worker.device.type == "cpu"
+                          and host is None else "off" if host is None else f"{host.num_blocks} blocks"),
+            "host_blocks_cached": len(host.cached) if host is not None else 0,
+            "swapped_out_blocks": bm.swapped_out,
+            "swapped_in_blocks": bm.swapped_in,
+            "kv_budget_source": worker.plan.budget_source,
+            "attention_backend": worker.attention_backend.name,
+            **worker.memory_report(),
+        }

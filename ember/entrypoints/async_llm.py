@@ -1,0 +1,47 @@
+"""``ember.AsyncLLM``: asyncio front of the engine. Many generators share one event loop; each request's outputs
+arrive on its own stream. Leaving an ``async for`` early aborts the request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ember.config import EngineConfig
+from ember.frontend.client import EngineClient, ModelInfo
+from ember.frontend.processor import PromptType
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.client = EngineClient(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.client.model_info
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs in the request's output_kind: cumulative snapshots (default), deltas, or the final one only."""
+        outputs = self.client.stream(prompt, sampling_params, request_id, asynchronous=True).__aiter__()
+        try:
+            async for out in outputs:
+                yield out
+        finally:  # a consumer that leaves early aborts the request now, not when the stream is collected
+            await outputs.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        self.client.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.client.stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop and join its thread; unfinished requests end with an error."""
+        self.client.shutdown()

@@ -1,0 +1,71 @@
+"""Every environment variable ember reads, in one place, each read when asked (tests set them per case).
+
+| variable | meaning | default |
+|---|---|---|
+| ``EMBER_MEM_RATIO`` | memory fraction when ``kv_cache_memory_fraction`` is not given, in (0, 1] | 0.9 CUDA, 0.1 CPU |
+| ``EMBER_CPU_KERNELS`` | ``0`` turns the compiled CPU decode-attention kernel off (torch fallback) | on |
+| ``EMBER_MKLDNN_LINEAR`` | ``0`` turns oneDNN's pre-packed CPU linear weights off | on |
+| ``EMBER_CACHE_DIR`` | cache folder (compiled kernels, converted models) | ``$XDG_CACHE_HOME/ember`` |
+| ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
+| ``EMBER_BENCH_VENVS`` | where ``benchmarks/setup_baselines.sh`` put the baselines' environments | ``.bench/venvs`` |
+
+Facades add their own names for these (DashInfer's ``BFC_MEM_RATIO``) in ``ember/compat``, passed in as
+configuration: nothing below the front end reads a facade's variable.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ember.errors import ConfigError
+
+MEM_RATIO = "EMBER_MEM_RATIO"
+CPU_KERNELS = "EMBER_CPU_KERNELS"
+MKLDNN_LINEAR = "EMBER_MKLDNN_LINEAR"
+CACHE_DIR = "EMBER_CACHE_DIR"
+HOST_TIER_ON_CPU = "EMBER_HOST_TIER_ON_CPU"
+BENCH_VENVS = "EMBER_BENCH_VENVS"
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    return default if raw is None else raw != "0"
+
+
+def mem_ratio() -> float | None:
+    """EMBER_MEM_RATIO as a fraction in (0, 1]; None when unset."""
+    return ratio_from(MEM_RATIO, os.environ.get(MEM_RATIO))
+
+
+def ratio_from(name: str, raw: str | None) -> float | None:
+    """A memory fraction read from a variable (ember's or a facade's alias), checked to lie in (0, 1]."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise ConfigError(f"{name}={raw!r} is out of range: it must be a number in (0, 1]")
+    return value
+
+
+def cpu_kernels_enabled() -> bool:
+    return _flag(CPU_KERNELS, True)
+
+
+def mkldnn_linear_enabled() -> bool:
+    return _flag(MKLDNN_LINEAR, True)
+
+
+def host_tier_on_cpu() -> bool:
+    return os.environ.get(HOST_TIER_ON_CPU) == "1"
+
+
+def cache_root() -> str:
+    return os.environ.get(CACHE_DIR) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
+
+
+def bench_venvs() -> str:
+    return os.environ.get(BENCH_VENVS, os.path.join(".bench", "venvs"))

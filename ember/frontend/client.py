@@ -1,0 +1,95 @@
+"""``EngineClient``: the one door to the engine. ``LLM``, ``AsyncLLM``, the CLI, the server and every facade
+submit, abort, read stats and model info through it and use nothing else of the engine.
+
+In process, it owns the tokenizer, the input and output processors and the engine loop's thread; the same
+methods are what a client of an engine in another process will offer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from ember.config import EngineConfig
+from ember.core.loop import EngineLoop
+from ember.core.records import ModelInfo  # noqa: F401  (re-exported: what clients know of the engine)
+from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
+from ember.frontend.output_stream import OutputStream
+from ember.frontend.processor import InputProcessor, PromptType
+from ember.model_loader import load_tokenizer
+from ember.sampling_params import OutputKind, SamplingParams
+from ember.tokenizer import Message, Tokenizer
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        resolved = config.resolve()
+        tok = load_tokenizer(resolved.model)
+        self.tokenizer: Tokenizer = tok.tokenizer
+        self.generation_config = tok.generation_config
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._loop = EngineLoop(config, resolved, self._outputs)
+        self.model_info: ModelInfo = self._loop.model_info
+        defaults = SamplingParams.from_generation_config(tok.generation_config)
+        self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults)
+        self.eos_token_ids: tuple[int, ...] = tok.eos_token_ids  # the model's EOS ids, filled into requests
+
+    def default_params(self) -> SamplingParams:
+        """The model's generation defaults (generation_config.json), as vLLM reads them."""
+        return self._inputs.default_params.clone()
+
+    def chat_prompt(self, conversation: list[Message], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
+        # the template already holds any BOS token; encode without adding special tokens again
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def submit(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | None], sink: OutputSink,
+               request_ids: Sequence[str | None] | None = None) -> list[str]:
+        """Validate every request (raising before any is queued), then queue them together; their outputs go to
+        sink as RequestOutput deltas (an exception if the engine stops). Returns the request ids."""
+        request_ids = request_ids or [None] * len(prompts)
+        states, records = [], []
+        for prompt, sp, rid in zip(prompts, params, request_ids):
+            text, record = self._inputs.process(prompt, sp, rid)
+            states.append(RequestState(record.request_id, text, record.prompt_token_ids, record.params, sink))
+            records.append(record)
+        self._outputs.register(states)
+        try:
+            self._loop.add(records)
+        except BaseException:
+            self._outputs.forget([r.request_id for r in records])
+            raise
+        return [r.request_id for r in records]
+
+    def stream(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+               kind: OutputKind | None = None, asynchronous: bool = False) -> OutputStream:
+        """Submit one request and return its stream: iterate it (``async for`` when asynchronous) for its
+        outputs in ``kind`` (default: the request's output_kind)."""
+        loop = asyncio.get_running_loop() if asynchronous else None
+        if kind is None:
+            kind = (params if isinstance(params, SamplingParams) else self._inputs.default_params).output_kind
+        stream = OutputStream(loop, kind)
+        stream.request_id = self.submit([prompt], [params], stream.put, [request_id])[0]
+        stream.on_close = self.abort
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End the request (its samples finish with finish_reason "abort"); unknown ids are ignored."""
+        self._loop.abort(str(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return self._loop.stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop and join its thread; requests still open end with EngineDeadError."""
+        self._loop.shutdown()
+
+    # for tests of the internals and benchmarks that measure them; front ends never use these
+    @property
+    def engine_core(self):
+        return self._loop.core

@@ -1,0 +1,161 @@
+"""Turns the engine core's records into what users read: text (incremental, UTF-8 safe, stop strings cut),
+logprobs with decoded tokens, metrics, and ``RequestOutput`` deltas put into each request's sink.
+
+It runs on the engine loop's thread, between steps, so a stop string found in a sample's text finishes that sample
+before the next step is scheduled (the core cannot see text). A request ends when all n of its samples have a
+finish reason; then its id is free again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ember.core.records import EngineOutput
+from ember.errors import BadRequestError
+from ember.frontend.detokenizer import IncrementalDetokenizer
+from ember.layers.sampler import TokenLogprobs
+from ember.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.tokenizer import Tokenizer
+
+OutputSink = Callable[[RequestOutput | BaseException], None]
+
+
+class SampleState:
+    __slots__ = ("detokenizer", "num_tokens", "cumulative_logprob", "finish_reason")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None) -> None:
+        self.detokenizer = detokenizer
+        self.num_tokens = 0
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+
+
+class RequestState:
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "sink", "metrics", "samples",
+                 "prompt_logprobs", "pending_prompt_logprobs", "num_cached_tokens", "num_host_cached_tokens")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 sink: OutputSink) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.sink = sink
+        self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_token_ids))
+        self.samples: dict[int, SampleState] = {}
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None  # complete, not yet sent
+        self.pending_prompt_logprobs: list[PositionLogprobs | None] = []  # filled chunk by chunk
+        self.num_cached_tokens = 0
+        self.num_host_cached_tokens = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self._lock = threading.Lock()  # states is added to by callers, emptied by the engine thread
+
+    def register(self, states: list[RequestState]) -> None:
+        """Claim the requests' ids (caller's thread); raises BadRequestError for one already in use."""
+        with self._lock:
+            ids = [s.request_id for s in states]
+            dup = [i for i in ids if i in self.states]
+            if dup or len(set(ids)) != len(ids):
+                raise BadRequestError(f"request_id={(dup or ids)[0]!r} is already in use: request ids must be "
+                                      "unique among the requests in flight")
+            for s in states:
+                self.states[s.request_id] = s
+
+    def forget(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self.states.pop(rid, None)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            states, self.states = list(self.states.values()), {}
+        for st in states:
+            st.sink(error)
+
+    def process(self, outputs: list[EngineOutput]) -> list[tuple[str, int]]:
+        stops: list[tuple[str, int]] = []
+        for out in outputs:
+            st = self.states.get(out.request_id)
+            if st is not None:
+                self._one(st, out, stops)
+        return stops
+
+    def _one(self, st: RequestState, out: EngineOutput, stops: list[tuple[str, int]]) -> None:
+        params, metrics = st.params, st.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = out.first_scheduled_time
+        if out.num_cached_tokens is not None:
+            st.num_cached_tokens, st.num_host_cached_tokens = out.num_cached_tokens, out.num_host_cached_tokens
+        if out.prompt_logprobs is not None:
+            if out.prompt_logprobs_start == 0:  # the prompt's first token has no logprob; a recompute starts over
+                st.pending_prompt_logprobs = [None]
+            targets = st.prompt_token_ids[out.prompt_logprobs_start + 1:]
+            st.pending_prompt_logprobs.extend(self._position(t, lp) for t, lp in zip(targets, out.prompt_logprobs))
+            if out.prompt_logprobs_done:
+                st.prompt_logprobs = st.pending_prompt_logprobs
+        wants_lp = params.logprobs is not None
+        completions = []
+        for so in out.samples:
+            ss = st.samples.get(so.index)
+            if ss is None:
+                ss = st.samples[so.index] = SampleState(self._detokenizer(st))
+            reason, stop_reason, stop_str = so.finish_reason, so.stop_reason, None
+            new_lps: list[PositionLogprobs] = []
+            for j, token in enumerate(so.new_token_ids):
+                ss.num_tokens += 1
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = time.time()
+                if so.new_logprobs is not None:
+                    lp = so.new_logprobs[j]
+                    ss.cumulative_logprob += lp.logprob
+                    new_lps.append(self._position(token, lp))
+                if ss.detokenizer is not None:
+                    stop_str = ss.detokenizer.add(token, check_stop=ss.num_tokens >= params.min_tokens)
+            # the core's token stops come first, then a stop string, then the length limit
+            if stop_str is not None and reason in (None, "length"):
+                if reason is None:
+                    stops.append((st.request_id, so.index))
+                reason, stop_reason = "stop", stop_str
+            if reason is not None and reason != "abort" and stop_str is None and ss.detokenizer is not None:
+                ss.detokenizer.flush_incomplete()
+            ss.finish_reason = reason
+            text = ss.detokenizer.delta(reason is not None) if ss.detokenizer is not None else ""
+            completions.append(CompletionOutput(
+                index=so.index, text=text, token_ids=list(so.new_token_ids), logprobs=new_lps if wants_lp else None,
+                cumulative_logprob=ss.cumulative_logprob if wants_lp else None, finish_reason=reason,
+                stop_reason=stop_reason))
+        prompt_lp, st.prompt_logprobs = st.prompt_logprobs, None
+        done = len(st.samples) == params.n and all(s.finish_reason is not None for s in st.samples.values())
+        if not completions and prompt_lp is None and not done:
+            return
+        if done:
+            metrics.finished_time = time.time()
+            self.forget([st.request_id])
+        metrics.num_generated_tokens = sum(s.num_tokens for s in st.samples.values())
+        cached, host = st.num_cached_tokens, st.num_host_cached_tokens
+        completions.sort(key=lambda c: c.index)
+        st.sink(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, done, prompt_lp, metrics,
+                              cached, cached - host, host))
+
+    def _detokenizer(self, st: RequestState) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        p = st.params
+        return IncrementalDetokenizer(self.tokenizer, st.prompt_token_ids, p.stop, p.skip_special_tokens,
+                                      p.include_stop_str_in_output)
+
+    def _position(self, token: int, lp: TokenLogprobs) -> PositionLogprobs:
+        decode = self.tokenizer.decode
+        out = {token: Logprob(lp.logprob, lp.rank, decode([token], skip_special_tokens=False))}
+        for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if t not in out:
+                out[t] = Logprob(v, r, decode([t], skip_special_tokens=False))
+        return out

@@ -1,0 +1,93 @@
+"""Prompt in, ``EngineRequest`` out: tokenize, fill in the model's defaults and check everything against the
+engine's limits, in the caller's thread, so a bad request is refused with a ``BadRequestError`` that names the
+field, the value and the allowed range before anything is queued."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from ember.core.block_manager import blocks_for, request_blocks
+from ember.core.records import EngineRequest, ModelInfo
+from ember.errors import BadRequestError, DoesNotFitError
+from ember.sampling_params import SamplingParams
+from ember.tokenizer import Tokenizer
+
+PromptType = str | Seq[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, info: ModelInfo, eos_token_ids: tuple[int, ...],
+                 default_params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_ids = eos_token_ids
+        self.default_params = default_params
+        self._counter = itertools.count()
+
+    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequestError("prompt='' is empty: a prompt needs at least one character or token")
+            if self.tokenizer is None:
+                raise BadRequestError("prompt is text but this engine has no tokenizer: pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise BadRequestError(f"prompt of type {type(prompt).__name__} is not supported: pass a string or a list "
+                              "of token ids")
+
+    def process(self, prompt: Any, params: SamplingParams | None, request_id: str | None = None) -> tuple[
+            str | None, EngineRequest]:
+        """(prompt text or None, the request record); raises BadRequestError / DoesNotFitError."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise BadRequestError(f"sampling_params of type {type(params).__name__} is not supported: pass a "
+                                  "SamplingParams or None")
+        params = (params or self.default_params).clone()
+        text, ids = self.tokenize(prompt)
+        info, vocab = self.info, self.info.vocab_size
+        if not ids:
+            raise BadRequestError("prompt is empty: a prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"prompt token id {bad[0]} is out of range: token ids must be in [0, {vocab})")
+        if len(ids) + max(1, params.min_tokens) > info.max_model_len:
+            raise BadRequestError(f"prompt has {len(ids)} tokens: prompt length plus min_tokens (at least 1 new "
+                                  f"token) must be <= max_model_len ({info.max_model_len})")
+        if params.n > info.max_num_seqs:
+            raise BadRequestError(f"n={params.n} is out of range: n must be <= max_num_seqs ({info.max_num_seqs})")
+        max_num_tokens = min(len(ids) + (params.max_tokens or info.max_model_len), info.max_model_len)
+        self._check_fits(len(ids), params, max_num_tokens)
+        if not params.eos_token_ids:
+            params.eos_token_ids = self.eos_token_ids
+        for name, given in (("stop_token_ids", params.stop_token_ids), ("eos_token_ids", params.eos_token_ids),
+                            ("stop_token_sequences", [t for s in params.stop_token_sequences for t in s]),
+                            ("bad_words_ids", [t for s in params.bad_words_ids for t in s])):
+            bad = [t for t in given if t >= vocab]
+            if bad:
+                raise BadRequestError(f"{name} holds {bad[0]}, out of range: token ids must be in [0, {vocab})")
+        if request_id is None:
+            rid = str(next(self._counter))
+        elif isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
+            rid = str(request_id)
+        else:
+            raise BadRequestError(f"request_id={request_id!r} is not supported: pass a string, an int or None")
+        return text, EngineRequest(rid, ids, params, max_num_tokens)
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams, max_num_tokens: int) -> None:
+        """Refuse a request the KV pool can never hold (under guaranteed_no_evict: never reserve for)."""
+        info = self.info
+        blocks, bs = info.num_kv_blocks, info.block_size
+        pool = blocks * bs
+        least = prompt_len + max(1, params.min_tokens)
+        if blocks_for(least, bs) > blocks:
+            raise DoesNotFitError(f"prompt has {prompt_len} tokens: prompt plus min_tokens ({least} tokens) can "
+                                  f"never fit the KV pool of {pool} tokens; it must be <= {pool}")
+        if info.scheduling_policy == "guaranteed_no_evict":
+            need = request_blocks(prompt_len, max_num_tokens, params.n, bs)
+            if need > blocks:
+                raise DoesNotFitError(f"max_tokens={params.max_tokens} with n={params.n} needs {need} KV blocks under "
+                                      f"scheduling_policy='guaranteed_no_evict', more than the pool's {blocks}: "
+                                      "lower max_tokens or n, or use 'max_utilization'")
+

@@ -1,0 +1,126 @@
+"""A worker's start-up, in order: measure a step's peak activation memory with a dummy forward at the per-step
+token budget; size the KV pool from what is left of the budget and check that it holds a sequence of
+max_model_len; add the host tier; warm up at the worst case: a decode step of max_num_seqs sequences x max_model_len
+of context and a full-budget prefill. After that, serving allocates nothing the warm-up did not
+(``Worker.memory_report``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ember.config import CacheConfig, SchedulerConfig
+from ember.errors import DoesNotFitError
+from ember.layers.attention import AttentionMetadata, PrefillSpan
+from ember.layers.kv_cache import KVCacheFormat
+from ember.model_loader import LoadedModel
+from ember.worker.memory import PeakMemory, fit_hint, host_tier_bytes, kv_pool_budget, reset_peak
+
+if TYPE_CHECKING:
+    from ember.worker.worker import Worker
+
+logger = logging.getLogger("ember")
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError from 2.5
+
+
+def kv_format(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> KVCacheFormat:
+    return KVCacheFormat(kv_cache_dtype, loaded.shape.head_dim, loaded.dtype)
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    s = loaded.shape
+    return 2 * s.num_layers * block_size * s.num_kv_heads * kv_format(loaded, kv_cache_dtype).bytes_per_entry()
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """What start-up decided and measured; the engine core sizes its block manager from it."""
+
+    num_blocks: int
+    num_host_blocks: int
+    block_size: int
+    activation_bytes: int
+    budget_source: str
+    warmup_peak_bytes: int
+    warmup_transient_bytes: int
+
+
+def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
+    bs, max_len, seats = cache.block_size, sched.max_model_len, sched.max_num_seqs
+    per_block = kv_bytes_per_block(worker.loaded, bs, cache.kv_cache_dtype)
+
+    # 1. a step's activations, measured on a scratch pool that holds just the dummy prompt
+    tokens = min(sched.max_num_batched_tokens, max_len)
+    worker.bind(worker.new_pool(-(-tokens // bs)))
+    with PeakMemory(worker.device) as act:
+        dummy_prefill(worker, tokens, seats)
+    worker.bind(None)
+
+    # 2. the pool: what the budget leaves, never more than every seat at full length needs
+    budget = kv_pool_budget(cache, worker.device, act.bytes)
+    blocks_per_seq = -(-max_len // bs)
+    num_blocks = min(max(budget.bytes, 0) // per_block, blocks_per_seq * seats)
+    if num_blocks < blocks_per_seq:
+        raise DoesNotFitError(
+            f"the KV pool cannot hold one sequence of max_model_len={max_len}: {budget.source} leaves "
+            f"{max(budget.bytes, 0) / 2**20:.1f} MiB = {num_blocks * bs} tokens of KV ({per_block // bs} bytes a "
+            f"token); {fit_hint(num_blocks * bs, max_len, seats)}; or raise the memory (kv_cache_memory, "
+            "kv_cache_memory_fraction or EMBER_MEM_RATIO)")
+    worker.kv_cache = worker.new_pool(num_blocks)
+    worker.bind(worker.kv_cache)
+
+    # 3. the host tier (CUDA): evicted prefix blocks wait there
+    num_host = host_tier_bytes(cache, worker.device) // per_block
+    if num_host:  # pinned on CUDA: the copies to and from the device run asynchronously
+        worker.host_cache = worker.new_pool(num_host, torch.device("cpu"), pin=worker.device.type == "cuda")
+
+    # 4. warm-up at the worst case: every seat decoding at max_model_len (block tables may repeat blocks:
+    # the shapes and the memory are what is proved, not the values)
+    try:
+        with PeakMemory(worker.device) as warm:
+            dummy_decode(worker, seats, max_len)
+            dummy_prefill(worker, tokens, seats)  # and a full-budget prefill next to the real pool
+    except _OOM as e:
+        raise DoesNotFitError(
+            f"the warm-up (max_num_seqs={seats} x max_model_len={max_len}, and {tokens} prefill tokens a step) ran "
+            f"out of memory next to a KV pool of {num_blocks * bs} tokens; {fit_hint(num_blocks * bs, max_len, seats)}"
+            "; or lower max_num_batched_tokens or the memory fraction") from e
+    worker.kv_cache.zero_()  # the dummy steps wrote finite garbage; padded decode reads must see zeros
+    reset_peak(worker.device)  # from here the peak is what serving needs: compare with warmup_peak_bytes
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) from %s; %d host blocks; warm-up peak %.0f MiB",
+                num_blocks, bs, worker.kv_cache.numel() * worker.kv_cache.element_size() / 2**20, budget.source,
+                num_host, warm.peak / 2**20)
+    return PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, warm.peak, warm.bytes)
+
+
+@torch.inference_mode()
+def dummy_prefill(worker: "Worker", tokens: int, sample_rows: int) -> None:
+    """One prompt of `tokens` tokens from position 0, then logits and log-softmax for sample_rows rows."""
+    dev, bs = worker.device, worker.block_size
+    pool_blocks = worker.layers[0].k_cache.shape[0]
+    table = torch.arange(-(-tokens // bs), device=dev) % pool_blocks
+    slots = table.repeat_interleave(bs)[:tokens] * bs + torch.arange(tokens, device=dev) % bs
+    meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, tokens, tokens, table)])
+    positions = torch.arange(tokens, device=dev)
+    hidden = worker.model(torch.zeros(tokens, dtype=torch.long, device=dev), positions, meta)
+    rows = torch.arange(sample_rows, device=dev) % tokens
+    worker.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+
+
+@torch.inference_mode()
+def dummy_decode(worker: "Worker", num_seqs: int, context: int) -> None:
+    """num_seqs sequences each decoding at position context - 1, their tables cycling over the pool."""
+    dev, bs = worker.device, worker.block_size
+    pool_blocks = worker.layers[0].k_cache.shape[0]
+    width = -(-context // bs)
+    tables = (torch.arange(num_seqs * width, device=dev) % pool_blocks).view(num_seqs, width)
+    last = (context - 1) // bs
+    slots = tables[:, last] * bs + (context - 1) % bs
+    lens = torch.full((num_seqs,), context, dtype=torch.long, device=dev)
+    meta = AttentionMetadata(slots, num_seqs, tables, lens, [])
+    positions = torch.full((num_seqs,), context - 1, dtype=torch.long, device=dev)
+    hidden = worker.model(torch.zeros(num_seqs, dtype=torch.long, device=dev), positions, meta)
+    worker.model.compute_logits(hidden).float().log_softmax(dim=-1)

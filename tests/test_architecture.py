@@ -1,0 +1,164 @@
+"""The three layers and their contracts: imports point one way, and a worker runs from plain, picklable batches."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+from pathlib import Path
+
+import pytest
+from conftest import random_prompts
+
+from ember import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent / "ember"
+
+# lowest first: a module may import its own layer and the layers below it, never one above
+LAYERS = [
+    ("kernels", "quantization"),
+    ("layers",),
+    ("models", "model_loader"),
+    ("worker",),
+    ("core",),
+    ("frontend",),
+    ("entrypoints", "compat", "server", "benchmarks", "__init__", "__main__"),
+]
+# small shared modules any layer may use: records, settings and helpers that import no layer above their own
+SHARED = {"envs", "errors", "dtypes", "cache", "config", "sampling_params", "outputs", "tokenizer",
+          "quantization.config", "layers.kv_cache"}
+# what the clients (entrypoints, facades, server) may use of the engine: the front end's client, the shared
+# records, and the model files' own tools (conversion, serialization)
+CLIENT_MAY_USE = {"frontend", "model_loader"}
+
+
+def _rank(module: str) -> int | None:
+    top = module.split(".")[0]
+    for rank, names in enumerate(LAYERS):
+        if top in names:
+            return rank
+    return None
+
+
+def _shared(module: str) -> bool:
+    return any(module == s or module.startswith(s + ".") for s in SHARED)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every ember module imported anywhere in the file (function-level imports included), with its line."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ember"):
+            names = [node.module] if node.module != "ember" else [f"ember.{a.name}" for a in node.names]
+            out += [(node.lineno, n.removeprefix("ember").lstrip(".") or "__init__") for n in names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.removeprefix("ember.")) for a in node.names if a.name.startswith("ember.")]
+    return out
+
+
+def test_imports_point_one_way():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        own = _rank(module)
+        if own is None:  # a shared module: it may use other shared modules only
+            for line, dep in _imports(path):
+                if not _shared(dep) and _rank(dep) is not None and not module.startswith(dep.split(".")[0]):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} (shared) imports ember.{dep}")
+            continue
+        for line, dep in _imports(path):
+            rank = _rank(dep)
+            if _shared(dep) or rank is None:
+                continue
+            if rank > own:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports ember.{dep}, a layer above its own")
+            elif own == len(LAYERS) - 1 and rank < own and dep.split(".")[0] not in CLIENT_MAY_USE:
+                bad.append(f"{path.relative_to(ROOT)}:{line} is a client but imports ember.{dep}: use the "
+                           "EngineClient")
+    assert not bad, "\n".join(bad)
+
+
+def test_worker_sees_no_tokenizer_and_no_front_end():
+    for path in sorted((ROOT / "worker").rglob("*.py")) + sorted((ROOT / "core").rglob("*.py")):
+        for line, dep in _imports(path):
+            assert not dep.startswith(("tokenizer", "frontend")), f"{path.relative_to(ROOT)}:{line} imports {dep}"
+
+
+def test_facades_write_no_environment_variables():
+    for path in sorted((ROOT / "compat").rglob("*.py")):
+        text = path.read_text()
+        assert "os.environ[" not in text and "os.putenv" not in text and "environ.update" not in text, path
+
+
+def test_a_worker_replays_unpickled_batches_to_the_same_tokens(llama_dir):
+    """The batch description is all a worker needs: every batch an engine ran, pickled and run again on a fresh
+    worker, gives the same sampled tokens (greedy, and seeded sampling through the worker's own generators)."""
+    from ember.config import SchedulerConfig
+    from ember.worker.worker import Worker
+
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_memory="16MiB", device="cpu")
+    try:
+        worker = llm.client.engine_core.worker
+        seen: list[tuple[bytes, list[int]]] = []
+        run = worker.execute
+
+        def recording(batch):
+            out = run(batch)
+            seen.append((pickle.dumps(batch), list(out.token_ids)))
+            return out
+
+        worker.execute = recording
+        vocab = llm.model_info.vocab_size
+        prompts = random_prompts(3, 5, 40, vocab, seed=51)
+        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                  SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, n=2),
+                  SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                                 prompt_logprobs=2, logprobs=1)]
+        llm.generate(prompts, params, use_tqdm=False)
+        config, resolved = llm.config, llm.config.resolve()
+    finally:
+        llm.shutdown()
+    assert len(seen) > 3 and any(b"PromptLogprobsRows" in blob for blob, _ in seen)
+    fresh = Worker(resolved.model, resolved.cache)
+    fresh.init_cache(SchedulerConfig.resolve(config, fresh.loaded.max_position))
+    for blob, tokens in seen:
+        assert fresh.execute(pickle.loads(blob)).token_ids == tokens
+
+
+@pytest.mark.parametrize("bad, field", [(dict(temperature=float("nan")), "temperature"),
+                                        (dict(top_p=float("inf")), "top_p"), (dict(temperature=None), "temperature"),
+                                        (dict(n=True), "n")])
+def test_bad_numbers_are_refused_with_the_field_name(bad, field):
+    from ember.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match=rf"^{field}="):
+        SamplingParams(**bad)
+
+
+def test_errors_keep_their_valueerror_contract(tiny_llm):
+    from ember.errors import BadRequestError, EmberError
+
+    with pytest.raises(BadRequestError, match="prompt of type NoneType is not supported"):
+        tiny_llm.generate([None], use_tqdm=False)
+    assert issubclass(BadRequestError, ValueError) and issubclass(BadRequestError, EmberError)
+    out = tiny_llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert out[0].finished  # the engine keeps serving after a refused request
+
+
+def test_backends_are_chosen_once_at_start():
+    import torch
+
+    from ember.kernels import kernels_for
+    from ember.layers.attention import ATTENTION_BACKENDS, PagedAttention, bind_attention_backend
+    from ember.layers.kv_cache import KVCacheFormat
+    from ember.quantization import QuantizedMatmul, quantize_int8
+    from ember.quantization.kernels import MATMUL_PATHS
+
+    cpu = torch.device("cpu")
+    layers = [PagedAttention(4, 2, 16) for _ in range(2)]
+    float_pool = bind_attention_backend(layers, cpu, KVCacheFormat("auto", 16, torch.float32))
+    assert float_pool.name == ("cpu-kernel" if kernels_for(cpu) is not None else "torch")
+    assert all(layer.backend is float_pool for layer in layers)  # one instance, shared, nothing per call
+    assert bind_attention_backend(layers, cpu, KVCacheFormat("int8", 16, torch.float32)).name == "torch"
+    assert set(ATTENTION_BACKENDS) >= {"torch", "cpu-kernel"}
+    mm = QuantizedMatmul("int8", quantize_int8(torch.randn(64, 128)))
+    assert mm.path in MATMUL_PATHS and type(mm.impl) is MATMUL_PATHS[mm.path]
