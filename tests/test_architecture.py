@@ -162,3 +162,37 @@ def test_backends_are_chosen_once_at_start():
     assert set(ATTENTION_BACKENDS) >= {"torch", "cpu-kernel"}
     mm = QuantizedMatmul("int8", quantize_int8(torch.randn(64, 128)))
     assert mm.path in MATMUL_PATHS and type(mm.impl) is MATMUL_PATHS[mm.path]
+
+
+def test_parallel_sizes_other_than_one_are_refused_before_loading(llama_dir):
+    from ember.config import EngineConfig
+    from ember.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 is out of range: .* must be 1"):
+        LLM(llama_dir, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=0 is out of range"):
+        EngineConfig(llama_dir, pipeline_parallel_size=0)
+    with pytest.raises(AttributeError):  # frozen: what the user asked for is never rewritten
+        EngineConfig(llama_dir).device = "cuda"
+
+
+def test_finished_requests_leave_no_state_behind(tiny_llm):
+    """Once every request has ended, neither the front end, the core nor the worker holds anything of them (the
+    worker's sampling states are dropped even when the engine goes idle)."""
+    import time
+
+    from ember.errors import BadRequestError
+
+    params = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=4, no_repeat_ngram_size=2)
+    tiny_llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
+    stream = tiny_llm.stream([5, 6, 7], SamplingParams(temperature=0.7, seed=1, max_tokens=50))
+    next(stream)
+    stream.close()  # leaves early: the request is aborted
+    client, core = tiny_llm.client, tiny_llm.client.engine_core
+    deadline = time.monotonic() + 10
+    while (core.worker.states or core.requests or client._outputs.states) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not core.worker.states and not core.requests and not client._outputs.states
+    with pytest.raises(BadRequestError, match="already in use"):  # ids are unique among requests in flight ...
+        client.submit([[1], [2]], [None, None], lambda _: None, ["x", "x"])
+    assert tiny_llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)[0].finished  # ... and reusable

@@ -535,6 +535,13 @@ def test_runtime_builder_checks_and_unsupported_modes(tiny, caplog):
         "engine_max_length": 128, "engine_max_batch": 2, "kv_cache_span_size": 32, "enable_prefix_cache": False,
     }).model_file_path(tiny["model_path"], tiny["model_path"][:-8] + ".asparam").build()
     assert (cfg.engine_max_length, cfg.cache_span_size, cfg.enable_prefix_cache) == (128, 32, False)
+    ratio = AsModelRuntimeConfigBuilder().from_dict({
+        "model_name": "r", "compute_unit": {"device_type": "CPU", "device_ids": [0]}, "engine_max_length": 64,
+        "engine_max_batch": 1, "cuda_mem": {"memory_ratio": 0.25}}).model_file_path(
+        tiny["model_path"], tiny["model_path"][:-8] + ".asparam").build()
+    before = dict(os.environ)
+    assert engine_config(ratio).kv_cache_memory_fraction == 0.25  # the model's own setting ...
+    assert dict(os.environ) == before and engine_config(cfg).kv_cache_memory_fraction is None  # ... not a global
     engine = allspark.Engine()
     engine.install_model(cfg)
     engine.start_model("d")

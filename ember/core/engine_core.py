@@ -16,14 +16,16 @@ from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.dtypes import name_of
+from ember.model_loader import read_shape
 from ember.worker.batch import BatchDescription
 from ember.worker.worker import Worker
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedConfig) -> None:
+        # the limits are settled from the checkpoint's config before the weights load: a bad max_model_len fails fast
+        self.sched_config = sched = SchedulerConfig.resolve(config, read_shape(resolved.model.path).max_position)
         self.worker = worker = Worker(resolved.model, resolved.cache)
-        self.sched_config = sched = SchedulerConfig.resolve(config, worker.loaded.max_position)
         plan = worker.init_cache(sched)
         cache = resolved.cache
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
@@ -60,7 +62,8 @@ class EngineCore:
         self._forget_finished([req])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Sequences to run, or finished samples whose sampling state the worker should drop."""
+        return self.scheduler.has_work() or bool(self.decoding.released)
 
     def step(self) -> list[EngineOutput]:
         self.block_manager.expire(time.monotonic())

@@ -88,8 +88,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield deltas (new text and token ids) as they are generated; the last one has finished=True."""
-        return iter(self.client.stream(prompt, sampling_params, kind=OutputKind.DELTA))
+        """Yield deltas (new text and token ids) as they are generated; the last one has finished=True. The request
+        is submitted at the first ``next``; closing the iterator early aborts it."""
+        yield from self.client.stream(prompt, sampling_params, kind=OutputKind.DELTA)
 
     def stats(self) -> dict[str, Any]:
         return self.client.stats()

@@ -61,9 +61,11 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
     meta = asmodel.read_meta(cfg.model_path)
     # DashInfer's memory knob: the runtime config's cuda_mem.memory_ratio, else its BFC_MEM_RATIO variable;
     # ember's own EMBER_MEM_RATIO, when set, wins as it does for every engine
-    fraction = cfg.memory_ratio
-    if fraction is None and os.environ.get(envs.MEM_RATIO) is None:
-        fraction = envs.ratio_from("BFC_MEM_RATIO", os.environ.get("BFC_MEM_RATIO"))
+    fraction = None
+    if os.environ.get(envs.MEM_RATIO) is None:
+        fraction = cfg.memory_ratio
+        if fraction is None:
+            fraction = envs.ratio_from("BFC_MEM_RATIO", os.environ.get("BFC_MEM_RATIO"))
     return EngineConfig(model=cfg.model_path, dtype=meta["dtype"], device=device, max_num_seqs=cfg.engine_max_batch,
                         max_model_len=cfg.engine_max_length,
                         max_num_batched_tokens=cfg.engine_max_prefill_length or None,
