@@ -256,10 +256,6 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
     @classmethod
     def resolve(cls, c: EngineConfig) -> "ParallelConfig":
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -182,8 +182,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.bm.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "interrupted"
+        seq.finish("interrupted")
         batch.interrupted.append(seq)
         self.num_interrupted += 1
 

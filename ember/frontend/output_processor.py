@@ -26,7 +26,7 @@ OutputSink = Callable[[RequestOutput | BaseException], None]
 class SampleState:
     __slots__ = ("detokenizer", "num_tokens", "cumulative_logprob", "finish_reason")
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
         self.detokenizer = detokenizer
         self.num_tokens = 0
         self.cumulative_logprob = 0.0
@@ -53,7 +53,7 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self._lock = threading.Lock()  # states is added to by callers, emptied by the engine thread
@@ -117,17 +117,16 @@ class OutputProcessor:
                     lp = so.new_logprobs[j]
                     ss.cumulative_logprob += lp.logprob
                     new_lps.append(self._position(token, lp))
-                if ss.detokenizer is not None:
-                    stop_str = ss.detokenizer.add(token, check_stop=ss.num_tokens >= params.min_tokens)
+                stop_str = ss.detokenizer.add(token, check_stop=ss.num_tokens >= params.min_tokens)
             # the core's token stops come first, then a stop string, then the length limit
             if stop_str is not None and reason in (None, "length"):
                 if reason is None:
                     stops.append((st.request_id, so.index))
                 reason, stop_reason = "stop", stop_str
-            if reason is not None and reason != "abort" and stop_str is None and ss.detokenizer is not None:
+            if reason is not None and reason != "abort" and stop_str is None:
                 ss.detokenizer.flush_incomplete()
             ss.finish_reason = reason
-            text = ss.detokenizer.delta(reason is not None) if ss.detokenizer is not None else ""
+            text = ss.detokenizer.delta(reason is not None)
             completions.append(CompletionOutput(
                 index=so.index, text=text, token_ids=list(so.new_token_ids), logprobs=new_lps if wants_lp else None,
                 cumulative_logprob=ss.cumulative_logprob if wants_lp else None, finish_reason=reason,
@@ -145,9 +144,7 @@ class OutputProcessor:
         st.sink(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, done, prompt_lp, metrics,
                               cached, cached - host, host))
 
-    def _detokenizer(self, st: RequestState) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
+    def _detokenizer(self, st: RequestState) -> IncrementalDetokenizer:
         p = st.params
         return IncrementalDetokenizer(self.tokenizer, st.prompt_token_ids, p.stop, p.skip_special_tokens,
                                       p.include_stop_str_in_output)

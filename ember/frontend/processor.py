@@ -18,7 +18,7 @@ PromptType = str | Seq[int]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, info: ModelInfo, eos_token_ids: tuple[int, ...],
+    def __init__(self, tokenizer: Tokenizer, info: ModelInfo, eos_token_ids: tuple[int, ...],
                  default_params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.info = info
@@ -30,8 +30,6 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequestError("prompt='' is empty: a prompt needs at least one character or token")
-            if self.tokenizer is None:
-                raise BadRequestError("prompt is text but this engine has no tokenizer: pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ember import envs
 from ember.config import CacheConfig, SchedulerConfig
 from ember.errors import DoesNotFitError
 from ember.layers.attention import AttentionMetadata, PrefillSpan
@@ -68,7 +69,7 @@ def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolP
             f"the KV pool cannot hold one sequence of max_model_len={max_len}: {budget.source} leaves "
             f"{max(budget.bytes, 0) / 2**20:.1f} MiB = {num_blocks * bs} tokens of KV ({per_block // bs} bytes a "
             f"token); {fit_hint(num_blocks * bs, max_len, seats)}; or raise the memory (kv_cache_memory, "
-            "kv_cache_memory_fraction or EMBER_MEM_RATIO)")
+            f"kv_cache_memory_fraction or {envs.MEM_RATIO})")
     worker.kv_cache = worker.new_pool(num_blocks)
     worker.bind(worker.kv_cache)
 
