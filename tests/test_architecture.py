@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent / "ember"
 
 # lowest first: a module may import its own layer and the layers below it, never one above
 LAYERS = [
-    ("kernels", "quantization"),
+    ("kernels", "quantization", "distributed"),
     ("layers",),
     ("models", "model_loader"),
     ("worker",),
+    ("executor",),
     ("core",),
     ("frontend",),
     ("entrypoints", "compat", "server", "benchmarks", "__init__", "__main__"),
@@ -78,7 +79,7 @@ def test_imports_point_one_way():
 
 
 def test_worker_sees_no_tokenizer_and_no_front_end():
-    for path in sorted((ROOT / "worker").rglob("*.py")) + sorted((ROOT / "core").rglob("*.py")):
+    for path in sorted(p for d in ("worker", "executor", "core", "distributed") for p in (ROOT / d).rglob("*.py")):
         for line, dep in _imports(path):
             assert not dep.startswith(("tokenizer", "frontend")), f"{path.relative_to(ROOT)}:{line} imports {dep}"
 
@@ -164,14 +165,14 @@ def test_backends_are_chosen_once_at_start():
     assert mm.path in MATMUL_PATHS and type(mm.impl) is MATMUL_PATHS[mm.path]
 
 
-def test_parallel_sizes_other_than_one_are_refused_before_loading(llama_dir):
+def test_parallel_sizes_are_checked_before_loading(llama_dir):
     from ember.config import EngineConfig
     from ember.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 is out of range: .* must be 1"):
-        LLM(llama_dir, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=0 is out of range"):
         EngineConfig(llama_dir, pipeline_parallel_size=0)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=True is out of range"):
+        EngineConfig(llama_dir, tensor_parallel_size=True)
     with pytest.raises(AttributeError):  # frozen: what the user asked for is never rewritten
         EngineConfig(llama_dir).device = "cuda"
 

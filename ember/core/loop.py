@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from ember.config import EngineConfig, ResolvedConfig
@@ -24,6 +27,12 @@ from ember.errors import EngineDeadError
 
 logger = logging.getLogger("ember")
 _STOP = object()
+
+
+def _stop_thread(inbox: queue.Queue, thread: threading.Thread) -> None:
+    if thread.is_alive():
+        inbox.put(_STOP)
+        thread.join()
 
 
 class OutputHandler(Protocol):
@@ -44,6 +53,9 @@ class EngineLoop:
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, args=(config, resolved), name="ember-engine", daemon=True)
         self._thread.start()
+        # at interpreter exit (the script's end, Ctrl-C, an uncaught exception) the loop stops as on shutdown(),
+        # so a split model's other ranks are stopped, not killed
+        self._finalizer = weakref.finalize(self, _stop_thread, self._inbox, self._thread)
         self._ready.wait()
         if self._init_error is not None:
             self._thread.join()
@@ -62,12 +74,19 @@ class EngineLoop:
         self._inbox.put(("abort", request_id))
 
     def shutdown(self) -> None:
-        if self._thread.is_alive():
-            self._inbox.put(_STOP)
-            self._thread.join()
+        self._finalizer()
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run fn(core) on the loop's thread between steps and return its result: anything that talks to a split
+        model's ranks must, since the ranks follow one sequence of collectives."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        done: Future = Future()
+        self._inbox.put(("call", (fn, done)))
+        return done.result()
 
     def _main(self, config: EngineConfig, resolved: ResolvedConfig) -> None:
         try:
@@ -82,8 +101,12 @@ class EngineLoop:
                 pass
         except BaseException as e:  # never leave a consumer waiting forever
             logger.exception("engine loop failed")
-            self.dead = EngineDeadError(f"the engine stopped after an error: {e!r}")
+            self.dead = e if isinstance(e, EngineDeadError) else EngineDeadError(
+                f"the engine stopped after an error: {e!r}")
             self.handler.fail_all(self.dead)
+            self._cancel_calls()
+        finally:
+            self.core.shutdown()  # a split model's other ranks end with the loop, however it ends
 
     def _run_once(self) -> bool:
         """Take every pending command (waiting for one when idle), then run one step. False: shut down."""
@@ -96,11 +119,18 @@ class EngineLoop:
             if item is _STOP:
                 self.dead = EngineDeadError("the engine was shut down")
                 self.handler.fail_all(self.dead)
+                self._cancel_calls()
                 return False
             kind, payload = item
             if kind == "add":
                 for record in payload:
                     core.add(record)
+            elif kind == "call":
+                fn, done = payload
+                try:
+                    done.set_result(fn(core))
+                except Exception as e:
+                    done.set_exception(e)
             else:
                 out = core.abort(payload)
                 if out is not None:
@@ -112,6 +142,16 @@ class EngineLoop:
         if core.has_work():
             self._deliver(core.step())
         return True
+
+    def _cancel_calls(self) -> None:
+        """Calls still queued when the loop ends fail with the reason, instead of waiting forever."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP and item[0] == "call":
+                item[1][1].set_exception(self.dead)
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         if outputs:

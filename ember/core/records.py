@@ -70,3 +70,6 @@ class ModelInfo:
     scheduling_policy: str
     kv_cache_dtype: str
     quantization: str | None  # the weight layout, described; None: float weights
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    executor: str = "uni"  # how the ranks run (EngineConfig.distributed_executor_backend, resolved)

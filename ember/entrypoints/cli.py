@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from ember.config import INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_METHODS
+from ember.config import EXECUTOR_BACKENDS, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_METHODS
 from ember.quantization.config import QuantConfig
 from ember.sampling_params import SamplingParams
 
@@ -24,6 +24,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights: none (float), int8, int4 or w8a8 (default: as the checkpoint stores them)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache entries (default auto: the model's dtype)")
+    add_parallel_args(g)
+
+
+def add_parallel_args(g) -> None:
+    """-tp / -pp / --distributed-executor-backend, shared by generate, chat and bench."""
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks each layer is split over (attention heads, MLP, vocabulary); default 1")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages the layers are split into; default 1")
+    g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
+                   help="how the ranks start: mp (local processes, the default for more than one rank), launched "
+                        "(torchrun / mpirun / srun started them), ray, uni (one rank)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,7 +92,9 @@ def _load(args: argparse.Namespace):
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                kv_cache_memory=args.kv_cache_memory, max_num_seqs=8, quantization=args.quantization,
-               kv_cache_dtype=args.kv_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size,
+               distributed_executor_backend=args.distributed_executor_backend)
 
 
 def _params(llm, args: argparse.Namespace) -> SamplingParams:

@@ -14,6 +14,7 @@ from typing import Any
 from ember.config import EngineConfig
 from ember.core.loop import EngineLoop
 from ember.core.records import ModelInfo  # noqa: F401  (re-exported: what clients know of the engine)
+from ember.executor import serve_launched
 from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
 from ember.frontend.output_stream import OutputStream
 from ember.frontend.processor import InputProcessor, PromptType
@@ -26,6 +27,8 @@ class EngineClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         resolved = config.resolve()
+        if resolved.parallel.backend == "launched" and resolved.parallel.rank != 0:
+            serve_launched(resolved)  # a launched rank other than 0 serves rank 0's engine, then ends the process
         tok = load_tokenizer(resolved.model)
         self.tokenizer: Tokenizer = tok.tokenizer
         self.generation_config = tok.generation_config
@@ -84,6 +87,11 @@ class EngineClient:
 
     def stats(self) -> dict[str, Any]:
         return self._loop.stats()
+
+    def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
+        """Every rank's place, its weight and KV bytes and its seconds in collectives since the last reset (rank 0
+        first; one entry for a single-rank engine)."""
+        return self._loop.call(lambda core: core.executor.rank_reports(reset))
 
     def shutdown(self) -> None:
         """Stop the engine loop and join its thread; requests still open end with EngineDeadError."""

@@ -1,4 +1,10 @@
-"""Token embedding and LM head; a tied head reuses the embedding's weight (float, or the same int8 table)."""
+"""Token embedding and LM head; a tied head reuses the embedding's weight (float, or the same int8 table).
+
+Both are vocabulary-parallel under tensor parallelism: TP rank r holds rows [r * chunk, (r + 1) * chunk) of the
+table, chunk = ceil(vocab / T) (the last rank's missing rows are zeros). A lookup zeroes the ids other ranks hold
+and all-reduces (exact: one rank contributes each row); the head's logits are gathered on TP rank 0 only, where
+sampling happens.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +12,72 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed import ParallelContext
+from ember.distributed.comm import all_reduce, gather_last_dim
 from ember.layers.linear import PrepackedWeight, linear, load_float
-from ember.quantization import QuantizedMatmul, QuantizedTensor, requantize
+from ember.quantization import QuantizedMatmul, QuantizedTensor, concat_rows, requantize
+
+
+def vocab_range(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
+    """Rows [start, stop) of the table this TP rank holds (stop - start may fall short of the chunk on the last)."""
+    chunk = -(-vocab_size // parallel.tp_size)
+    start = min(parallel.tp_rank * chunk, vocab_size)
+    return start, min(start + chunk, vocab_size)
 
 
 class VocabEmbedding(nn.Module):
     """quantized: the table is int8 with one scale per row; a lookup dequantizes only the rows it gathers."""
 
-    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, quantized: bool = False) -> None:
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, quantized: bool = False,
+                 parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()
-        self.dtype, self.dim, self.quantized = dtype, dim, quantized
-        self.weight = None if quantized else nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype),
+        self.dtype, self.dim, self.quantized, self.vocab_size = dtype, dim, quantized, vocab_size
+        self.parallel = parallel
+        self.chunk = -(-vocab_size // parallel.tp_size)
+        self.start, self.stop = vocab_range(vocab_size, parallel)
+        self.weight = None if quantized else nn.Parameter(torch.zeros(self.chunk, dim, dtype=dtype),
                                                           requires_grad=False)
         self.qt: QuantizedTensor | None = None
 
     def load_weight(self, value: torch.Tensor | QuantizedTensor, name: str = "weight") -> None:
+        rows = self.stop - self.start
+        if value.shape[0] != rows:
+            raise ValueError(f"{name}: expected {rows} rows (vocabulary {self.start}..{self.stop}), got shape "
+                             f"{tuple(value.shape)}")
         if self.quantized:
             if value.shape[1] != self.dim:
                 raise ValueError(f"{name}: expected {self.dim} columns, got shape {tuple(value.shape)}")
-            self.qt = requantize(value, "int8", self.dim)
+            qt = requantize(value, "int8", self.dim)
+            if rows < self.chunk:  # zero rows pad the last rank's slice to the chunk
+                pad = self.chunk - rows
+                qt = concat_rows([qt, QuantizedTensor("int8", torch.zeros(pad, self.dim, dtype=torch.int8),
+                                                      torch.zeros(pad, 1), None, self.dim)])
+            self.qt = qt
         else:
-            load_float(self.weight.data, value, name)
+            load_float(self.weight.data[:rows], value, name)
 
     def finalize(self, device: torch.device, prepack: bool) -> None:
         if self.qt is not None:
             self.qt = self.qt.to(device)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qt is not None:
             return F.embedding(ids, self.qt.data).to(self.dtype) * F.embedding(ids, self.qt.scales).to(self.dtype)
         return F.embedding(ids, self.weight)
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return self.lookup(ids)
+        mine = (ids >= self.start) & (ids < self.stop)
+        x = self.lookup((ids - self.start).clamp(0, self.chunk - 1)) * mine[:, None].to(self.dtype)
+        return all_reduce(x, self.parallel)
+
 
 class LMHead(VocabEmbedding):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tied_to: VocabEmbedding | None = None,
-                 quantized: bool = False) -> None:
-        super().__init__(vocab_size if tied_to is None else 0, dim, dtype, quantized and tied_to is None)
+                 quantized: bool = False, parallel: ParallelContext = ParallelContext()) -> None:
+        super().__init__(vocab_size if tied_to is None else 0, dim, dtype, quantized and tied_to is None, parallel)
+        self.vocab_size = vocab_size
         self.__dict__["tied_to"] = tied_to  # a reference, not a submodule: the embedding is registered once
         if tied_to is not None:
             self.weight = tied_to.weight
@@ -57,8 +93,14 @@ class LMHead(VocabEmbedding):
         elif prepack:
             self.prepacked = PrepackedWeight(self.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32: the sampler and logprobs need the precision whatever the model dtype."""
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits in float32 (the sampler and logprobs need the precision whatever the model dtype); under tensor
+        parallelism the whole vocabulary on TP rank 0 and None on the others."""
         if self.qmm is not None:
-            return self.qmm(hidden).float()
-        return linear(hidden, self.weight, None, self.prepacked).float()
+            logits = self.qmm(hidden).float()
+        else:
+            logits = linear(hidden, self.weight, None, self.prepacked).float()
+        if self.parallel.tp_size == 1:
+            return logits
+        full = gather_last_dim(logits, self.parallel)
+        return None if full is None else full[:, :self.vocab_size]

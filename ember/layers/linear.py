@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember import envs
+from ember.distributed import ParallelContext
+from ember.distributed.comm import all_reduce
 from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
 
@@ -52,11 +54,17 @@ class Linear(nn.Module):
     """y = x W^T (+ b). Weights are allocated empty: the loader fills every element or fails."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, layout_features: int | None = None) -> None:
+        """layout_features: the input size the quantized layout is chosen for (a row-parallel slice takes the
+        whole layer's, so its int4 groups are the ones a single rank would use)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.quant = quant
-        self.kind, self.group_size = quant.linear_layout(in_features) if quant is not None else ("", 0)
+        self.kind, self.group_size = ("", 0) if quant is None else quant.linear_layout(layout_features or in_features)
+        if self.kind == "int4" and in_features % self.group_size:
+            raise ValueError(f"int4 groups of {self.group_size} do not divide this rank's {in_features} inputs of "
+                             f"a {layout_features}-input layer: choose a tensor_parallel_size whose slices hold "
+                             "whole groups")
         self.weight = None if quant is not None else nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
                                                                   requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -88,6 +96,24 @@ class Linear(nn.Module):
             y = self.qmm(x)
             return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias, self.prepacked)
+
+
+class RowParallelLinear(Linear):
+    """The input dim split over the stage's TP ranks: each multiplies its slice of x by its columns of W, the
+    partial products are all-reduced, then the bias is added once. Column-parallel layers need no class of their
+    own: a rank's ``Linear`` / ``MergedLinear`` simply holds its rows (the loader hands it only those)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant: QuantConfig | None, parallel: ParallelContext, full_in_features: int) -> None:
+        super().__init__(in_features, out_features, bias, dtype, quant, layout_features=full_in_features)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return super().forward(x)
+        y = self.qmm(x) if self.qmm is not None else linear(x, self.weight, None, self.prepacked)
+        y = all_reduce(y, self.parallel)
+        return y if self.bias is None else y + self.bias
 
 
 class MergedLinear(Linear):

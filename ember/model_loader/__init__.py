@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from ember.config import ModelConfig, ModelShape, resolve_dtype
+from ember.distributed import ParallelContext
+from ember.errors import ConfigError
 from ember.layers.linear import mkldnn_prepack_available
 from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.gguf import GGUFCheckpoint
@@ -33,10 +35,21 @@ class LoadedModel:
     dtype: torch.dtype
     shape: ModelShape
     quant: QuantConfig | None
+    parallel: ParallelContext = ParallelContext()
 
     @property
     def max_position(self) -> int:
         return self.shape.max_position
+
+    @property
+    def local_layers(self) -> int:
+        """Decoder layers this rank holds (its pipeline stage's)."""
+        return len(self.model.attention_layers())
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank holds (its tensor-parallel share, at least one)."""
+        return self.model.heads.num_kv_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +84,8 @@ def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFCheckpoint:
     return GGUFCheckpoint(path)
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext()) -> LoadedModel:
+    """Build this rank's part of the model and read only its part of each weight."""
     ckpt = open_checkpoint(config.path)
     hf_config = ckpt.hf_config()
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
@@ -85,15 +99,61 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if quant is not None:
         logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
     with torch.device("cpu"):
-        model = cls(architecture, hf_config, shape.max_position, dtype, quant)
-    model.load_weights(ckpt.tensors(hf_config, keep_quantized=quant is not None))
+        model = cls(architecture, hf_config, shape.max_position, dtype, quant, parallel)
+    select = model.weight_slice if parallel.world_size > 1 else None
+    model.load_weights(ckpt.tensors(hf_config, keep_quantized=quant is not None, select=select))
     model.to(config.device).eval()
     device = torch.device(config.device)
     prepack = device.type == "cpu" and mkldnn_prepack_available()
     for module in model.modules():  # embedding before LM head: a tied head reuses the finalized table
         if hasattr(module, "finalize"):
             module.finalize(device, prepack)
-    return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
+    return LoadedModel(model, hf_config, architecture, dtype, shape, quant, parallel)
+
+
+def check_parallel(config: ModelConfig, tp: int, pp: int) -> None:
+    """Refuse a split that cannot work, before any process starts: from the checkpoint's config and the weight
+    layout alone (no weight is read). ConfigError names the sizes that would work."""
+    if tp * pp == 1:
+        return
+    ckpt = open_checkpoint(config.path)
+    hf_config = ckpt.hf_config()
+    s = ModelShape.of(hf_config)
+    divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
+    ok_tp = [t for t in divisors(s.num_heads) if (s.num_kv_heads % t == 0 or t % s.num_kv_heads == 0)
+             and hf_config.intermediate_size % t == 0]
+    if tp not in ok_tp:
+        raise ConfigError(f"tensor_parallel_size={tp} is out of range for this model ({s.num_heads} attention heads, "
+                          f"{s.num_kv_heads} KV heads, MLP size {hf_config.intermediate_size}): it must divide the "
+                          f"attention heads and the MLP size, and divide or be a multiple of the KV heads; allowed: "
+                          f"{ok_tp}")
+    if pp > s.num_layers:
+        raise ConfigError(f"pipeline_parallel_size={pp} is out of range: this model has {s.num_layers} layers; "
+                          f"allowed: 1..{s.num_layers}")
+    if config.device.startswith("cuda"):
+        count = torch.cuda.device_count()
+        if tp * pp > count:
+            raise ConfigError(f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} is out of range: this "
+                              f"machine has {count} CUDA devices (one rank a device; across machines, start the "
+                              "ranks with a launcher, see docs/parallel.md)")
+    if tp == 1:
+        return
+    dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), config.device)
+    quant = resolve_quantization(config, ckpt, dtype)
+    # row-parallel layers: each rank's input slice must hold whole int4 groups (and whole GGUF blocks)
+    for name, k in (("o_proj", s.num_heads * s.head_dim), ("down_proj", hf_config.intermediate_size)):
+        if quant is not None and quant.method == "int4":
+            group = quant.linear_layout(k)[1]
+            if (k // tp) % group:
+                ok = [t for t in ok_tp if (k // t) % group == 0]
+                raise ConfigError(f"tensor_parallel_size={tp} is out of range for int4 groups of {group}: each rank's "
+                                  f"{k // tp} inputs of {name} must hold whole groups; allowed: {ok}, or a smaller "
+                                  "quant_group_size")
+        if quant is not None and isinstance(ckpt, GGUFCheckpoint):  # blocks kept as they are stored
+            block = ckpt.kept_block_size(f"{name}.weight")
+            if (k // tp) % block:
+                raise ConfigError(f"tensor_parallel_size={tp} is out of range: {name} stays in GGUF blocks of "
+                                  f"{block} values and each rank's {k // tp} inputs must hold whole blocks")
 
 
 def read_shape(path: str) -> ModelShape:
@@ -141,5 +201,6 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
     return tuple(ids)
 
 
-__all__ = ["Checkpoint", "LoadedModel", "TokenizerInfo", "load_model", "load_tokenizer", "open_checkpoint",
+__all__ = ["Checkpoint", "LoadedModel", "TokenizerInfo", "check_parallel", "load_model", "load_tokenizer",
+           "open_checkpoint",
            "read_shape", "resolve_quantization"]

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from ember import dtypes
+from ember.distributed import WeightSlice
+from ember.model_loader.hf import Select, read_slice
 from ember.quantization import QuantConfig, QuantizedTensor, requantize
 
 FORMAT = "ember.asmodel"
@@ -274,9 +276,10 @@ class AsModelCheckpoint:
     def native_quantization(self) -> QuantConfig | None:
         return QuantConfig.from_dict(self.meta.get("quant_config"))
 
-    def tensors(self, config: Any, keep_quantized: bool = True
+    def tensors(self, config: Any, keep_quantized: bool = True, select: Select | None = None
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """Stored quantized weights come back as one QuantizedTensor under their X.weight name."""
+        """Stored quantized weights come back as one QuantizedTensor under their X.weight name. select: the part of
+        each weight to read (rows, or columns on group boundaries: the scales are sliced with them)."""
         from safetensors import safe_open
 
         with safe_open(self.param_path, framework="pt") as f:
@@ -285,14 +288,14 @@ class AsModelCheckpoint:
                 if name.endswith((".scales", ".offsets")) and name.rsplit(".", 1)[0] + ".qdata" in names:
                     continue
                 if not name.endswith(".qdata"):
-                    yield name, f.get_tensor(name)
+                    sl = select(name) if select is not None else WeightSlice()
+                    if sl is not None:
+                        yield name, read_slice(f, name, sl)
                     continue
                 base = name.removesuffix(".qdata")
-                data, scales = f.get_tensor(name), f.get_tensor(base + ".scales")
-                offsets = f.get_tensor(base + ".offsets") if base + ".offsets" in names else None
-                kind = "int8" if data.dtype == torch.int8 else "int4"
-                k = data.shape[1] * (2 if kind == "int4" else 1)
-                yield base + ".weight", QuantizedTensor(kind, data, scales, offsets, k // scales.shape[1])
+                sl = select(base + ".weight") if select is not None else WeightSlice()
+                if sl is not None:
+                    yield base + ".weight", _read_quantized(f, base, base + ".offsets" in names, sl)
 
     def tokenizer(self):
         """The embedded tokenizer files, unpacked once into ember's cache and loaded from there."""
@@ -313,3 +316,26 @@ class AsModelCheckpoint:
 
                 shutil.rmtree(tmp, ignore_errors=True)
         return Tokenizer.load(folder)
+
+
+def _read_quantized(f: Any, base: str, has_offsets: bool, sl: WeightSlice) -> QuantizedTensor:
+    """One stored quantized weight, only the slice's rows or columns (columns on whole groups; a weight with one
+    scale a row keeps that scale for any column slice)."""
+    shape = f.get_slice(base + ".qdata").get_shape()
+    scale_cols = f.get_slice(base + ".scales").get_shape()[1]
+    kind = "int8" if f.get_slice(base + ".qdata").get_dtype() == "I8" else "int4"
+    per = 2 if kind == "int4" else 1  # values a stored byte holds
+    k = shape[1] * per
+    group = k // scale_cols
+    data_sl = scale_sl = sl
+    if sl.dim == 1:
+        cuts_group = scale_cols > 1 and (sl.start % group or sl.stop % group)
+        if cuts_group or sl.start % per or sl.stop % per:
+            raise ValueError(f"{base}: columns {sl.start}..{sl.stop} cut its quantization groups of {group}: choose "
+                             "a tensor_parallel_size whose slices hold whole groups")
+        data_sl = WeightSlice(1, sl.start // per, sl.stop // per)
+        scale_sl = WeightSlice() if scale_cols == 1 else WeightSlice(1, sl.start // group, sl.stop // group)
+        group = sl.stop - sl.start if scale_cols == 1 else group
+    data, scales = read_slice(f, base + ".qdata", data_sl), read_slice(f, base + ".scales", scale_sl)
+    offsets = read_slice(f, base + ".offsets", scale_sl) if has_offsets else None
+    return QuantizedTensor(kind, data, scales, offsets, group)

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ember.distributed import WeightSlice
+from ember.model_loader.hf import Select
 from ember.quantization import GGUF_DIRECT_TYPES, QuantConfig, QuantizedTensor, from_gguf
 
 # GGUF general.architecture -> (Hugging Face architecture, model_type)
@@ -130,9 +132,17 @@ class GGUFCheckpoint:
         method = "int4" if linear <= {"Q4_0", "Q4_1"} else "int8"
         return QuantConfig(method, 32, embeddings=bool(table) and table <= set(GGUF_DIRECT_TYPES))
 
-    def tensors(self, config: Any, keep_quantized: bool = False
+    def kept_block_size(self, suffix: str) -> int:
+        """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
+        1 when none is (other types are dequantized and can be sliced anywhere)."""
+        return max((32 for t in self.reader.tensors
+                    if t.tensor_type.name in GGUF_DIRECT_TYPES and (_hf_name(t.name) or "").endswith(suffix)),
+                   default=1)
+
+    def tensors(self, config: Any, keep_quantized: bool = False, select: Select | None = None
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """keep_quantized: Q8_0 / Q4_0 / Q4_1 weights come as QuantizedTensor (never expanded to float)."""
+        """keep_quantized: Q8_0 / Q4_0 / Q4_1 weights come as QuantizedTensor (never expanded to float).
+        select: the part of each tensor to read (rows, or columns on quantization-block boundaries)."""
         from gguf import dequantize
 
         permute = self.gguf_arch in ("llama", "mistral")
@@ -143,16 +153,28 @@ class GGUFCheckpoint:
             name = _hf_name(t.name)
             if name is None:
                 continue
+            sl = select(name) if select is not None else WeightSlice()
+            if sl is None:
+                continue
+            raw = t.data  # a read-only memory map: slicing it reads only those bytes
+            rows = int(t.shape[1]) if len(t.shape) > 1 else 0  # GGUF lists dims innermost first
+            cols = int(t.shape[0])
+            keep = keep_quantized and kind in GGUF_DIRECT_TYPES
+            trim = None
+            if not sl.whole:
+                raw, rows, cols, trim = _slice_raw(raw, t.tensor_type, sl, rows, cols, t.name, keep)
             heads = None
             if permute and (".q_proj." in name or ".k_proj." in name):
-                heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-            if keep_quantized and kind in GGUF_DIRECT_TYPES:
-                qt = from_gguf(t.data, kind, (int(t.shape[1]), int(t.shape[0])))  # GGUF lists dims innermost first
+                total = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+                heads = total * rows // int(t.shape[1])  # whole heads: the permutation stays within each head
+            if keep:
+                qt = from_gguf(raw, kind, (rows, cols))
                 if heads is not None:
                     qt = qt.rows(torch.from_numpy(_unpermute(np.arange(qt.shape[0]), heads)))
                 yield name, qt
                 continue
-            w = np.array(dequantize(t.data, t.tensor_type), copy=True)  # the file is mapped read-only
+            w = dequantize(raw, t.tensor_type)
+            w = np.array(w if trim is None else w[:, trim[0]:trim[1]], copy=True)  # the file is mapped read-only
             if heads is not None:
                 w = _unpermute(w, heads)
             yield name, torch.from_numpy(w)
@@ -166,6 +188,27 @@ def _hf_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{kind}"
     return None
+
+
+def _slice_raw(raw: np.ndarray, tensor_type: Any, sl: WeightSlice, rows: int, cols: int, name: str, keep: bool
+               ) -> tuple[np.ndarray, int, int, tuple[int, int] | None]:
+    """Rows, or the columns' quantization blocks, of a tensor's raw data ``[rows, bytes a row]``: (raw, rows, cols,
+    trim). A column slice that cuts a block reads the blocks that cover it and ``trim`` says which dequantized
+    columns to keep; a tensor kept in its blocks (``keep``) must be cut on block boundaries."""
+    from gguf import GGML_QUANT_SIZES
+
+    if sl.dim == 0:
+        return raw[sl.start:sl.stop], sl.stop - sl.start, cols, None
+    block, size = GGML_QUANT_SIZES[tensor_type]
+    if block == 1:  # float types come as [rows, cols] of their own dtype
+        return raw[:, sl.start:sl.stop], rows, sl.stop - sl.start, None
+    lo, hi = sl.start // block, -(-sl.stop // block)
+    if keep and (sl.start % block or sl.stop % block):
+        raise ValueError(f"GGUF tensor {name} ({tensor_type.name}) stays in blocks of {block} values; columns "
+                         f"{sl.start}..{sl.stop} cut a block: choose a tensor_parallel_size whose slices hold whole "
+                         "blocks")
+    trim = None if not (sl.start % block or sl.stop % block) else (sl.start - lo * block, sl.stop - lo * block)
+    return raw[:, lo * size:hi * size], rows, sl.stop - sl.start, trim
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from ember.distributed import WeightSlice
+
+# which part of each named tensor a rank reads (None: none of it); see LlamaForCausalLM.weight_slice
+Select = Callable[[str], "WeightSlice | None"]
 
 
 def load_hf_config(path: str) -> Any:
@@ -46,14 +51,24 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def read_slice(f: Any, name: str, sl: WeightSlice) -> torch.Tensor:
+    """Only the slice's bytes of a tensor in an open safetensors file (the file is memory-mapped)."""
+    if sl.whole:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    return part[sl.start:sl.stop] if sl.dim == 0 else part[:, sl.start:sl.stop]
+
+
+def iter_safetensors(path: str, select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    sl = select(name) if select is not None else WeightSlice()
+                    if sl is not None:
+                        yield name, read_slice(f, name, sl)
         except SafetensorError as e:
             raise ValueError(f"model file {file!r} is corrupt: {e}") from e
 
@@ -75,8 +90,9 @@ class HFCheckpoint:
     def native_quantization(self) -> None:
         return None  # float weights (pre-quantized Hugging Face formats such as GPTQ are not read)
 
-    def tensors(self, config: Any, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_safetensors(self.path)
+    def tensors(self, config: Any, keep_quantized: bool = False,
+                select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(self.path, select)
 
     def tokenizer(self):
         from ember.tokenizer import Tokenizer

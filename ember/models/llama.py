@@ -3,6 +3,11 @@
 The families differ only in switches read from the config: bias on the QKV projection (Qwen2), RMSNorm on each
 query and key head (Qwen3), tied or separate LM head, sliding-window layers. The model sees one flat batch of
 tokens ``[T]`` with their positions and the attention metadata; it never sees padding.
+
+Split over ranks (``ParallelContext``), a rank builds only its part: its attention heads and KV heads, its slice of
+the MLP, its vocabulary rows (tensor parallelism, as Megatron splits a decoder), and only its stage's layers
+(pipeline parallelism; the others are empty placeholders so checkpoint names keep their global layer numbers).
+``weight_slice`` tells the checkpoint reader which part of each tensor this rank reads.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import torch
 from torch import nn
 
 from ember.config import ModelShape
+from ember.distributed import ParallelContext, WeightSlice, layer_range
 from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionMetadata, PagedAttention
-from ember.layers.embedding import LMHead, VocabEmbedding
-from ember.layers.linear import Linear, MergedLinear, load_float
+from ember.layers.embedding import LMHead, VocabEmbedding, vocab_range
+from ember.layers.linear import MergedLinear, RowParallelLinear, load_float
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.quantization import QuantConfig, QuantizedTensor
@@ -55,15 +61,38 @@ def layer_windows(architecture: str, config: Any) -> list[int | None]:
     return [None] * n
 
 
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """The attention heads of one TP rank: query heads [q_start, q_start + num_heads) and KV heads [kv_start,
+    kv_start + num_kv_heads). With more ranks than KV heads each KV head is replicated on T / num_kv_heads ranks
+    (as vLLM does), so a rank's query heads always find their KV head locally."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, parallel: ParallelContext) -> "HeadSplit":
+        t, r = parallel.tp_size, parallel.tp_rank
+        nq = shape.num_heads // t
+        if shape.num_kv_heads >= t:
+            nkv = shape.num_kv_heads // t
+            return cls(nq, nkv, r * nq, r * nkv)
+        return cls(nq, 1, r * nq, r * shape.num_kv_heads // t)
+
+
 class Attention(nn.Module):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
-                 dtype: torch.dtype, quant: QuantConfig | None) -> None:
+                 dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
         super().__init__()
         shape = ModelShape.of(config)
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        split = HeadSplit.of(shape, parallel)
+        self.num_heads, self.num_kv_heads, self.head_dim = split.num_heads, split.num_kv_heads, shape.head_dim
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, sw.qkv_bias, dtype, quant)
-        self.o_proj = Linear(q, config.hidden_size, sw.o_bias, dtype, quant)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, sw.o_bias, dtype, quant, parallel,
+                                        shape.num_heads * shape.head_dim)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
         self.rope = rope
@@ -85,12 +114,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = config.intermediate_size // parallel.tp_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, dtype, quant)
-        self.down_proj = Linear(inter, config.hidden_size, bias, dtype, quant)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, quant, parallel,
+                                           config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -98,10 +128,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
-                 dtype: torch.dtype, quant: QuantConfig | None) -> None:
+                 dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(config, sw, window, rope, dtype, quant)
-        self.mlp = MLP(config, dtype, quant)
+        self.self_attn = Attention(config, sw, window, rope, dtype, quant, parallel)
+        self.mlp = MLP(config, dtype, quant, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -117,24 +147,43 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: keeps the layer numbering, holds nothing."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()
         sw = family_switches(architecture, config)
+        self.parallel, self.dtype = parallel, dtype
+        self.start, self.stop = layer_range(config.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
         self.rope = RotaryEmbedding(config, ModelShape.of(config).head_dim, max_position)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        # the last stage holds the table too when the LM head is tied to it
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                           quantized=quant is not None and quant.embeddings)
+                                           quant is not None and quant.embeddings, parallel) \
+            if parallel.is_first_stage or (tied and parallel.is_last_stage) else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, sw, w, self.rope, dtype, quant) for w in layer_windows(architecture, config)
+            DecoderLayer(config, sw, w, self.rope, dtype, quant, parallel) if self.start <= i < self.stop
+            else MissingLayer() for i, w in enumerate(layer_windows(architecture, config))
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if parallel.is_last_stage else None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(ids), None
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This stage's layers. The first stage embeds ``ids``; later stages continue from ``intermediate``, the
+        previous stage's (x, residual). The last stage returns the normed hidden states, the others (x, residual)."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(ids), None
+        else:
+            x, residual = intermediate
         rope = self.rope.cos_sin(positions, x.dtype)  # once a step, shared by every layer
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        for i in range(self.start, self.stop):
+            x, residual = self.layers[i](rope, x, residual, meta)
+        if self.norm is None:
+            return x, residual
         return self.norm(x, residual)[0]
 
 
@@ -147,24 +196,69 @@ _STACKED = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()
         self.config = config
         self.quant = quant
-        self.model = LlamaModel(architecture, config, max_position, dtype, quant)
+        self.parallel = parallel
+        self.shape = ModelShape.of(config)
+        self.heads = HeadSplit.of(self.shape, parallel)
+        self.model = LlamaModel(architecture, config, max_position, dtype, quant, parallel)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype,
                               tied_to=self.model.embed_tokens if self.tied else None,
-                              quantized=quant is not None and quant.embeddings)
+                              quantized=quant is not None and quant.embeddings,
+                              parallel=parallel) if parallel.is_last_stage else None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(ids, positions, meta)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(ids, positions, meta, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits; None on TP ranks other than 0 (they only lend their vocabulary slice)."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's attention layers, in order (the KV pool holds these and no others)."""
+        return [self.model.layers[i].self_attn.attn for i in range(self.model.start, self.model.stop)]
+
+    def weight_slice(self, name: str) -> WeightSlice | None:
+        """The part of checkpoint tensor ``name`` (Hugging Face naming) this rank holds: None when it holds none of
+        it (another stage's layer, a tied head), else a row or column slice, or the whole tensor."""
+        p = self.parallel
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2:
+            layer = int(parts[2])
+            if not self.model.start <= layer < self.model.stop:
+                return None
+            if p.tp_size == 1:
+                return WeightSlice()
+            d, h, inter = self.shape.head_dim, self.heads, self.config.intermediate_size // p.tp_size
+            proj, kind = parts[-2], parts[-1]
+            if proj == "q_proj":
+                return WeightSlice(0, h.q_start * d, (h.q_start + h.num_heads) * d)
+            if proj in ("k_proj", "v_proj"):
+                return WeightSlice(0, h.kv_start * d, (h.kv_start + h.num_kv_heads) * d)
+            if proj in ("gate_proj", "up_proj"):
+                return WeightSlice(0, p.tp_rank * inter, (p.tp_rank + 1) * inter)
+            if proj == "o_proj" and kind == "weight":
+                return WeightSlice(1, h.q_start * d, (h.q_start + h.num_heads) * d)
+            if proj == "down_proj" and kind == "weight":
+                return WeightSlice(1, p.tp_rank * inter, (p.tp_rank + 1) * inter)
+            return WeightSlice()  # norms and row-parallel biases: every rank holds them whole
+        if name.startswith("model.embed_tokens."):
+            return self._vocab_slice() if self.model.embed_tokens is not None else None
+        if name.startswith("lm_head."):
+            return self._vocab_slice() if self.lm_head is not None and not self.tied else None
+        if name.startswith("model.norm."):
+            return WeightSlice() if self.model.norm is not None else None
+        return WeightSlice()
+
+    def _vocab_slice(self) -> WeightSlice:
+        if self.parallel.tp_size == 1:
+            return WeightSlice()
+        return WeightSlice(0, *vocab_range(self.config.vocab_size, self.parallel))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names; a weight may come quantized) into the model; fail on anything

@@ -32,8 +32,9 @@ def kv_format(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> KVCacheForma
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
-    s = loaded.shape
-    return 2 * s.num_layers * block_size * s.num_kv_heads * kv_format(loaded, kv_cache_dtype).bytes_per_entry()
+    """Bytes of one block on this rank: its stage's layers, its KV heads."""
+    entry = kv_format(loaded, kv_cache_dtype).bytes_per_entry()
+    return 2 * loaded.local_layers * block_size * loaded.local_kv_heads * entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,8 @@ def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolP
     # 2. the pool: what the budget leaves, never more than every seat at full length needs
     budget = kv_pool_budget(cache, worker.device, act.bytes)
     blocks_per_seq = -(-max_len // bs)
-    num_blocks = min(max(budget.bytes, 0) // per_block, blocks_per_seq * seats)
+    # split over ranks, every rank holds the same block numbers: the smallest pool decides
+    num_blocks = worker.agree_min(min(max(budget.bytes, 0) // per_block, blocks_per_seq * seats))
     if num_blocks < blocks_per_seq:
         raise DoesNotFitError(
             f"the KV pool cannot hold one sequence of max_model_len={max_len}: {budget.source} leaves "
@@ -106,9 +108,12 @@ def dummy_prefill(worker: "Worker", tokens: int, sample_rows: int) -> None:
     slots = table.repeat_interleave(bs)[:tokens] * bs + torch.arange(tokens, device=dev) % bs
     meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, tokens, tokens, table)])
     positions = torch.arange(tokens, device=dev)
-    hidden = worker.model(torch.zeros(tokens, dtype=torch.long, device=dev), positions, meta)
-    rows = torch.arange(sample_rows, device=dev) % tokens
-    worker.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+    hidden = worker.forward_stage(torch.zeros(tokens, dtype=torch.long, device=dev), positions, meta)
+    if hidden is not None:
+        rows = torch.arange(sample_rows, device=dev) % tokens
+        logits = worker.model.compute_logits(hidden[rows])
+        if logits is not None:
+            logits.float().log_softmax(dim=-1)
 
 
 @torch.inference_mode()
@@ -123,5 +128,8 @@ def dummy_decode(worker: "Worker", num_seqs: int, context: int) -> None:
     lens = torch.full((num_seqs,), context, dtype=torch.long, device=dev)
     meta = AttentionMetadata(slots, num_seqs, tables, lens, [])
     positions = torch.full((num_seqs,), context - 1, dtype=torch.long, device=dev)
-    hidden = worker.model(torch.zeros(num_seqs, dtype=torch.long, device=dev), positions, meta)
-    worker.model.compute_logits(hidden).float().log_softmax(dim=-1)
+    hidden = worker.forward_stage(torch.zeros(num_seqs, dtype=torch.long, device=dev), positions, meta)
+    if hidden is not None:
+        logits = worker.model.compute_logits(hidden)
+        if logits is not None:
+            logits.float().log_softmax(dim=-1)

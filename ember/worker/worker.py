@@ -1,6 +1,11 @@
 """A worker: owns the model, the KV pool and the samples' sampling state, and runs one ``BatchDescription`` per
 call into sampled tokens and logprobs. It sees no tokenizer, no request object and no callback: everything it
 gets is plain and picklable, which is what lets a worker run in another process or on another rank.
+
+Split over ranks, every rank gets the same description. A rank runs its stage's layers on its heads; with several
+pipeline stages the batch goes through in micro-batches (``micro_batches``), so stage s works on micro-batch m + 1
+while stage s + 1 works on m. Only the sampling rank (TP rank 0 of the last stage) gathers the logits and samples,
+and only it keeps the samples' sampling state.
 """
 
 from __future__ import annotations
@@ -8,8 +13,11 @@ from __future__ import annotations
 import torch
 
 from ember.config import CacheConfig, ModelConfig, SchedulerConfig
+from ember.distributed import ParallelContext, comm
 from ember.kernels import kernels_for
 from ember.layers.attention import AttentionMetadata, PrefillSpan, bind_attention_backend
+from ember.layers.embedding import VocabEmbedding
+from ember.layers.linear import Linear
 from ember.layers.logits_processors import RowState
 from ember.layers.sampler import Sampler, rank_logprobs
 from ember.model_loader import load_model
@@ -18,13 +26,23 @@ from ember.worker.batch import SWAP_OUT, BatchDescription, WorkerOutput
 from ember.worker.memory import memory_now
 
 
+def micro_batches(num_tokens: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` row ranges of the flat batch, as equal as rows allow. A range may end inside a prefill chunk: the
+    chunk's second part runs after its first on every stage, so it finds the first part's K/V in the cache, as
+    chunked prefill does."""
+    cuts = [num_tokens * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 class Worker:
-    def __init__(self, model_config: ModelConfig, cache: CacheConfig) -> None:
+    def __init__(self, model_config: ModelConfig, cache: CacheConfig,
+                 parallel: ParallelContext = ParallelContext()) -> None:
         if model_config.num_threads is not None:
             torch.set_num_threads(model_config.num_threads)
         torch.manual_seed(model_config.seed)
         self.cache_config = cache
-        self.loaded = load_model(model_config)
+        self.parallel = parallel
+        self.loaded = load_model(model_config, parallel)
         self.model = self.loaded.model
         self.device = torch.device(model_config.device)
         self.block_size = cache.block_size
@@ -82,42 +100,111 @@ class Worker:
                 "activation_bytes": plan.activation_bytes if plan else 0,
                 "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
 
-    def _inputs(self, b: BatchDescription) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def agree_min(self, value: int) -> int:
+        """The smallest value over every rank (the KV pool size all ranks can hold)."""
+        if self.parallel.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.parallel.control_group)
+        return int(t.item())
+
+    def _inputs(self, b: BatchDescription, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Tensors of rows [r0, r1) of the batch (all of it, or one micro-batch)."""
         dev = self.device
         tables_t = lens_t = None
-        if b.decode_block_tables:
-            width = max(len(t) for t in b.decode_block_tables)
-            tables_t = torch.tensor([t + [0] * (width - len(t)) for t in b.decode_block_tables], dtype=torch.long,
-                                    device=dev)
-            lens_t = torch.tensor(b.decode_context_lens, dtype=torch.long, device=dev)
-        prefills = [PrefillSpan(p.start, p.length, p.context_len, torch.tensor(p.block_table, dtype=torch.long,
-                                                                                device=dev)) for p in b.prefills]
-        meta = AttentionMetadata(torch.tensor(b.slots, dtype=torch.long, device=dev), b.num_decode, tables_t, lens_t,
-                                 prefills)
-        return (torch.tensor(b.input_ids, dtype=torch.long, device=dev),
-                torch.tensor(b.positions, dtype=torch.long, device=dev), meta)
+        d0, d1 = min(r0, b.num_decode), min(r1, b.num_decode)
+        if d1 > d0:
+            tables = b.decode_block_tables[d0:d1]
+            width = max(len(t) for t in tables)
+            tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+            lens_t = torch.tensor(b.decode_context_lens[d0:d1], dtype=torch.long, device=dev)
+        prefills = []
+        for p in b.prefills:
+            start, stop = max(p.start, r0), min(p.start + p.length, r1)
+            if stop > start:  # the part of this chunk in range; its context ends where the part ends
+                prefills.append(PrefillSpan(start - r0, stop - start, p.context_len - (p.start + p.length - stop),
+                                            torch.tensor(p.block_table, dtype=torch.long, device=dev)))
+        meta = AttentionMetadata(torch.tensor(b.slots[r0:r1], dtype=torch.long, device=dev), d1 - d0, tables_t,
+                                 lens_t, prefills)
+        return (torch.tensor(b.input_ids[r0:r1], dtype=torch.long, device=dev),
+                torch.tensor(b.positions[r0:r1], dtype=torch.long, device=dev), meta)
+
+    def forward_stage(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                      ) -> torch.Tensor | None:
+        """This rank's layers alone, without stage-to-stage traffic (warm-up): a later stage starts from zeros.
+        The last stage's hidden states; None on other stages."""
+        p = self.parallel
+        intermediate = None
+        if not p.is_first_stage:
+            zeros = torch.zeros(len(ids), self.loaded.shape.hidden_size, dtype=self.loaded.dtype, device=self.device)
+            intermediate = (zeros, zeros.clone())
+        out = self.model(ids, positions, meta, intermediate)
+        return out if p.is_last_stage else None
+
+    def _forward(self, b: BatchDescription) -> torch.Tensor | None:
+        """The whole batch through this rank's stage; the last stage's hidden states, None on other stages."""
+        p = self.parallel
+        if p.pp_size == 1:
+            return self.model(*self._inputs(b, 0, b.num_tokens))
+        outs, sends = [], []
+        hidden = self.loaded.shape.hidden_size
+        for r0, r1 in micro_batches(b.num_tokens, p.pp_size):
+            ids, positions, meta = self._inputs(b, r0, r1)
+            intermediate = None
+            if not p.is_first_stage:
+                buf = comm.recv((2, r1 - r0, hidden), self.loaded.dtype, self.device, p.stage_peer(-1))
+                intermediate = (buf[0], buf[1])
+            out = self.model(ids, positions, meta, intermediate)
+            if p.is_last_stage:
+                outs.append(out)
+            else:  # (x, residual) to the same TP rank of the next stage; on to the next micro-batch meanwhile
+                x = torch.stack(out)
+                sends.append((comm.send(x, p.stage_peer(1)), x))
+        for work, _ in sends:
+            work.wait()
+        return torch.cat(outs) if outs else None
 
     @torch.inference_mode()
-    def execute(self, batch: BatchDescription) -> WorkerOutput:
+    def execute(self, batch: BatchDescription) -> WorkerOutput | None:
+        """The sampled tokens on the sampling rank; None on every other rank."""
         for handle in batch.released:
             self.states.pop(handle, None)
         if batch.copies:
             self.copy_blocks(batch.copies)
         if not batch.input_ids:
-            return WorkerOutput([], [], {})
-        ids, positions, meta = self._inputs(batch)
-        hidden = self.model(ids, positions, meta)
+            return WorkerOutput([], [], {}) if self.parallel.is_sampler else None
+        hidden = self._forward(batch)
+        if hidden is None:
+            return None
         tokens, lps = [], []
-        if batch.sampling:
+        if batch.sampling:  # every TP rank lends its vocabulary slice; TP rank 0 samples
             logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=self.device)])
-            states = [self._state(r.handle, r.seed) for r in batch.sampling]
-            out = self.sampler(logits, batch.sampling, states)
-            tokens, lps = out.token_ids, out.logprobs
+            if logits is not None:
+                states = [self._state(r.handle, r.seed) for r in batch.sampling]
+                out = self.sampler(logits, batch.sampling, states)
+                tokens, lps = out.token_ids, out.logprobs
         prompt_lps = {}
         for rows in batch.prompt_logprobs:
-            logprobs = self.model.compute_logits(hidden[rows.start:rows.start + len(rows.targets)]).log_softmax(dim=-1)
-            prompt_lps[rows.handle] = rank_logprobs(logprobs, rows.targets, rows.k)
-        return WorkerOutput(tokens, lps, prompt_lps)
+            logits = self.model.compute_logits(hidden[rows.start:rows.start + len(rows.targets)])
+            if logits is not None:
+                prompt_lps[rows.handle] = rank_logprobs(logits.log_softmax(dim=-1), rows.targets, rows.k)
+        return WorkerOutput(tokens, lps, prompt_lps) if self.parallel.is_sampler else None
+
+    def report(self, reset: bool = False) -> dict[str, object]:
+        """This rank's place, its bytes of weights and KV, and its time in collectives since the last reset (for
+        docs/parallel.md)."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        for m in self.model.modules():
+            if isinstance(m, Linear) and m.qmm is not None:
+                weights += sum(t.numel() * t.element_size() for t in m.qmm.impl.tensors())
+            elif isinstance(m, VocabEmbedding) and m.qt is not None:
+                weights += m.qt.nbytes()
+        p = self.parallel
+        return {"rank": p.world_rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank, "layers": self.loaded.local_layers,
+                "kv_heads": self.loaded.local_kv_heads, "weight_bytes": weights,
+                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(), **comm.COMM.snapshot(reset)}
 
     def _state(self, handle: int, seed: int | None) -> RowState:
         state = self.states.get(handle)

@@ -22,6 +22,25 @@ def load(spec: dict):
     return llm
 
 
+def _split(llm) -> bool:
+    info = llm.model_info
+    return info.tensor_parallel_size * info.pipeline_parallel_size > 1
+
+
+def rank_figures(llm, wall: float) -> dict:
+    """A split model's ranks over the timed run: the share of the wall time each spent inside collectives
+    (all-reduce, vocabulary gather, sends; waiting for slower peers included) and waiting for its input (a later
+    stage) or for the sampled tokens (rank 0), and what it holds."""
+    out = {}
+    for r in llm.client.rank_reports(reset=True):
+        inside = sum(r.get(k, 0.0) for k in ("all_reduce_s", "gather_s", "send_s"))
+        waiting = r.get("recv_s", 0.0) + r.get("result_wait_s", 0.0)
+        out[f"rank{r['rank']}"] = {"collectives_share": inside / wall, "waiting_share": waiting / wall,
+                                   "weight_mib": r["weight_bytes"] / 2**20, "kv_cache_mib": r["kv_cache_bytes"] / 2**20,
+                                   "layers": r["layers"], "kv_heads": r["kv_heads"]}
+    return out
+
+
 def _params(r: dict):
     from ember import SamplingParams
 
@@ -30,11 +49,16 @@ def _params(r: dict):
 
 def throughput(llm, spec: dict) -> dict:
     reqs = spec["requests"]
+    if _split(llm):
+        llm.client.rank_reports(reset=True)  # count the timed run only
     start = time.perf_counter()
     outs = llm.generate([r["prompt_token_ids"] for r in reqs], [_params(r) for r in reqs], use_tqdm=False)
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "outputs": [output_record(len(r["prompt_token_ids"]), len(o.outputs[0].token_ids))
-                                        for r, o in zip(reqs, outs)]}
+    result = {"wall_s": wall, "outputs": [output_record(len(r["prompt_token_ids"]), len(o.outputs[0].token_ids))
+                                          for r, o in zip(reqs, outs)]}
+    if _split(llm):
+        result["ranks"] = rank_figures(llm, wall)
+    return result
 
 
 def latency(llm, spec: dict) -> dict:

@@ -1,0 +1,145 @@
+"""Rank 0 of a split model, in the engine's process: its own share of the model, and the calls to the other ranks.
+
+A call is one broadcast of ``(method, args)`` on the control group (the step's ``BatchDescription`` for
+``execute``: each step's metadata goes out once, every rank builds its tensors from it); rank 0 then runs the same
+method on its own worker. With several stages the sampled tokens come back from the sampling rank as one object.
+A rank that dies makes the next collective fail (gloo sees the connection close), which ends the engine with an
+``EngineDeadError`` that says which rank died; subclasses start and stop the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ember.config import ResolvedConfig, SchedulerConfig
+from ember.distributed import ParallelContext, groups
+from ember.distributed.comm import COMM
+from ember.errors import EngineDeadError
+from ember.executor.rank import STOP, RankSpec, checked_in, rank_model_config
+from ember.worker.batch import BatchDescription, WorkerOutput
+from ember.worker.startup import PoolPlan
+from ember.worker.worker import Worker
+
+logger = logging.getLogger("ember")
+
+
+class DistributedExecutor:
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        par = resolved.parallel
+        self.resolved = resolved
+        self.world = par.world_size
+        self.dead: EngineDeadError | None = None
+        self._closed = False
+        store = self._start_ranks()
+        try:
+            if store is not None:
+                self._await_check_in(store)
+            if resolved.model.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.set_device(par.local_rank)
+            self.ctx: ParallelContext = groups.init(0, par.tensor_parallel_size, par.pipeline_parallel_size,
+                                                    resolved.model.device.split(":")[0], store)
+            model = rank_model_config(resolved.model, par.local_rank, self._ranks_on_node())
+            self.driver = Worker(model, resolved.cache, self.ctx)
+        except BaseException as e:
+            self._stop_ranks()
+            groups.destroy()
+            if isinstance(e, RuntimeError) and not isinstance(e, EngineDeadError):
+                raise self._diagnose(e) from e
+            raise
+
+    # --- what subclasses provide ---
+    def _start_ranks(self) -> Any:
+        """Start ranks 1..world-1 (if this executor starts them); the store rank 0 joins through, or None."""
+        raise NotImplementedError
+
+    def _stop_ranks(self) -> None:
+        """After the stop call (or a failure): make sure no rank this executor started is left."""
+
+    def _dead_ranks(self) -> list[str]:
+        """What is known of ranks that ended on their own, e.g. 'rank 1 (pid 123) exited with code -9'."""
+        return []
+
+    def _ranks_on_node(self) -> int:
+        return self.world
+
+    def spec(self, rank: int, host: str | None, port: int | None, local_rank: int | None = None) -> RankSpec:
+        par = self.resolved.parallel
+        return RankSpec(rank, rank if local_rank is None else local_rank, par.tensor_parallel_size,
+                        par.pipeline_parallel_size, self.resolved.model, self.resolved.cache, host, port,
+                        self._ranks_on_node())
+
+    def _await_check_in(self, store: Any) -> None:
+        """Wait until every other rank reached the store; a rank that ends first fails the start at once (instead
+        of rank 0 waiting out the timeout inside init_process_group)."""
+        keys = [checked_in(r) for r in range(1, self.world)]
+        deadline = time.monotonic() + groups.timeout().total_seconds()
+        while not store.check(keys):
+            died = self._dead_ranks()
+            if died or time.monotonic() > deadline:
+                what = "; ".join(died) if died else f"not all ranks joined within {groups.timeout()}"
+                raise EngineDeadError(f"the split model could not start: {what} (see the ranks' messages above)")
+            time.sleep(0.05)
+
+    # --- the executor ---
+    def _call(self, method: str, *args: Any) -> Any:
+        import torch.distributed as dist
+
+        if self.dead is not None:
+            raise self.dead
+        try:
+            dist.broadcast_object_list([(method, args)], src=0, group=self.ctx.control_group)
+            result = getattr(self.driver, method)(*args)
+            if method == "execute" and not self.ctx.is_sampler:
+                start = time.perf_counter()  # rank 0 idles here while the later stages finish: the bubble
+                box = [None]
+                dist.recv_object_list(box, src=self.ctx.sampler_rank, group=self.ctx.control_group)
+                COMM.add("result_wait", start)
+                result = box[0]
+            return result
+        except RuntimeError as e:  # a collective failed: a rank died or hung past EMBER_DIST_TIMEOUT
+            self.dead = self._diagnose(e)
+            raise self.dead from e
+
+    def _diagnose(self, error: BaseException) -> EngineDeadError:
+        died = self._dead_ranks()
+        what = "; ".join(died) if died else f"a collective failed ({error})"
+        return EngineDeadError(f"a worker rank of the split model failed: {what}. The engine has stopped; create "
+                               "a new one")
+
+    def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
+        return self._call("init_cache", sched)
+
+    def execute(self, batch: BatchDescription) -> WorkerOutput:
+        return self._call("execute", batch)
+
+    def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
+        import torch.distributed as dist
+
+        if self.dead is not None:
+            raise self.dead
+        try:
+            dist.broadcast_object_list([("report", (reset,))], src=0, group=self.ctx.control_group)
+            reports: list = [None] * self.world
+            dist.gather_object(self.driver.report(reset), reports, dst=0, group=self.ctx.control_group)
+        except RuntimeError as e:
+            self.dead = self._diagnose(e)
+            raise self.dead from e
+        return reports
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.dead is None:
+            try:
+                import torch.distributed as dist
+
+                dist.broadcast_object_list([(STOP, ())], src=0, group=self.ctx.control_group)
+            except RuntimeError:
+                pass
+        self._stop_ranks()
+        groups.destroy()

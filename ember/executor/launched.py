@@ -1,0 +1,28 @@
+"""Every rank started by a launcher (torchrun, mpirun, srun) that sets its rank, the world size and MASTER_ADDR /
+MASTER_PORT. Each process runs the user's script; on rank 0 ``LLM(...)`` builds the engine, on the others it
+serves rank 0's engine and, when rank 0 shuts it down, ends the process, as TensorRT-LLM's MPI launcher does."""
+
+from __future__ import annotations
+
+import sys
+
+from ember import envs
+from ember.config import ResolvedConfig
+from ember.executor.distributed import DistributedExecutor
+from ember.executor.rank import RankSpec, run_rank
+
+
+class LaunchedExecutor(DistributedExecutor):
+    def _start_ranks(self):
+        return None  # the launcher started them; every rank meets at MASTER_ADDR:MASTER_PORT
+
+    def _ranks_on_node(self) -> int:
+        return envs.local_world_size() or self.world
+
+
+def serve_launched(resolved: ResolvedConfig) -> None:
+    par = resolved.parallel
+    local = envs.local_world_size() or par.world_size
+    run_rank(RankSpec(par.rank, par.local_rank, par.tensor_parallel_size, par.pipeline_parallel_size,
+                      resolved.model, resolved.cache, None, None, local))
+    sys.exit(0)
