@@ -273,6 +273,16 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def ranks_here(self) -> int | None:
+        """Ranks on this machine: all of them when the engine spawns them, a launcher's local count, None (unknown)
+        on a Ray cluster."""
+        if self.backend == "ray":
+            return None
+        if self.backend == "launched":
+            return envs.local_world_size() or self.world_size
+        return self.world_size
+
     @classmethod
     def resolve(cls, c: EngineConfig) -> "ParallelConfig":
         tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size

@@ -103,7 +103,7 @@ def _dequantized(module) -> torch.Tensor:
     return module.qmm.impl.dequantized(torch.float32) if module.qmm is not None else module.weight.float()
 
 
-@pytest.mark.parametrize("source", ["safetensors", "asmodel-int4", "gguf"])
+@pytest.mark.parametrize("source", ["safetensors", "asmodel-int4", "asmodel-int8", "gguf"])
 def test_each_rank_reads_only_its_slices(tiny_models, tmp_path, source):
     """Every tensor a rank reads is its own part (never the whole weight of a split layer), and what it holds is
     exactly that part of what one rank holds: column and row slices, fused QKV and gate/up, vocabulary rows,
@@ -116,11 +116,12 @@ def test_each_rank_reads_only_its_slices(tiny_models, tmp_path, source):
         from conftest import default_gguf
 
         path, tp, dtype = default_gguf(), 3, "auto"
-    elif source == "asmodel-int4":
+    elif source.startswith("asmodel"):
         from ember.model_loader.asmodel import convert
         from ember.quantization import QuantConfig
 
-        path = convert(tiny_models["qwen2"], str(tmp_path), "q", quant_config=QuantConfig("int4", 32, True))
+        quant = QuantConfig("int4", 32, True) if source.endswith("int4") else QuantConfig("int8")
+        path = convert(tiny_models["qwen2"], str(tmp_path), "q", quant_config=quant)
         tp, dtype = 2, "auto"
     else:
         path, tp, dtype = tiny_models["qwen2"], 2, "float32"
@@ -356,8 +357,10 @@ def test_sizes_that_cannot_work_fail_before_any_process_starts(llama_dir, monkey
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     model = EngineConfig(llama_dir).resolve().model
     cuda = type(model)(**{**{f: getattr(model, f) for f in model.__slots__}, "device": "cuda"})
-    with pytest.raises(ConfigError, match="= 2 is out of range: this machine has 1 CUDA devices"):
-        check_parallel(cuda, 2, 1)
+    with pytest.raises(ConfigError, match=r"2 ranks on this machine .* is out of range: it has 1 CUDA devices"):
+        check_parallel(cuda, 2, 1, ranks_here=2)
+    check_parallel(cuda, 2, 2, ranks_here=1)  # one rank here of four launched over several machines
+    check_parallel(cuda, 2, 2, ranks_here=None)  # a Ray cluster places them
 
 
 def test_int4_groups_that_a_split_would_cut_are_refused(tiny_models):

@@ -17,6 +17,7 @@ from ember.entrypoints.cli import add_parallel_args
 
 log = logging.getLogger("ember.bench")
 
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark ember against transformers, vLLM-CPU and llama.cpp",
                            description="Run the same seeded requests on every backend, each in its own process "

@@ -27,7 +27,7 @@ class EngineCore:
         # the limits are settled from the checkpoint's config before the weights load: a bad max_model_len fails fast
         self.sched_config = sched = SchedulerConfig.resolve(config, read_shape(resolved.model.path).max_position)
         par = resolved.parallel  # and a split that cannot work fails before any process starts
-        check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size)
+        check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
         self.executor = make_executor(resolved)
         self.worker = worker = self.executor.driver  # rank 0's worker: model facts, device, memory figures
         try:

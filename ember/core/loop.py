@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from ember.config import EngineConfig, ResolvedConfig
@@ -86,7 +87,12 @@ class EngineLoop:
             raise EngineDeadError(str(self.dead))
         done: Future = Future()
         self._inbox.put(("call", (fn, done)))
-        return done.result()
+        while True:  # the loop may stop after the check above and before it takes the call: do not wait forever
+            try:
+                return done.result(timeout=0.5)
+            except FutureTimeout:
+                if not self._thread.is_alive():
+                    raise EngineDeadError(str(self.dead or "the engine has stopped")) from None
 
     def _main(self, config: EngineConfig, resolved: ResolvedConfig) -> None:
         try:

@@ -12,6 +12,7 @@ import datetime
 
 from ember import envs
 from ember.distributed.context import ParallelContext
+from ember.errors import ConfigError
 
 
 def timeout() -> datetime.timedelta:
@@ -20,7 +21,8 @@ def timeout() -> datetime.timedelta:
 
 
 def init(rank: int, tp_size: int, pp_size: int, device_type: str, store=None) -> ParallelContext:
-    """Join the world (through ``store``, else the launcher's MASTER_ADDR / MASTER_PORT) and build the groups."""
+    """Join the world (through ``store``, else the launcher's MASTER_ADDR / MASTER_PORT) and build the groups.
+    A launched script may have joined it already (with the same world size); spawned ranks never share one."""
     import torch.distributed as dist
 
     world = tp_size * pp_size
@@ -28,9 +30,9 @@ def init(rank: int, tp_size: int, pp_size: int, device_type: str, store=None) ->
     if not dist.is_initialized():
         kwargs = {"store": store} if store is not None else {"init_method": "env://"}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout(), **kwargs)
-    elif dist.get_world_size() != world:
-        raise RuntimeError(f"torch.distributed is already initialized with {dist.get_world_size()} ranks; this "
-                           f"engine needs tensor_parallel_size x pipeline_parallel_size = {world}")
+    elif store is not None or dist.get_world_size() != world:
+        raise ConfigError(f"torch.distributed is already initialized in this process ({dist.get_world_size()} "
+                          "ranks): one split engine a process; shut the other one down first (LLM.shutdown())")
     control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     tp_group = None
     for stage in range(pp_size):

@@ -32,8 +32,8 @@ class DistributedExecutor:
         self.world = par.world_size
         self.dead: EngineDeadError | None = None
         self._closed = False
-        store = self._start_ranks()
         try:
+            store = self._start_ranks()
             if store is not None:
                 self._await_check_in(store)
             if resolved.model.device.startswith("cuda"):
@@ -45,11 +45,11 @@ class DistributedExecutor:
             model = rank_model_config(resolved.model, par.local_rank, self._ranks_on_node())
             self.driver = Worker(model, resolved.cache, self.ctx)
         except BaseException as e:
-            self._stop_ranks()
-            groups.destroy()
-            if isinstance(e, RuntimeError) and not isinstance(e, EngineDeadError):
-                raise self._diagnose(e) from e
-            raise
+            raised = self._fail(e)
+            self._close()
+            if raised is e:
+                raise
+            raise raised from e
 
     # --- what subclasses provide ---
     def _start_ranks(self) -> Any:
@@ -66,11 +66,12 @@ class DistributedExecutor:
     def _ranks_on_node(self) -> int:
         return self.world
 
-    def spec(self, rank: int, host: str | None, port: int | None, local_rank: int | None = None) -> RankSpec:
+    def spec(self, rank: int, host: str | None, port: int | None, local_rank: int | None = None,
+             parent_pid: int = 0) -> RankSpec:
         par = self.resolved.parallel
         return RankSpec(rank, rank if local_rank is None else local_rank, par.tensor_parallel_size,
                         par.pipeline_parallel_size, self.resolved.model, self.resolved.cache, host, port,
-                        self._ranks_on_node())
+                        self._ranks_on_node(), parent_pid)
 
     def _await_check_in(self, store: Any) -> None:
         """Wait until every other rank reached the store; a rank that ends first fails the start at once (instead
@@ -81,11 +82,13 @@ class DistributedExecutor:
             died = self._dead_ranks()
             if died or time.monotonic() > deadline:
                 what = "; ".join(died) if died else f"not all ranks joined within {groups.timeout()}"
-                raise EngineDeadError(f"the split model could not start: {what} (see the ranks' messages above)")
+                raise EngineDeadError(f"the split model could not start: {what}")
             time.sleep(0.05)
 
     # --- the executor ---
     def _call(self, method: str, *args: Any) -> Any:
+        """Run method on every rank. Any failure ends the executor: a rank that died is named; rank 0's own error
+        (a DoesNotFitError every rank raised alike, an out-of-memory) is raised as it is."""
         import torch.distributed as dist
 
         if self.dead is not None:
@@ -100,15 +103,34 @@ class DistributedExecutor:
                 COMM.add("result_wait", start)
                 result = box[0]
             return result
-        except RuntimeError as e:  # a collective failed: a rank died or hung past EMBER_DIST_TIMEOUT
-            self.dead = self._diagnose(e)
-            raise self.dead from e
+        except BaseException as e:
+            raised = self._fail(e)
+            if raised is e:
+                raise
+            raise raised from e
 
-    def _diagnose(self, error: BaseException) -> EngineDeadError:
+    def _fail(self, error: BaseException) -> BaseException:
+        """Mark the executor dead and return what to raise: an EngineDeadError naming the ranks that died (given a
+        moment to be reaped: a peer's closed connection is seen before its exit), else rank 0's own error as it is
+        (a DoesNotFitError every rank raised alike, an out-of-memory); later calls raise EngineDeadError."""
+        if isinstance(error, EngineDeadError):  # already says what happened
+            self.dead = error
+            return error
+        deadline = time.monotonic() + 1.0
         died = self._dead_ranks()
-        what = "; ".join(died) if died else f"a collective failed ({error})"
-        return EngineDeadError(f"a worker rank of the split model failed: {what}. The engine has stopped; create "
-                               "a new one")
+        while not died and isinstance(error, RuntimeError) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            died = self._dead_ranks()
+        stopped = "The engine has stopped; create a new one"
+        if died:
+            self.dead = EngineDeadError(f"a worker rank of the split model failed: {'; '.join(died)}. {stopped}")
+        elif isinstance(error, RuntimeError) and "onnection" in str(error):  # gloo: "Connection closed by peer"
+            self.dead = EngineDeadError(f"a worker rank of the split model failed: a collective failed ({error}). "
+                                        f"{stopped}")
+        else:
+            self.dead = EngineDeadError(f"rank 0 of the split model failed: {error!r}. {stopped}")
+            return error
+        return self.dead
 
     def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         return self._call("init_cache", sched)
@@ -125,21 +147,32 @@ class DistributedExecutor:
             dist.broadcast_object_list([("report", (reset,))], src=0, group=self.ctx.control_group)
             reports: list = [None] * self.world
             dist.gather_object(self.driver.report(reset), reports, dst=0, group=self.ctx.control_group)
-        except RuntimeError as e:
-            self.dead = self._diagnose(e)
-            raise self.dead from e
+        except BaseException as e:
+            raised = self._fail(e)
+            if raised is e:
+                raise
+            raise raised from e
         return reports
 
     def shutdown(self) -> None:
         if self._closed:
             return
-        self._closed = True
         if self.dead is None:
             try:
                 import torch.distributed as dist
 
                 dist.broadcast_object_list([(STOP, ())], src=0, group=self.ctx.control_group)
             except RuntimeError:
-                pass
-        self._stop_ranks()
-        groups.destroy()
+                self.dead = EngineDeadError("a rank was gone at shutdown")
+        self._close()
+
+    def _close(self) -> None:
+        """Stopped normally: wait for the ranks, then leave the group. Failed: leave the group first (its closed
+        connections end ranks still waiting on rank 0), then end the ranks."""
+        self._closed = True
+        if self.dead is None:
+            self._stop_ranks()
+            groups.destroy()
+        else:
+            groups.destroy()
+            self._stop_ranks()

@@ -10,6 +10,7 @@ from ember import envs
 from ember.config import ResolvedConfig
 from ember.executor.distributed import DistributedExecutor
 from ember.executor.rank import RankSpec, run_rank
+from ember.model_loader import check_parallel
 
 
 class LaunchedExecutor(DistributedExecutor):
@@ -22,6 +23,8 @@ class LaunchedExecutor(DistributedExecutor):
 
 def serve_launched(resolved: ResolvedConfig) -> None:
     par = resolved.parallel
+    # the sizes rank 0 refuses are refused here too, before joining: no rank waits for a rank 0 that left
+    check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
     local = envs.local_world_size() or par.world_size
     run_rank(RankSpec(par.rank, par.local_rank, par.tensor_parallel_size, par.pipeline_parallel_size,
                       resolved.model, resolved.cache, None, None, local))

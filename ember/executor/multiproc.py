@@ -34,7 +34,7 @@ class MultiprocExecutor(DistributedExecutor):
             proc = subprocess.Popen(RANK_COMMAND, stdin=subprocess.PIPE, env=env)
             self.procs.append(proc)
             try:
-                proc.stdin.write(pickle.dumps(self.spec(rank, "127.0.0.1", store.port)))
+                proc.stdin.write(pickle.dumps(self.spec(rank, "127.0.0.1", store.port, parent_pid=os.getpid())))
                 proc.stdin.close()
             except BrokenPipeError:
                 pass  # it ended already: the check-in wait reports how

@@ -33,6 +33,7 @@ class RankSpec:
     store_host: str | None  # rank 0's TCPStore; None: the launcher's MASTER_ADDR / MASTER_PORT
     store_port: int | None
     ranks_on_node: int  # ranks sharing this machine's cores (CPU: each takes its share of the threads)
+    parent_pid: int = 0  # a spawned rank's parent: if it is gone by the time the rank reads this, the rank ends
 
 
 def checked_in(rank: int) -> str:
@@ -108,7 +109,12 @@ def _die_with_parent() -> None:
 def main() -> int:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
-    spec = pickle.load(sys.stdin.buffer)
+    try:
+        spec = pickle.load(sys.stdin.buffer)
+    except EOFError:  # the parent ended before it wrote the spec
+        return 1
+    if spec.parent_pid and os.getppid() != spec.parent_pid:  # it ended before PR_SET_PDEATHSIG took hold
+        return 1
     logging.basicConfig(level=logging.WARNING, format=f"[rank {spec.rank}] %(levelname)s %(message)s")
     try:
         run_rank(spec)

@@ -55,12 +55,14 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  quant: QuantConfig | None = None, layout_features: int | None = None) -> None:
-        """layout_features: the input size the quantized layout is chosen for (a row-parallel slice takes the
-        whole layer's, so its int4 groups are the ones a single rank would use)."""
+        """layout_features: the input size the int4 layout is chosen for (a row-parallel slice takes the whole
+        layer's, so its groups are the ones a single rank would use)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.quant = quant
         self.kind, self.group_size = ("", 0) if quant is None else quant.linear_layout(layout_features or in_features)
+        if self.kind == "int8":  # one scale a row of what this rank holds (a stored scale stays as it is)
+            self.group_size = in_features
         if self.kind == "int4" and in_features % self.group_size:
             raise ValueError(f"int4 groups of {self.group_size} do not divide this rank's {in_features} inputs of "
                              f"a {layout_features}-input layer: choose a tensor_parallel_size whose slices hold "
@@ -98,6 +100,14 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias, self.prepacked)
 
 
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                        quant: QuantConfig | None, parallel: ParallelContext, full_in_features: int) -> Linear:
+    """A row-parallel layer, or a plain ``Linear`` on one rank (no extra call in its forward)."""
+    if parallel.tp_size == 1:
+        return Linear(in_features, out_features, bias, dtype, quant)
+    return RowParallelLinear(in_features, out_features, bias, dtype, quant, parallel, full_in_features)
+
+
 class RowParallelLinear(Linear):
     """The input dim split over the stage's TP ranks: each multiplies its slice of x by its columns of W, the
     partial products are all-reduced, then the bias is added once. Column-parallel layers need no class of their
@@ -109,8 +119,6 @@ class RowParallelLinear(Linear):
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel.tp_size == 1:
-            return super().forward(x)
         y = self.qmm(x) if self.qmm is not None else linear(x, self.weight, None, self.prepacked)
         y = all_reduce(y, self.parallel)
         return y if self.bias is None else y + self.bias

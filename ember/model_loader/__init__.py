@@ -111,16 +111,20 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     return LoadedModel(model, hf_config, architecture, dtype, shape, quant, parallel)
 
 
-def check_parallel(config: ModelConfig, tp: int, pp: int) -> None:
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_parallel(config: ModelConfig, tp: int, pp: int, ranks_here: int | None = None) -> None:
     """Refuse a split that cannot work, before any process starts: from the checkpoint's config and the weight
-    layout alone (no weight is read). ConfigError names the sizes that would work."""
+    layout alone (no weight is read). ConfigError names the sizes that would work. ranks_here: the ranks this
+    machine runs (all of them for spawned ranks; a launcher's local count; None: unknown, as on a Ray cluster)."""
     if tp * pp == 1:
         return
     ckpt = open_checkpoint(config.path)
     hf_config = ckpt.hf_config()
     s = ModelShape.of(hf_config)
-    divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
-    ok_tp = [t for t in divisors(s.num_heads) if (s.num_kv_heads % t == 0 or t % s.num_kv_heads == 0)
+    ok_tp = [t for t in _divisors(s.num_heads) if (s.num_kv_heads % t == 0 or t % s.num_kv_heads == 0)
              and hf_config.intermediate_size % t == 0]
     if tp not in ok_tp:
         raise ConfigError(f"tensor_parallel_size={tp} is out of range for this model ({s.num_heads} attention heads, "
@@ -130,12 +134,12 @@ def check_parallel(config: ModelConfig, tp: int, pp: int) -> None:
     if pp > s.num_layers:
         raise ConfigError(f"pipeline_parallel_size={pp} is out of range: this model has {s.num_layers} layers; "
                           f"allowed: 1..{s.num_layers}")
-    if config.device.startswith("cuda"):
+    if config.device.startswith("cuda") and ranks_here is not None:
         count = torch.cuda.device_count()
-        if tp * pp > count:
-            raise ConfigError(f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} is out of range: this "
-                              f"machine has {count} CUDA devices (one rank a device; across machines, start the "
-                              "ranks with a launcher, see docs/parallel.md)")
+        if ranks_here > count:
+            raise ConfigError(f"{ranks_here} ranks on this machine (tensor_parallel_size x pipeline_parallel_size = "
+                              f"{tp * pp}) is out of range: it has {count} CUDA devices, one a rank; across machines, "
+                              "start the ranks with a launcher or on a Ray cluster (docs/parallel.md)")
     if tp == 1:
         return
     dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), config.device)
@@ -201,6 +205,6 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
     return tuple(ids)
 
 
-__all__ = ["Checkpoint", "LoadedModel", "TokenizerInfo", "check_parallel", "load_model", "load_tokenizer",
-           "open_checkpoint",
+__all__ = ["Checkpoint", "LoadedModel", "TokenizerInfo", "check_parallel", "load_model",
+           "load_tokenizer", "open_checkpoint",
            "read_shape", "resolve_quantization"]

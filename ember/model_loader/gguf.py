@@ -157,7 +157,7 @@ class GGUFCheckpoint:
             if sl is None:
                 continue
             raw = t.data  # a read-only memory map: slicing it reads only those bytes
-            rows = int(t.shape[1]) if len(t.shape) > 1 else 0  # GGUF lists dims innermost first
+            full_rows = rows = int(t.shape[-1])  # GGUF lists dims innermost first; a 1-D tensor's rows are its values
             cols = int(t.shape[0])
             keep = keep_quantized and kind in GGUF_DIRECT_TYPES
             trim = None
@@ -166,7 +166,7 @@ class GGUFCheckpoint:
             heads = None
             if permute and (".q_proj." in name or ".k_proj." in name):
                 total = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-                heads = total * rows // int(t.shape[1])  # whole heads: the permutation stays within each head
+                heads = total * rows // full_rows  # whole heads: the permutation stays within each head
             if keep:
                 qt = from_gguf(raw, kind, (rows, cols))
                 if heads is not None:

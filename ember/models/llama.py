@@ -24,7 +24,7 @@ from ember.distributed import ParallelContext, WeightSlice, layer_range
 from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.embedding import LMHead, VocabEmbedding, vocab_range
-from ember.layers.linear import MergedLinear, RowParallelLinear, load_float
+from ember.layers.linear import MergedLinear, load_float, row_parallel_linear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.quantization import QuantConfig, QuantizedTensor
@@ -91,8 +91,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = split.num_heads, split.num_kv_heads, shape.head_dim
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, sw.qkv_bias, dtype, quant)
-        self.o_proj = RowParallelLinear(q, config.hidden_size, sw.o_bias, dtype, quant, parallel,
-                                        shape.num_heads * shape.head_dim)
+        self.o_proj = row_parallel_linear(q, config.hidden_size, sw.o_bias, dtype, quant, parallel,
+                                          shape.num_heads * shape.head_dim)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
         self.rope = rope
@@ -119,8 +119,8 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size // parallel.tp_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, dtype, quant)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, quant, parallel,
-                                           config.intermediate_size)
+        self.down_proj = row_parallel_linear(inter, config.hidden_size, bias, dtype, quant, parallel,
+                                             config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -169,6 +169,7 @@ class LlamaModel(nn.Module):
             else MissingLayer() for i, w in enumerate(layer_windows(architecture, config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if parallel.is_last_stage else None
+        self.local_layers = [self.layers[i] for i in range(self.start, self.stop)]  # a plain list: no lookup a step
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -180,8 +181,8 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate
         rope = self.rope.cos_sin(positions, x.dtype)  # once a step, shared by every layer
-        for i in range(self.start, self.stop):
-            x, residual = self.layers[i](rope, x, residual, meta)
+        for layer in self.local_layers:
+            x, residual = layer(rope, x, residual, meta)
         if self.norm is None:
             return x, residual
         return self.norm(x, residual)[0]
@@ -221,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         """This stage's attention layers, in order (the KV pool holds these and no others)."""
-        return [self.model.layers[i].self_attn.attn for i in range(self.model.start, self.model.stop)]
+        return [layer.self_attn.attn for layer in self.model.local_layers]
 
     def weight_slice(self, name: str) -> WeightSlice | None:
         """The part of checkpoint tensor ``name`` (Hugging Face naming) this rank holds: None when it holds none of

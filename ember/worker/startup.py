@@ -76,7 +76,7 @@ def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolP
     worker.bind(worker.kv_cache)
 
     # 3. the host tier (CUDA): evicted prefix blocks wait there
-    num_host = host_tier_bytes(cache, worker.device) // per_block
+    num_host = worker.agree_min(host_tier_bytes(cache, worker.device) // per_block)
     if num_host:  # pinned on CUDA: the copies to and from the device run asynchronously
         worker.host_cache = worker.new_pool(num_host, torch.device("cpu"), pin=worker.device.type == "cuda")
 

@@ -126,10 +126,13 @@ class Worker:
             if stop > start:  # the part of this chunk in range; its context ends where the part ends
                 prefills.append(PrefillSpan(start - r0, stop - start, p.context_len - (p.start + p.length - stop),
                                             torch.tensor(p.block_table, dtype=torch.long, device=dev)))
-        meta = AttentionMetadata(torch.tensor(b.slots[r0:r1], dtype=torch.long, device=dev), d1 - d0, tables_t,
-                                 lens_t, prefills)
-        return (torch.tensor(b.input_ids[r0:r1], dtype=torch.long, device=dev),
-                torch.tensor(b.positions[r0:r1], dtype=torch.long, device=dev), meta)
+        ids, positions, slots = b.input_ids, b.positions, b.slots
+        if (r0, r1) != (0, b.num_tokens):  # one micro-batch (a single stage copies nothing)
+            ids, positions, slots = ids[r0:r1], positions[r0:r1], slots[r0:r1]
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), d1 - d0, tables_t, lens_t,
+                                 prefills)
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
     def forward_stage(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                       ) -> torch.Tensor | None:
