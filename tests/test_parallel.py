@@ -423,3 +423,20 @@ def test_a_gguf_column_slice_that_cuts_a_block_reads_only_the_covering_blocks():
     np.testing.assert_array_equal(got, gguf.dequantize(raw, Q.Q5_0)[:, 40:100])
     with pytest.raises(ValueError, match="cut a block"):
         _slice_raw(gguf.quants.quantize(x, Q.Q8_0), Q.Q8_0, WeightSlice(1, 40, 100), 4, 128, "t", keep=True)
+
+
+def test_dashinfer_gpu_ids_split_the_model(llama_dir, tmp_path, monkeypatch):
+    """DashInfer's compute_unit(CUDA, [0, 1]) is tensor parallelism over two GPUs (checked as a configuration:
+    this machine has none, where the same call runs one CPU engine)."""
+    from ember.compat.dashinfer.allspark.engine import engine_config
+    from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig
+    from ember.model_loader.asmodel import convert
+
+    path = convert(llama_dir, str(tmp_path), "m")
+    cpu = engine_config(AsModelConfig("m", path, compute_unit="CUDA:0,1"), warn=False)
+    assert (cpu.device, cpu.tensor_parallel_size) == ("cpu", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = engine_config(AsModelConfig("m", path, compute_unit="CUDA:0,1"), warn=False)
+    assert (gpu.device, gpu.tensor_parallel_size) == ("cuda", 2)
+    with pytest.raises(ValueError, match="set CUDA_VISIBLE_DEVICES=2,3 and pass device ids"):
+        engine_config(AsModelConfig("m", path, compute_unit="CUDA:2,3"), warn=False)

@@ -42,11 +42,15 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
     from ember.config import EngineConfig
 
     kind, ids = cfg.device_type, cfg.device_ids
+    tp = 1
     if kind == "CUDA":
-        if len(ids) > 1:
-            raise ValueError(f"compute_unit={cfg.compute_unit!r} asks for {len(ids)} GPUs: tensor parallelism is not "
-                             "supported yet; pass one device id")
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and len(ids) > 1:  # DashInfer splits the model over the listed GPUs
+            if ids != list(range(len(ids))):
+                raise ValueError(f"compute_unit={cfg.compute_unit!r}: ember places its {len(ids)} ranks on "
+                                 f"cuda:0..{len(ids) - 1}; to use GPUs {ids}, set CUDA_VISIBLE_DEVICES="
+                                 f"{','.join(map(str, ids))} and pass device ids {list(range(len(ids)))}")
+            device, tp = "cuda", len(ids)
+        elif torch.cuda.is_available():
             device = f"cuda:{ids[0] if ids else 0}"
         else:
             if warn:
@@ -72,7 +76,8 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
                         enable_prefix_caching=cfg.enable_prefix_cache, block_size=cfg.cache_span_size,
                         prefix_cache_ttl=cfg.prefix_cache_ttl or None,
                         num_threads=cfg.num_threads if device == "cpu" and cfg.num_threads else None,
-                        kv_cache_dtype=_KV_CACHE_DTYPES[cfg.cache_mode], kv_cache_memory_fraction=fraction)
+                        kv_cache_dtype=_KV_CACHE_DTYPES[cfg.cache_mode], kv_cache_memory_fraction=fraction,
+                        tensor_parallel_size=tp)
 
 
 _KV_CACHE_DTYPES = {AsCacheMode.AsCacheDefault: "auto", AsCacheMode.AsCacheQuantI8: "int8",
