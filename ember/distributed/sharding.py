@@ -24,5 +24,3 @@ class WeightSlice:
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.dim is None else t.narrow(self.dim, self.start, self.stop - self.start)
 
-
-WHOLE = WeightSlice()

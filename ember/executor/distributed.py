@@ -9,9 +9,10 @@ A rank that dies makes the next collective fail (gloo sees the connection close)
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
+
+import torch
 
 from ember.config import ResolvedConfig, SchedulerConfig
 from ember.distributed import ParallelContext, groups
@@ -22,8 +23,6 @@ from ember.worker.batch import BatchDescription, WorkerOutput
 from ember.worker.startup import PoolPlan
 from ember.worker.worker import Worker
 
-logger = logging.getLogger("ember")
-
 
 class DistributedExecutor:
     def __init__(self, resolved: ResolvedConfig) -> None:
@@ -32,13 +31,12 @@ class DistributedExecutor:
         self.world = par.world_size
         self.dead: EngineDeadError | None = None
         self._closed = False
+        self._threads = torch.get_num_threads()  # rank 0's worker takes its share of the cores; given back at close
         try:
             store = self._start_ranks()
             if store is not None:
                 self._await_check_in(store)
             if resolved.model.device.startswith("cuda"):
-                import torch
-
                 torch.cuda.set_device(par.local_rank)
             self.ctx: ParallelContext = groups.init(0, par.tensor_parallel_size, par.pipeline_parallel_size,
                                                     resolved.model.device.split(":")[0], store)
@@ -176,3 +174,4 @@ class DistributedExecutor:
         else:
             groups.destroy()
             self._stop_ranks()
+        torch.set_num_threads(self._threads)

@@ -9,13 +9,9 @@ node, in the same version.
 
 from __future__ import annotations
 
-import logging
-
 from ember.distributed import groups
 from ember.executor.distributed import DistributedExecutor
 from ember.executor.rank import RankSpec
-
-logger = logging.getLogger("ember")
 
 
 class _RankActor:
