@@ -62,7 +62,8 @@ class DistributedExecutor:
         return []
 
     def _ranks_on_node(self) -> int:
-        return self.world
+        """Ranks sharing this machine's cores (as if all, where a Ray cluster may spread them)."""
+        return self.resolved.parallel.ranks_here or self.world
 
     def spec(self, rank: int, host: str | None, port: int | None, local_rank: int | None = None,
              parent_pid: int = 0) -> RankSpec:

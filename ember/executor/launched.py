@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 
-from ember import envs
 from ember.config import ResolvedConfig
 from ember.executor.distributed import DistributedExecutor
 from ember.executor.rank import RankSpec, run_rank
@@ -17,15 +16,11 @@ class LaunchedExecutor(DistributedExecutor):
     def _start_ranks(self):
         return None  # the launcher started them; every rank meets at MASTER_ADDR:MASTER_PORT
 
-    def _ranks_on_node(self) -> int:
-        return envs.local_world_size() or self.world
-
 
 def serve_launched(resolved: ResolvedConfig) -> None:
     par = resolved.parallel
     # the sizes rank 0 refuses are refused here too, before joining: no rank waits for a rank 0 that left
     check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
-    local = envs.local_world_size() or par.world_size
     run_rank(RankSpec(par.rank, par.local_rank, par.tensor_parallel_size, par.pipeline_parallel_size,
-                      resolved.model, resolved.cache, None, None, local))
+                      resolved.model, resolved.cache, None, None, par.ranks_here))
     sys.exit(0)

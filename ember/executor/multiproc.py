@@ -15,6 +15,7 @@ import sys
 
 from ember.distributed import groups
 from ember.executor.distributed import DistributedExecutor
+from ember.executor.rank import rank_model_config
 
 _JOIN_TIMEOUT_S = 10.0
 RANK_COMMAND = [sys.executable, "-m", "ember.executor.rank"]  # reads its RankSpec, pickled, on stdin
@@ -27,8 +28,9 @@ class MultiprocExecutor(DistributedExecutor):
         store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=groups.timeout(),
                               wait_for_workers=False)
         env = dict(os.environ)
-        if not self.resolved.model.device.startswith("cuda"):
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world)))
+        threads = rank_model_config(self.resolved.model, 0, self._ranks_on_node()).num_threads
+        if threads is not None:  # the rank's share of the cores, before its OpenMP starts
+            env.setdefault("OMP_NUM_THREADS", str(threads))
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, self.world):
             proc = subprocess.Popen(RANK_COMMAND, stdin=subprocess.PIPE, env=env)

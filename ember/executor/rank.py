@@ -41,12 +41,13 @@ def checked_in(rank: int) -> str:
 
 
 def rank_model_config(model: ModelConfig, local_rank: int, ranks_on_node: int) -> ModelConfig:
-    """A rank's own device (cuda:LOCAL_RANK) and, on CPU, its share of the cores unless num_threads was given."""
+    """A rank's own device (cuda:LOCAL_RANK) and, on CPU, its share of the engine's threads on this machine
+    (num_threads, else every core)."""
     changes: dict = {}
     if model.device.startswith("cuda"):
         changes["device"] = f"cuda:{local_rank}"
-    elif model.num_threads is None and ranks_on_node > 1:
-        changes["num_threads"] = max(1, (os.cpu_count() or 1) // ranks_on_node)
+    elif ranks_on_node > 1:
+        changes["num_threads"] = max(1, (model.num_threads or os.cpu_count() or 1) // ranks_on_node)
     return dataclasses.replace(model, **changes) if changes else model
 
 

@@ -48,9 +48,6 @@ class RayExecutor(DistributedExecutor):
                      for rank, a in enumerate(self.actors, start=1)]
         return store
 
-    def _ranks_on_node(self) -> int:
-        return self.world  # CPU threads per rank: as if every rank shared this node (Ray may spread them)
-
     def _dead_ranks(self) -> list[str]:
         import ray
 

@@ -19,7 +19,7 @@ from ember.errors import ConfigError
 from ember.layers.linear import mkldnn_prepack_available
 from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.gguf import GGUFCheckpoint
-from ember.model_loader.hf import HFCheckpoint
+from ember.model_loader.hf import HFCheckpoint, read_all
 from ember.models import resolve_architecture
 from ember.quantization import QuantConfig
 from ember.tokenizer import Tokenizer
@@ -35,7 +35,6 @@ class LoadedModel:
     dtype: torch.dtype
     shape: ModelShape
     quant: QuantConfig | None
-    parallel: ParallelContext = ParallelContext()
 
     @property
     def max_position(self) -> int:
@@ -89,18 +88,13 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     ckpt = open_checkpoint(config.path)
     hf_config = ckpt.hf_config()
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
-    config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
-    requested = config.dtype
-    if requested == "auto" and isinstance(ckpt, AsModelCheckpoint):
-        requested = ckpt.meta["dtype"]  # chosen when it was serialized: run it as stored
-    dtype = resolve_dtype(requested, config_dtype, config.device)
+    dtype, quant = weight_layout(config, ckpt, hf_config)
     shape = ModelShape.of(hf_config)
-    quant = resolve_quantization(config, ckpt, dtype)
     if quant is not None:
         logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
     with torch.device("cpu"):
         model = cls(architecture, hf_config, shape.max_position, dtype, quant, parallel)
-    select = model.weight_slice if parallel.world_size > 1 else None
+    select = model.weight_slice if parallel.world_size > 1 else read_all
     model.load_weights(ckpt.tensors(hf_config, keep_quantized=quant is not None, select=select))
     model.to(config.device).eval()
     device = torch.device(config.device)
@@ -108,7 +102,17 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     for module in model.modules():  # embedding before LM head: a tied head reuses the finalized table
         if hasattr(module, "finalize"):
             module.finalize(device, prepack)
-    return LoadedModel(model, hf_config, architecture, dtype, shape, quant, parallel)
+    return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
+
+
+def weight_layout(config: ModelConfig, ckpt: Checkpoint, hf_config: Any) -> tuple[torch.dtype, QuantConfig | None]:
+    """The dtype the model runs in and the quantized layout its weights take (see resolve_quantization)."""
+    config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
+    requested = config.dtype
+    if requested == "auto" and isinstance(ckpt, AsModelCheckpoint):
+        requested = ckpt.meta["dtype"]  # chosen when it was serialized: run it as stored
+    dtype = resolve_dtype(requested, config_dtype, config.device)
+    return dtype, resolve_quantization(config, ckpt, dtype)
 
 
 def _divisors(n: int) -> list[int]:
@@ -142,8 +146,7 @@ def check_parallel(config: ModelConfig, tp: int, pp: int, ranks_here: int | None
                               "start the ranks with a launcher or on a Ray cluster (docs/parallel.md)")
     if tp == 1:
         return
-    dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), config.device)
-    quant = resolve_quantization(config, ckpt, dtype)
+    quant = weight_layout(config, ckpt, hf_config)[1]
     # row-parallel layers: each rank's input slice must hold whole int4 groups (and whole GGUF blocks)
     for name, k in (("o_proj", s.num_heads * s.head_dim), ("down_proj", hf_config.intermediate_size)):
         if quant is not None and quant.method == "int4":

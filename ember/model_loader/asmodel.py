@@ -26,7 +26,7 @@ import torch
 
 from ember import dtypes
 from ember.distributed import WeightSlice
-from ember.model_loader.hf import Select, read_slice
+from ember.model_loader.hf import Select, read_all, read_slice
 from ember.quantization import QuantConfig, QuantizedTensor, requantize
 
 FORMAT = "ember.asmodel"
@@ -276,7 +276,7 @@ class AsModelCheckpoint:
     def native_quantization(self) -> QuantConfig | None:
         return QuantConfig.from_dict(self.meta.get("quant_config"))
 
-    def tensors(self, config: Any, keep_quantized: bool = True, select: Select | None = None
+    def tensors(self, config: Any, keep_quantized: bool = True, select: Select = read_all
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Stored quantized weights come back as one QuantizedTensor under their X.weight name. select: the part of
         each weight to read (rows, or columns on group boundaries: the scales are sliced with them)."""
@@ -288,12 +288,12 @@ class AsModelCheckpoint:
                 if name.endswith((".scales", ".offsets")) and name.rsplit(".", 1)[0] + ".qdata" in names:
                     continue
                 if not name.endswith(".qdata"):
-                    sl = select(name) if select is not None else WeightSlice()
+                    sl = select(name)
                     if sl is not None:
                         yield name, read_slice(f, name, sl)
                     continue
                 base = name.removesuffix(".qdata")
-                sl = select(base + ".weight") if select is not None else WeightSlice()
+                sl = select(base + ".weight")
                 if sl is not None:
                     yield base + ".weight", _read_quantized(f, base, base + ".offsets" in names, sl)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ember.distributed import WeightSlice
-from ember.model_loader.hf import Select
+from ember.model_loader.hf import Select, read_all
 from ember.quantization import GGUF_DIRECT_TYPES, QuantConfig, QuantizedTensor, from_gguf
 
 # GGUF general.architecture -> (Hugging Face architecture, model_type)
@@ -139,7 +139,7 @@ class GGUFCheckpoint:
                     if t.tensor_type.name in GGUF_DIRECT_TYPES and (_hf_name(t.name) or "").endswith(suffix)),
                    default=1)
 
-    def tensors(self, config: Any, keep_quantized: bool = False, select: Select | None = None
+    def tensors(self, config: Any, keep_quantized: bool = False, select: Select = read_all
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """keep_quantized: Q8_0 / Q4_0 / Q4_1 weights come as QuantizedTensor (never expanded to float).
         select: the part of each tensor to read (rows, or columns on quantization-block boundaries)."""
@@ -153,7 +153,7 @@ class GGUFCheckpoint:
             name = _hf_name(t.name)
             if name is None:
                 continue
-            sl = select(name) if select is not None else WeightSlice()
+            sl = select(name)
             if sl is None:
                 continue
             raw = t.data  # a read-only memory map: slicing it reads only those bytes

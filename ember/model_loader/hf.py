@@ -16,6 +16,11 @@ from ember.distributed import WeightSlice
 Select = Callable[[str], "WeightSlice | None"]
 
 
+def read_all(name: str) -> WeightSlice:
+    """The selector of a rank that holds the whole model."""
+    return WeightSlice()
+
+
 def load_hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
@@ -59,14 +64,14 @@ def read_slice(f: Any, name: str, sl: WeightSlice) -> torch.Tensor:
     return part[sl.start:sl.stop] if sl.dim == 0 else part[:, sl.start:sl.stop]
 
 
-def iter_safetensors(path: str, select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, select: Select = read_all) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    sl = select(name) if select is not None else WeightSlice()
+                    sl = select(name)
                     if sl is not None:
                         yield name, read_slice(f, name, sl)
         except SafetensorError as e:
@@ -91,7 +96,7 @@ class HFCheckpoint:
         return None  # float weights (pre-quantized Hugging Face formats such as GPTQ are not read)
 
     def tensors(self, config: Any, keep_quantized: bool = False,
-                select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                select: Select = read_all) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_safetensors(self.path, select)
 
     def tokenizer(self):
