@@ -7,9 +7,14 @@
   activations: the float modes hold fp32 weights and KV, bf16 holds bf16);
 - speed with the project's benchmark (``ember bench``'s driver, one process a run, modes interleaved, medians):
   batch-1 decode tokens/s (latency: 32-token prompts, 128 output tokens) and W1 throughput (64 mixed requests),
-  in bf16 activations, each as a ratio to bf16 weights.
+  in bf16 activations, each as a ratio to bf16 weights;
+- the calibrated algorithms (awq, smoothquant): the same figures, plus the seconds calibration takes from scratch
+  (``--modes`` picks modes; awq / smoothquant run the layouts and kernels of int4 g128 / w8a8, so their speed is
+  theirs).
 
     python benchmarks/quantization.py --repeats 3 --out docs/bench/quantization.json
+    python benchmarks/quantization.py --modes fp32,int4-g128,awq,w8a8,smoothquant --skip-speed \
+        --out docs/bench/quantization_calibrated.json [--model /tmp/qwen/qwen.gguf]
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import json
 import os
 import statistics
 import sys
+import time
 
 from ember import LLM, SamplingParams
 from ember.benchmarks import metrics
+from ember.benchmarks.bench import _vocab
 from ember.benchmarks.perplexity import perplexity
 from ember.benchmarks.runner import run_driver
-from ember.benchmarks.bench import _vocab
 from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests
 from ember.config import default_model_path
 from ember.worker.startup import kv_bytes_per_block
@@ -33,12 +39,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_quantization import MODES, PROMPTS, TEXT, WINDOW, _weight_bytes  # noqa: E402  (one definition of each)
 
+MODES = {**MODES, "awq": dict(quantization="awq"), "smoothquant": dict(quantization="smoothquant")}
+CALIBRATED = ("awq", "smoothquant")
 
-def accuracy(model: str) -> dict[str, dict]:
+
+def calibration_seconds(model: str, mode: str) -> float:
+    """Calibration from scratch (no cache): the float32 model on the shipped text, the algorithm's search."""
+    from ember.model_loader import open_checkpoint
+    from ember.model_loader.calibrated import calibrate
+    from ember.quantization import QuantConfig
+    from ember.quantization.calibration import read_calibration_text
+
+    ckpt = open_checkpoint(model)
+    start = time.perf_counter()
+    calibrate(ckpt, ckpt.hf_config(), QuantConfig.of(mode), read_calibration_text(None))
+    return time.perf_counter() - start
+
+
+def accuracy(model: str, names: list[str]) -> dict[str, dict]:
     with open(TEXT, encoding="utf-8") as f:
         text = f.read()
     out, base = {}, None
-    for name, kw in MODES.items():
+    for name in names:
+        kw = MODES[name]
         llm = LLM(model, **(dict(dtype="float32", max_num_seqs=16, max_model_len=512, max_num_batched_tokens=128,
                                  enable_prefix_caching=False) | kw))
         ppl = perplexity(llm, llm.get_tokenizer().encode(text), window=WINDOW)
@@ -52,15 +75,20 @@ def accuracy(model: str) -> dict[str, dict]:
         out[name] = {"perplexity": ppl, "perplexity_vs_fp32": ppl / base[0] - 1,
                      "greedy_agreement": sum(a == b for a, b in zip(greedy, base[1])),
                      "weight_bytes": total, "linear_bytes": linear, "kv_bytes_per_token": kv}
+        if name in CALIBRATED:
+            out[name]["calibration_s"] = calibration_seconds(model, name)
         print(name, json.dumps(out[name]), flush=True)
     return out
 
 
-def speed(model: str, repeats: int, out_dir: str, device: str = "cpu") -> dict[str, dict]:
+def speed(model: str, repeats: int, out_dir: str, device: str = "cpu", names: list[str] | None = None
+          ) -> dict[str, dict]:
     vocab = _vocab(model)
     w1 = [r.to_json() for r in build_requests(WORKLOADS["W1"], vocab, 0)]
     lat = [r.to_json() for r in fixed_requests(32, 128, 3, vocab, 0)]
-    names = [n for n in MODES if n != "fp32"]
+    names = [n for n in (names or MODES) if n != "fp32"]
+    if "bf16" not in names:
+        names.insert(0, "bf16")  # the reference of the ratios
     runs: dict[str, dict[str, list]] = {n: {"latency": [], "throughput": []} for n in names}
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     for rep in range(repeats):
@@ -90,7 +118,8 @@ def table(acc: dict, spd: dict) -> str:
         return "\n".join(["| mode | batch-1 decode tok/s (x bf16) | W1 output tok/s (x bf16) |", "|---|---|---|"] + [
             f"| {n} | {s['decode_tok_s']:.1f} ({s['decode_vs_bf16']:.2f}x) | {s['w1_output_tok_s']:.1f} "
             f"({s['w1_vs_bf16']:.2f}x) |" for n, s in spd.items()])
-    bf16_linear = acc["bf16"]["linear_bytes"]
+    ref = "bf16" if "bf16" in acc else next(iter(acc))
+    bf16_linear = acc[ref]["linear_bytes"] / (1 if ref == "bf16" else 2)  # the float modes other than bf16 hold fp32
     rows = ["| mode | perplexity (vs fp32) | greedy = fp32 | linear weights MiB (x bf16) | KV bytes/token | "
             "batch-1 decode tok/s (x bf16) | W1 output tok/s (x bf16) |", "|---|---|---|---|---|---|---|"]
     for name, a in acc.items():
@@ -111,10 +140,16 @@ def main() -> None:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--device", default="cpu", help="where the speed runs go: cpu or cuda")
+    p.add_argument("--modes", default=None, help="comma-separated modes (default: all but the calibrated ones); the "
+                   f"first is the reference of the accuracy figures; known: {', '.join(MODES)}")
     args = p.parse_args()
     model = os.path.abspath(args.model or default_model_path())
-    acc = {} if args.skip_accuracy else accuracy(model)
-    spd = {} if args.skip_speed else speed(model, args.repeats, os.path.dirname(args.out) or ".", args.device)
+    names = args.modes.split(",") if args.modes else [n for n in MODES if n not in CALIBRATED]
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    acc = {} if args.skip_accuracy else accuracy(model, names)
+    spd = {} if args.skip_speed else speed(model, args.repeats, os.path.dirname(args.out) or ".", args.device, names)
     with open(args.out, "w") as f:
         json.dump({"model": model, "accuracy": acc, "speed": spd, "command": " ".join(sys.argv)}, f, indent=1)
     print(table(acc, spd))

@@ -23,7 +23,7 @@ import torch
 from ember import dtypes, envs
 from ember.errors import ConfigError
 from ember.layers.kv_cache import KV_CACHE_DTYPES
-from ember.quantization.config import INT4_GROUP_SIZES, QUANT_METHODS
+from ember.quantization.config import INT4_GROUP_SIZES, QUANT_ALGORITHMS, QUANT_METHODS, QUANT_MODES
 
 logger = logging.getLogger("ember")
 
@@ -120,18 +120,29 @@ class EngineConfig:
     # fraction of memory for ember (CUDA: of the device, weights included) or for the KV pool (CPU: of available
     # RAM); None: EMBER_MEM_RATIO, else 0.9 on CUDA, 0.1 on CPU (at most 4 GiB)
     kv_cache_memory_fraction: float | None = None
+    # the KV pool holds at most this many tokens (TensorRT-LLM's KvCacheConfig.max_tokens): the smaller of this and
+    # what the memory settings above give
+    max_kv_cache_tokens: int | None = None
     cpu_cache_memory: int | str | float | None = None  # host tier for evicted prefix blocks (CUDA): bytes or ratio
     scheduling_policy: str = "max_utilization"  # or "guaranteed_no_evict"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1 blocks
-    # stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load
+    # stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load; "awq" (int4
+    # after AWQ's activation-aware scales) | "smoothquant" (w8a8 after smoothing) = calibrate on text first, once: the
+    # transformed float weights are cached (docs/quantization.md)
     quantization: str | None = None
     quant_group_size: int | None = None  # int4 groups: 32, 64 or 128; None: 128 (GGUF Q4 blocks: their 32)
     quantize_embeddings: bool | None = None  # the embedding table and LM head as int8; None: as the checkpoint has it
+    calibration_data: str | None = None  # awq / smoothquant: a UTF-8 text file to calibrate on; None: the shipped text
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "uint4"
     tensor_parallel_size: int = 1  # ranks each layer is split over (heads, MLP columns, vocabulary)
     pipeline_parallel_size: int = 1  # stages the layers are split into
+    # StreamingLLM (TensorRT-LLM's names): each sequence keeps the KV of its first sink_token_length tokens and of
+    # the most recent ones, max_attention_window_size tokens in all, and attends to those only, so generation goes
+    # on past the window with constant KV memory (docs/decoding.md); None: full attention
+    max_attention_window_size: int | None = None
+    sink_token_length: int = 0
     # how the ranks start: "uni" (one rank, in process), "mp" (local processes the engine spawns), "launched" (every
     # rank started by torchrun / mpirun / srun), "ray"; None: "uni" for one rank, "launched" under a launcher whose
     # world size is T x P, else "mp"
@@ -157,6 +168,9 @@ class EngineConfig:
                 raise ConfigError(f"{name}={value!r} is out of range: {name} must be an integer >= {low}")
         if self.kv_cache_memory is not None and parse_bytes(self.kv_cache_memory) <= 0:
             raise ConfigError(f"kv_cache_memory={self.kv_cache_memory!r} is out of range: it must be > 0 bytes")
+        m = self.max_kv_cache_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ConfigError(f"max_kv_cache_tokens={m!r} is out of range: it must be an integer >= 1 or None")
         f = self.kv_cache_memory_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ConfigError(f"kv_cache_memory_fraction={f!r} is out of range: it must be a number in (0, 1]")
@@ -172,9 +186,11 @@ class EngineConfig:
                               or math.isinf(t)):
             raise ConfigError(f"prefix_cache_ttl={t!r} is out of range: it must be a number of seconds >= 0, or "
                               "None")
-        if self.quantization is not None and self.quantization not in ("none", *QUANT_METHODS):
+        if self.quantization is not None and self.quantization not in ("none", *QUANT_MODES):
             raise ConfigError(f"quantization={self.quantization!r} is not supported: use None (as stored), 'none', "
-                              f"{', '.join(repr(m) for m in QUANT_METHODS)}")
+                              f"{', '.join(repr(m) for m in QUANT_METHODS)}, or a calibrated algorithm: "
+                              f"{', '.join(repr(a) for a in QUANT_ALGORITHMS)}")
+        _check_calibration_data(self.calibration_data, self.quantization)
         if self.quant_group_size is not None and self.quant_group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"quant_group_size={self.quant_group_size!r} is out of range: use one of "
                               f"{INT4_GROUP_SIZES} or None")
@@ -185,6 +201,15 @@ class EngineConfig:
             raise ConfigError(f"num_threads={self.num_threads!r} is out of range: it must be an integer >= 1")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} is out of range: it must be an integer")
+        w, sink = self.max_attention_window_size, self.sink_token_length
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+            raise ConfigError(f"sink_token_length={sink!r} is out of range: it must be an integer >= 0")
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= sink):
+            raise ConfigError(f"max_attention_window_size={w!r} is out of range: it must be an integer > "
+                              f"sink_token_length ({sink}), the KV tokens a sequence keeps, sink tokens included")
+        if w is None and sink:
+            raise ConfigError(f"sink_token_length={sink} needs max_attention_window_size: sink tokens are kept when "
+                              "a window drops the others")
         b = self.distributed_executor_backend
         if b is not None and b not in EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend={b!r} is not supported: use one of "
@@ -195,16 +220,37 @@ class EngineConfig:
         return ResolvedConfig(ModelConfig.resolve(self), CacheConfig.resolve(self), ParallelConfig.resolve(self))
 
 
+def _check_calibration_data(path: str | None, quantization: str | None) -> None:
+    """calibration_data is read by the calibrated algorithms only, and must be a file holding text."""
+    if path is None:
+        return
+    if quantization not in QUANT_ALGORITHMS:
+        raise ConfigError(f"calibration_data={path!r} is only read by quantization="
+                          f"{' or '.join(repr(a) for a in QUANT_ALGORITHMS)} (quantization={quantization!r})")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"calibration_data={path!r} is not a path: pass a UTF-8 text file, or None for the "
+                          "shipped calibration text")
+    file = os.path.expanduser(str(path))
+    if not os.path.isfile(file):
+        raise ConfigError(f"calibration_data={path!r} does not exist: pass a UTF-8 text file, or None for the "
+                          "shipped calibration text")
+    if os.path.getsize(file) == 0:
+        raise ConfigError(f"calibration_data={path!r} is empty: it must hold text (a few thousand tokens of it)")
+
+
 def _model_path(model: str | None) -> str:
+    """The checkpoint path: a folder with config.json (Hugging Face, or a TensorRT-LLM checkpoint: the loader tells
+    them apart), a .gguf or .asmodel file, or a folder holding exactly one of those files."""
+    formats = ("a Hugging Face folder, a TensorRT-LLM checkpoint folder, a .gguf file, an .asmodel file, or a folder "
+               "with one .gguf/.asmodel")
     path = default_model_path() if model is None else os.path.expanduser(str(model))
     if not os.path.exists(path):
-        raise ConfigError(f"model={path!r} does not exist: pass a Hugging Face folder, a .gguf file or an .asmodel "
-                          "file")
+        raise ConfigError(f"model={path!r} does not exist: pass {formats}")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         files = sorted(f for f in os.listdir(path) if f.endswith((".gguf", ".asmodel")))
         if len(files) != 1:
-            raise ConfigError(f"model={path!r} has no config.json and {len(files)} .gguf/.asmodel files: pass a "
-                              "Hugging Face folder, or one .gguf or .asmodel file")
+            raise ConfigError(f"model={path!r} has no config.json and {len(files)} .gguf/.asmodel files: pass "
+                              f"{formats}")
         path = os.path.join(path, files[0])
     return path
 
@@ -222,13 +268,15 @@ class ModelConfig:
     quantize_embeddings: bool | None
     seed: int
     num_threads: int | None
+    calibration_data: str | None = None  # the text file awq / smoothquant calibrate on (None: the shipped text)
 
     @classmethod
     def resolve(cls, c: EngineConfig) -> "ModelConfig":
         device = c.device if c.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = os.path.expanduser(str(c.tokenizer)) if c.tokenizer is not None else None
+        calibration = os.path.abspath(os.path.expanduser(str(c.calibration_data))) if c.calibration_data else None
         return cls(_model_path(c.model), tokenizer, c.dtype, device, c.quantization, c.quant_group_size,
-                   c.quantize_embeddings, c.seed, c.num_threads)
+                   c.quantize_embeddings, c.seed, c.num_threads, calibration)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +290,11 @@ class CacheConfig:
     memory_fraction_source: str  # ... named after where it came from, for messages; "default" when none was given
     kv_cache_memory_text: str | None  # the size as the user wrote it, for messages
     cpu_cache_memory: int | str | float | None
-    enable_prefix_caching: bool
+    enable_prefix_caching: bool  # off under a window: ring slots are overwritten, no block stays a fixed prefix
     prefix_cache_ttl: float | None
+    attention_window: int | None = None  # StreamingLLM: KV tokens a sequence keeps (sinks included); None: all
+    sink_tokens: int = 0
+    max_tokens: int | None = None  # the pool's most tokens, whatever the memory settings allow
 
     @classmethod
     def resolve(cls, c: EngineConfig) -> "CacheConfig":
@@ -255,7 +306,8 @@ class CacheConfig:
         pool = parse_bytes(c.kv_cache_memory) if c.kv_cache_memory is not None else None
         return cls(c.block_size, c.kv_cache_dtype, pool, fraction, source,
                    repr(c.kv_cache_memory) if c.kv_cache_memory is not None else None, c.cpu_cache_memory,
-                   c.enable_prefix_caching, c.prefix_cache_ttl)
+                   c.enable_prefix_caching and c.max_attention_window_size is None, c.prefix_cache_ttl,
+                   c.max_attention_window_size, c.sink_token_length, c.max_kv_cache_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from typing import Any
 from ember.errors import BadRequestError
 
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = 64
 _GREEDY_EPS = 1e-5
 
 
@@ -63,6 +64,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    # beam search (transformers semantics, docs/beam_search.md): beam_width > 1 keeps that many beams and returns
+    # the n best finished ones (n <= beam_width), in one final output; scores are summed logprobs divided by
+    # (generated length ** length_penalty); early_stopping True | False | "never" as transformers defines it
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # every token id that ends generation; empty: the engine fills in the model's EOS ids (tokenizer and
     # generation config)
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
@@ -129,10 +136,43 @@ class SamplingParams:
                 raise _bad(name, value, "a list of non-empty lists of token ids >= 0")
         if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
             raise _bad("no_repeat_ngram_size", self.no_repeat_ngram_size, "an integer >= 0 (0 means off)")
+        self._validate_beams()
+
+    def _validate_beams(self) -> None:
+        w = self.beam_width
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_BEAM_WIDTH:
+            raise _bad("beam_width", w, f"an integer in [1, {MAX_BEAM_WIDTH}] (1 means no beam search)")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise _bad("length_penalty", lp, "a finite number (1.0: scores divided by the length)")
+        if self.early_stopping not in (True, False, "never"):
+            raise _bad("early_stopping", self.early_stopping, "True, False or 'never'")
+        if w == 1:
+            return
+        if self.n > w:
+            raise _bad("n", self.n, f"<= beam_width ({w}): beam search returns at most beam_width beams")
+        # beam search ranks whole continuations; these knobs draw or report per token and have no beam meaning
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("logprobs", None), ("seed", None)):
+            if getattr(self, name) != off:
+                raise _bad(name, getattr(self, name), f"{off!r} with beam_width > 1 (beam search is deterministic "
+                                                      "and reports each beam's cumulative logprob)")
+        if self.stop:
+            raise _bad("stop", self.stop, "empty with beam_width > 1: end beams with stop_token_ids or "
+                                          "stop_token_sequences")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def beam_candidates(self) -> int:
+        """Continuations each beam offers per step: transformers keeps max(2, 1 + #EOS) x beam_width, so that
+        beam_width survive even when the best ones end."""
+        return max(2, 1 + len(self.eos_token_ids)) * self.beam_width
 
     @property
     def needs_penalties(self) -> bool:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from ember.core.scheduler import ScheduledBatch
 from ember.core.sequence import Sequence
+from ember.core.window import KVWindow
 from ember.layers.logits_processors import SamplingRow
 from ember.worker.batch import BatchDescription, PrefillChunk, PromptLogprobsRows
 
 
-def describe(batch: ScheduledBatch, block_size: int, released: list[int]) -> tuple[BatchDescription, list[Sequence]]:
-    """The description, and the sequences that sample a token (aligned with its sampling rows)."""
+def describe(batch: ScheduledBatch, block_size: int, released: list[int],
+             window: KVWindow | None = None) -> tuple[BatchDescription, list[Sequence]]:
+    """The description, and the sequences that sample a token (aligned with its sampling rows). Under a KV window
+    positions map to ring slots and a decode reads the filled slots only."""
     d = BatchDescription(copies=batch.copies, released=released)
     ids, positions, slots, bs = d.input_ids, d.positions, d.slots, block_size
     sampled: list[Sequence] = []
@@ -20,10 +23,11 @@ def describe(batch: ScheduledBatch, block_size: int, released: list[int]) -> tup
         ids.extend(seq.token_ids[c:c + n])
         positions.extend(range(c, c + n))
         table = seq.block_table
-        slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+        where = range(c, c + n) if window is None else [window.slot(p) for p in range(c, c + n)]
+        slots.extend(table[p // bs] * bs + p % bs for p in where)
         if n == 1:
             d.decode_block_tables.append(table)
-            d.decode_context_lens.append(c + 1)
+            d.decode_context_lens.append(c + 1 if window is None else window.kept(c + 1))
         else:
             d.prefills.append(PrefillChunk(start, n, c + n, table))
         req = seq.request

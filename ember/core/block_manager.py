@@ -24,16 +24,21 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ember.core.sequence import Sequence
-from ember.worker.batch import SWAP_IN, SWAP_OUT
+from ember.core.window import KVWindow
+from ember.worker.batch import COPY, SWAP_IN, SWAP_OUT
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def request_blocks(num_prompt_tokens: int, max_num_tokens: int, num_samples: int, block_size: int) -> int:
+def request_blocks(num_prompt_tokens: int, max_num_tokens: int, num_samples: int, block_size: int,
+                   window: KVWindow | None = None) -> int:
     """Blocks a request holds at most: one sample of max_num_tokens, each further one without the shared prompt
-    blocks (the last prompt token is always computed again: each sample needs its logits)."""
+    blocks (the last prompt token is always computed again: each sample needs its logits). Under a KV window a
+    sample holds at most the window and shares nothing (its ring overwrites its blocks)."""
+    if window is not None:
+        return num_samples * blocks_for(window.kept(max_num_tokens), block_size)
     full = blocks_for(max_num_tokens, block_size)
     return full + (num_samples - 1) * (full - (num_prompt_tokens - 1) // block_size)
 
@@ -96,9 +101,11 @@ class HostTier:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, prefix_cache_ttl: float | None = None) -> None:
+                 num_host_blocks: int = 0, prefix_cache_ttl: float | None = None,
+                 window: KVWindow | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window  # StreamingLLM: a sequence's table never covers more than the window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
@@ -127,7 +134,8 @@ class BlockManager:
         return self.num_blocks - len(self.free_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
+        """Blocks that hold num_tokens tokens of one sequence (under a window: those it keeps)."""
+        return blocks_for(self.window.kept(num_tokens) if self.window else num_tokens, self.block_size)
 
     def shared_prompt_blocks(self, num_prompt_tokens: int) -> int:
         """Full prompt blocks the n samples of a request share; the last prompt token is always computed again
@@ -135,7 +143,7 @@ class BlockManager:
         return (num_prompt_tokens - 1) // self.block_size
 
     def request_blocks(self, num_prompt_tokens: int, max_num_tokens: int, num_samples: int) -> int:
-        return request_blocks(num_prompt_tokens, max_num_tokens, num_samples, self.block_size)
+        return request_blocks(num_prompt_tokens, max_num_tokens, num_samples, self.block_size, self.window)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table covers num_tokens tokens."""
@@ -261,6 +269,33 @@ class BlockManager:
             self.ref_counts[block] += 1
             child.block_table.append(block)
         child.num_hashed_blocks = min(parent.num_hashed_blocks, len(child.block_table))
+
+    def fork(self, parent: Sequence, child: Sequence, copy_partial: bool) -> None:
+        """Give a new beam its parent's KV: the full blocks shared; the partial last block shared too for the
+        parent's first child and copied on write (a fresh block and a queued copy) for the others, since each
+        beam writes its next token into that block. Without a free block for the copy the child keeps only the
+        full blocks and computes the partial block's few tokens again."""
+        assert not child.block_table
+        bs, n = self.block_size, parent.num_computed_tokens
+        full = n // bs
+        for block in parent.block_table[:full]:
+            self.ref_counts[block] += 1
+            child.block_table.append(block)
+        child.num_computed_tokens = full * bs
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        if n % bs == 0:
+            return
+        last = parent.block_table[full]
+        if not copy_partial:
+            self.ref_counts[last] += 1
+        elif self.free_blocks:
+            source, last = last, self._pop_free()
+            self.ref_counts[last] = 1
+            self.pending_copies.append((COPY, source, last))
+        else:
+            return
+        child.block_table.append(last)
+        child.num_computed_tokens = n
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):  # the tail first: it is evicted before the shared head

@@ -3,13 +3,15 @@ their prompt is in the cache, append sampled tokens and check the stops the core
 sequences, max_tokens, max_model_len). Stop *strings* need text, so the front end checks them and finishes the
 sample through ``EngineCore.stop_sample`` before the next step is scheduled.
 
-``Decoding`` is the strategy for n independent samples; beam search extends it (its own fork and finish rules).
+``Decoding`` is the strategy for n independent samples; beam-search requests hand their rows to ``BeamSearch``
+(its own fork and finish rules).
 """
 
 from __future__ import annotations
 
 import logging
 
+from ember.core.beam_search import BeamSearch
 from ember.core.block_manager import BlockManager
 from ember.core.records import EngineOutput
 from ember.core.request import CoreRequest
@@ -27,8 +29,9 @@ class Decoding:
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.released: list[int] = []  # handles of finished samples, for the worker to drop with the next batch
+        self.beam_search = BeamSearch(self)
 
-    def _output(self, outputs: dict[str, EngineOutput], req: CoreRequest) -> EngineOutput:
+    def output(self, outputs: dict[str, EngineOutput], req: CoreRequest) -> EngineOutput:
         out = outputs.get(req.request_id)
         if out is None:
             out = outputs[req.request_id] = EngineOutput(
@@ -43,20 +46,25 @@ class Decoding:
             seq.num_computed_tokens += n
             self.bm.commit(seq)
             req = seq.request
-            out = self._output(outputs, req)
+            out = self.output(outputs, req)
             chunk = result.prompt_logprobs.get(seq.seq_id)
             if chunk is not None:
                 out.prompt_logprobs, out.prompt_logprobs_start = chunk, start
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     req.prompt_logprobs_done = out.prompt_logprobs_done = True
-            if seq.pending_fork and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if seq.pending_fork and seq.num_computed_tokens >= seq.num_prompt_tokens and req.beams is None:
                 self.fork(seq)
-        for seq, token, lp in zip(sampled, result.token_ids, result.logprobs):
-            self.append(seq, token, lp, self._output(outputs, seq.request))
+        for i, (seq, token, lp) in enumerate(zip(sampled, result.token_ids, result.logprobs)):
+            if seq.request.beams is not None:
+                self.beam_search.collect(seq, result.beams[i], outputs)
+            else:
+                self.append(seq, token, lp, self.output(outputs, seq.request))
 
     def fork(self, parent: Sequence) -> None:
-        """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
-        shared = self.bm.shared_prompt_blocks(parent.num_prompt_tokens) * self.bm.block_size
+        """The prompt is in the cache: start the other n - 1 samples on its full blocks (the children of a
+        block-less parent compute the prompt themselves)."""
+        # under a KV window each sample's ring overwrites its blocks: the samples share none
+        shared = 0 if self.bm.window else self.bm.shared_prompt_blocks(parent.num_prompt_tokens) * self.bm.block_size
         for child in parent.request.fork(parent):
             self.bm.share(parent, child, shared)
             child.num_computed_tokens = shared
@@ -95,8 +103,11 @@ class Decoding:
         tokens; siblings that never started end with it."""
         req = seq.request
         logger.warning("request %s: sample %d interrupted (it no longer fits the KV pool)", req.request_id, seq.index)
-        out = self._output(outputs, req)
+        out = self.output(outputs, req)
         self.released.append(seq.seq_id)
+        if req.beams is not None:  # one beam cannot go on: the search cannot either
+            self.beam_search.end(req, "interrupted", out)
+            return
         out.sample(seq.index).finish_reason = "interrupted"
         if seq.pending_fork:
             for child in req.fork(seq):
@@ -105,7 +116,10 @@ class Decoding:
 
     def abort(self, req: CoreRequest) -> EngineOutput:
         """End every sample not yet finished (siblings not yet forked included) with finish_reason "abort"."""
-        out = self._output({}, req)
+        out = self.output({}, req)
+        if req.beams is not None:
+            self.beam_search.end(req, "abort", out)
+            return out
         for s in list(req.seqs):
             if s.pending_fork:
                 req.fork(s)

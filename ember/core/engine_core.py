@@ -16,6 +16,7 @@ from ember.core.decoding import Decoding
 from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
+from ember.core.window import KVWindow
 from ember.dtypes import name_of
 from ember.executor import make_executor
 from ember.model_loader import check_parallel, read_shape
@@ -36,8 +37,9 @@ class EngineCore:
             self.executor.shutdown()
             raise
         cache = resolved.cache
+        window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                          plan.num_host_blocks, cache.prefix_cache_ttl)
+                                          plan.num_host_blocks, cache.prefix_cache_ttl, window)
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, sched.policy)
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
@@ -50,7 +52,7 @@ class EngineCore:
             block_size=cache.block_size, num_kv_blocks=plan.num_blocks, scheduling_policy=sched.policy,
             kv_cache_dtype=cache.kv_cache_dtype, quantization=loaded.quant.describe() if loaded.quant else None,
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
-            executor=par.backend)
+            executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens)
 
     def add(self, record: EngineRequest) -> None:
         req = CoreRequest(record)
@@ -90,7 +92,8 @@ class EngineCore:
             for seq in batch.seqs:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
-            description, sampled = describe(batch, self.block_manager.block_size, released)
+            bm = self.block_manager
+            description, sampled = describe(batch, bm.block_size, released, bm.window)
             result = self.executor.execute(description)
             self.decoding.after_step(batch, sampled, result, outputs)
         self._forget_finished(self.requests[rid] for rid in outputs if rid in self.requests)

@@ -31,6 +31,7 @@ class SampleOutput:
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     finish_reason: str | None = None  # set in the step it finished: "stop" | "length" | "abort" | "interrupted"
     stop_reason: int | list[int] | None = None  # the stop token id or token sequence that ended it
+    cumulative_logprob: float | None = None  # a finished beam's summed logprob (beam search reports no per-token ones)
 
 
 @dataclass(slots=True)
@@ -73,3 +74,5 @@ class ModelInfo:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     executor: str = "uni"  # how the ranks run (EngineConfig.distributed_executor_backend, resolved)
+    attention_window: int | None = None  # StreamingLLM: KV tokens a sequence keeps (sinks included); None: all
+    sink_tokens: int = 0

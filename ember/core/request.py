@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ember.core.beam_search import BeamGroup
 from ember.core.records import EngineRequest
 from ember.core.sequence import Sequence
 from ember.sampling_params import SamplingParams
@@ -9,7 +10,7 @@ from ember.sampling_params import SamplingParams
 
 class CoreRequest:
     __slots__ = ("record", "seqs", "num_cached_tokens", "num_host_cached_tokens", "prompt_logprobs_done",
-                 "first_scheduled_time")
+                 "first_scheduled_time", "beams")
 
     def __init__(self, record: EngineRequest) -> None:
         self.record = record
@@ -17,7 +18,10 @@ class CoreRequest:
         self.num_host_cached_tokens = 0  # of those, the ones copied back from the host tier
         self.prompt_logprobs_done = False
         self.first_scheduled_time: float | None = None
-        self.seqs: list[Sequence] = [self._new_sequence(0, pending_fork=record.params.n - 1)]
+        # beam search: the first sequence stands for all beam_width beams (seats, reservations) until its first step
+        p = record.params
+        self.beams = BeamGroup() if p.use_beam_search else None
+        self.seqs: list[Sequence] = [self._new_sequence(0, pending_fork=(p.beam_width if self.beams else p.n) - 1)]
 
     @property
     def request_id(self) -> str:

@@ -73,6 +73,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def requeue(self, seq: Sequence) -> None:
+        """A sequence without KV that must run before new arrivals (a beam whose parent was preempted)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     # ----- guaranteed_no_evict bookkeeping -----
 
     def _reserve(self, seq: Sequence) -> int:
@@ -165,7 +170,10 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of seq to compute this step: all that are left, or with chunked prefill what the budget allows."""
-        left = seq.num_tokens - (seq.num_computed_tokens if start is None else start)
+        computed = seq.num_computed_tokens if start is None else start
+        left = seq.num_tokens - computed
+        if self.bm.window is not None:
+            left = min(left, self.bm.window.chunk_limit(computed))
         if left <= budget:
             return left
         return budget if self.chunked_prefill else 0

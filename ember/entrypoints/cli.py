@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from ember.config import EXECUTOR_BACKENDS, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_METHODS
+from ember.config import EXECUTOR_BACKENDS, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_MODES
 from ember.quantization.config import QuantConfig
 from ember.sampling_params import SamplingParams
 
@@ -20,8 +20,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default: 10%% of free RAM)")
-    g.add_argument("--quantization", default=None, choices=["none", *QUANT_METHODS],
-                   help="weights: none (float), int8, int4 or w8a8 (default: as the checkpoint stores them)")
+    g.add_argument("--quantization", default=None, choices=["none", *QUANT_MODES],
+                   help="weights: none (float), int8, int4, w8a8, or calibrated: awq (int4) or smoothquant (w8a8) "
+                        "(default: as the checkpoint stores them)")
+    g.add_argument("--calibration", default=None, metavar="FILE",
+                   help="awq / smoothquant: a UTF-8 text file to calibrate on (default: the shipped text)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache entries (default auto: the model's dtype)")
     add_parallel_args(g)
@@ -75,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                       help="weights' dtype (default: the checkpoint's own, bfloat16 for GGUF)")
     conv.add_argument("--skip-if-exists", action="store_true", help="keep a pair that exists and validates")
-    conv.add_argument("--quantization", default=None, choices=list(QUANT_METHODS),
-                      help="store the linear weights quantized: int8 (per channel), int4 (groups) or w8a8")
+    conv.add_argument("--quantization", default=None, choices=list(QUANT_MODES),
+                      help="store the linear weights quantized: int8 (per channel), int4 (groups), w8a8, awq (int4 "
+                           "after AWQ's calibrated scales) or smoothquant (w8a8 after smoothing)")
+    conv.add_argument("--calibration", default=None, metavar="FILE",
+                      help="awq / smoothquant: a UTF-8 text file to calibrate on (default: the shipped text)")
     conv.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES),
                       help="int4 group size (default 128)")
     conv.add_argument("--quantize-embeddings", action="store_true",
@@ -92,6 +98,7 @@ def _load(args: argparse.Namespace):
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                kv_cache_memory=args.kv_cache_memory, max_num_seqs=8, quantization=args.quantization,
+               calibration_data=args.calibration,
                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,
                distributed_executor_backend=args.distributed_executor_backend)
@@ -181,10 +188,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         for suffix in (".gguf", MODEL_SUFFIX):
             stem = stem.removesuffix(suffix)
         out_dir, name = args.dst, args.name or stem
-    quant = QuantConfig(args.quantization, args.group_size, args.quantize_embeddings) if args.quantization else None
+    quant = QuantConfig.of(args.quantization, args.group_size, args.quantize_embeddings) if args.quantization else None
+    if args.calibration is not None:  # the engine's own check of the file (exists, not empty, a calibrated mode)
+        from ember.config import EngineConfig
+
+        EngineConfig(quantization=args.quantization, calibration_data=args.calibration)
     start = time.perf_counter()
     path = convert(args.src, out_dir, name, args.dtype, skip_if_exists=args.skip_if_exists, show_progress=True,
-                   quant_config=quant)
+                   quant_config=quant, calibration_data=args.calibration)
     size = os.path.getsize(path[:-len(MODEL_SUFFIX)] + ".asparam")
     print(f"[ember] wrote {path} (+ .asparam, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)

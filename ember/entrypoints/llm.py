@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from ember.config import EngineConfig
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient, ModelInfo
-from ember.frontend.processor import PromptType
+from ember.frontend.processor import PromptType, prompt_list
 from ember.outputs import RequestOutput
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message
@@ -47,7 +47,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        prompts = _as_prompt_list(prompts)
+        prompts = prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         results: queue.Queue = queue.Queue()
         ids = self.client.submit(prompts, params, results.put)
@@ -105,18 +105,6 @@ class LLM:
         self.shutdown()
 
 
-def _as_prompt_list(prompts: Any) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if prompts is None or not hasattr(prompts, "__iter__"):
-        raise BadRequestError(f"prompts={prompts!r} is not supported: pass a string, a list of token ids, or a list "
-                              "of those")
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    if not prompts:
-        raise BadRequestError("prompts=[] is empty: pass at least one prompt")
-    return prompts
 
 
 def _as_params_list(params: Any, n: int) -> list[SamplingParams | None]:

@@ -129,7 +129,7 @@ class OutputProcessor:
             text = ss.detokenizer.delta(reason is not None)
             completions.append(CompletionOutput(
                 index=so.index, text=text, token_ids=list(so.new_token_ids), logprobs=new_lps if wants_lp else None,
-                cumulative_logprob=ss.cumulative_logprob if wants_lp else None, finish_reason=reason,
+                cumulative_logprob=ss.cumulative_logprob if wants_lp else so.cumulative_logprob, finish_reason=reason,
                 stop_reason=stop_reason))
         prompt_lp, st.prompt_logprobs = st.prompt_logprobs, None
         done = len(st.samples) == params.n and all(s.finish_reason is not None for s in st.samples.values())

@@ -10,11 +10,27 @@ from typing import Any
 
 from ember.core.block_manager import blocks_for, request_blocks
 from ember.core.records import EngineRequest, ModelInfo
+from ember.core.window import KVWindow
 from ember.errors import BadRequestError, DoesNotFitError
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 
 PromptType = str | Seq[int]
+
+
+def prompt_list(prompts: Any) -> list[PromptType]:
+    """One prompt or a list of them as a list: a string, a list of token ids (one prompt), or a list of those."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts is None or not hasattr(prompts, "__iter__"):
+        raise BadRequestError(f"prompts={prompts!r} is not supported: pass a string, a list of token ids, or a list "
+                              "of those")
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise BadRequestError("prompts=[] is empty: pass at least one prompt")
+    return prompts
 
 
 class InputProcessor:
@@ -55,6 +71,9 @@ class InputProcessor:
                                   f"token) must be <= max_model_len ({info.max_model_len})")
         if params.n > info.max_num_seqs:
             raise BadRequestError(f"n={params.n} is out of range: n must be <= max_num_seqs ({info.max_num_seqs})")
+        if params.beam_width > info.max_num_seqs:
+            raise BadRequestError(f"beam_width={params.beam_width} is out of range: every beam is a running sequence, "
+                                  f"so beam_width must be <= max_num_seqs ({info.max_num_seqs})")
         max_num_tokens = min(len(ids) + (params.max_tokens or info.max_model_len), info.max_model_len)
         self._check_fits(len(ids), params, max_num_tokens)
         if not params.eos_token_ids:
@@ -78,12 +97,27 @@ class InputProcessor:
         info = self.info
         blocks, bs = info.num_kv_blocks, info.block_size
         pool = blocks * bs
+        window = KVWindow(info.attention_window, info.sink_tokens) if info.attention_window else None
+        if window is not None and params.use_beam_search:
+            raise BadRequestError(f"beam_width={params.beam_width} is not supported with max_attention_window_size "
+                                  "(StreamingLLM): beams share blocks that the window's ring would overwrite")
         least = prompt_len + max(1, params.min_tokens)
+        if window is not None:
+            least = window.kept(least)
         if blocks_for(least, bs) > blocks:
             raise DoesNotFitError(f"prompt has {prompt_len} tokens: prompt plus min_tokens ({least} tokens) can "
                                   f"never fit the KV pool of {pool} tokens; it must be <= {pool}")
-        if info.scheduling_policy == "guaranteed_no_evict":
-            need = request_blocks(prompt_len, max_num_tokens, params.n, bs)
+        if params.use_beam_search:  # the beams advance together, so all of them must fit at once (+1 block each
+            # for the partial block copied on write)
+            w = params.beam_width
+            need = request_blocks(prompt_len, max_num_tokens, w, bs) + w
+            if need > blocks:
+                raise DoesNotFitError(f"beam_width={w} with max_tokens={params.max_tokens} needs {need} KV blocks "
+                                      f"({w} beams of up to {max_num_tokens} tokens sharing the prompt), more than "
+                                      f"the pool's {blocks}: lower beam_width or max_tokens, or give the KV cache "
+                                      "more memory")
+        elif info.scheduling_policy == "guaranteed_no_evict":
+            need = request_blocks(prompt_len, max_num_tokens, params.n, bs, window)
             if need > blocks:
                 raise DoesNotFitError(f"max_tokens={params.max_tokens} with n={params.n} needs {need} KV blocks under "
                                       f"scheduling_policy='guaranteed_no_evict', more than the pool's {blocks}: "

@@ -9,7 +9,7 @@ Logprobs are those of the model's raw distribution (log_softmax of the logits), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # beam-search rows: row -> (token ids, log-probabilities) of its best continuations, best first
+    beams: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
 
 _CANDIDATES = 512  # top-k/top-p look at this many best tokens and rank a whole row only if they fall short
@@ -99,13 +101,18 @@ class Sampler:
         params = [r.params for r in rows]
         max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = logits.log_softmax(dim=-1) if max_lp is not None else None
+        beam_rows = [i for i, p in enumerate(params) if p.use_beam_search]
+        if beam_rows:  # as transformers: log-softmax first (of logits / temperature, as vLLM), processors after
+            beam_idx = torch.tensor(beam_rows, device=device)
+            temps = torch.tensor([params[i].temperature or 1.0 for i in beam_rows], dtype=logits.dtype, device=device)
+            logits = logits.index_copy(0, beam_idx, (logits[beam_idx] / temps[:, None]).log_softmax(dim=-1))
 
         for proc in self.processors:
             wanted = [i for i, p in enumerate(params) if proc.wants(p)]
             if wanted:
                 logits = proc(logits, wanted, rows, states)
         tokens = logits.argmax(dim=-1)
-        rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        rand_rows = [i for i, p in enumerate(params) if not p.is_greedy and not p.use_beam_search]
         # rows that filter their candidates, and rows that draw from the whole vocabulary, go separately
         filtered = [i for i in rand_rows if params[i].top_k > 0 or params[i].top_p < 1]
         for group in (filtered, [i for i in rand_rows if i not in set(filtered)]):
@@ -113,6 +120,13 @@ class Sampler:
                 idx = torch.tensor(group, device=device)
                 tokens[idx] = self._draw(logits[idx], [params[i] for i in group], [states[i] for i in group])
         token_list = tokens.tolist()
+        beams: dict[int, tuple[list[int], list[float]]] = {}
+        if beam_rows:
+            k = min(V, max(params[i].beam_candidates for i in beam_rows))
+            vals, ids = logits[beam_idx].topk(k, dim=-1)
+            for j, i in enumerate(beam_rows):
+                kk = min(k, params[i].beam_candidates)
+                beams[i] = (ids[j, :kk].tolist(), vals[j, :kk].tolist())
 
         lps: list[TokenLogprobs | None] = [None] * B
         if raw_logprobs is not None:
@@ -126,7 +140,7 @@ class Sampler:
                 k = p.logprobs
                 lps[i] = TokenLogprobs(chosen_l[i], ranks_l[i],
                                        top_ids[i, :k].tolist() if k else [], top_vals[i, :k].tolist() if k else [])
-        return SamplerOutput(token_list, lps)
+        return SamplerOutput(token_list, lps, beams)
 
     def _draw(self, logits: torch.Tensor, params: list, states: list[RowState]) -> torch.Tensor:
         """Sample one token per row: argmax(p / E) with E ~ Exp(1) (the Gumbel trick, exact).

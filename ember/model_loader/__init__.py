@@ -20,8 +20,9 @@ from ember.layers.linear import mkldnn_prepack_available
 from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint, read_all
+from ember.model_loader.trtllm import TRTLLMCheckpoint, trtllm_folder_kind
 from ember.models import resolve_architecture
-from ember.quantization import QuantConfig
+from ember.quantization import QUANT_ALGORITHMS, QuantConfig
 from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
@@ -60,11 +61,12 @@ class TokenizerInfo:
     eos_token_ids: tuple[int, ...]
 
 
-Checkpoint = HFCheckpoint | GGUFCheckpoint | AsModelCheckpoint
+Checkpoint = HFCheckpoint | GGUFCheckpoint | AsModelCheckpoint | TRTLLMCheckpoint
 
 
 def open_checkpoint(path: str) -> Checkpoint:
-    """The checkpoint at path, by kind: a .gguf file, an .asmodel file, else a Hugging Face folder."""
+    """The checkpoint at path, by kind: a .gguf file, an .asmodel file, a TensorRT-LLM checkpoint folder (its
+    config.json has TensorRT-LLM's singular "architecture"), else a Hugging Face folder."""
     if path.endswith(".gguf"):
         try:
             st = os.stat(path)
@@ -73,6 +75,8 @@ def open_checkpoint(path: str) -> Checkpoint:
         return _open_gguf(path, st.st_size, st.st_mtime_ns)
     if path.endswith(".asmodel"):
         return AsModelCheckpoint(path)
+    if trtllm_folder_kind(path) is not None:
+        return TRTLLMCheckpoint(path)  # an engine folder is refused there, clearly
     return HFCheckpoint(path)
 
 
@@ -95,7 +99,14 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     with torch.device("cpu"):
         model = cls(architecture, hf_config, shape.max_position, dtype, quant, parallel)
     select = model.weight_slice if parallel.world_size > 1 else read_all
-    model.load_weights(ckpt.tensors(hf_config, keep_quantized=quant is not None, select=select))
+    if needs_calibration(ckpt, quant):  # awq / smoothquant: the transformed float weights, computed once and cached
+        from ember.model_loader.calibrated import calibrated_tensors
+
+        tensors = calibrated_tensors(ckpt, hf_config, quant, config.calibration_data, config.tokenizer, select,
+                                     config.device)
+    else:
+        tensors = ckpt.tensors(hf_config, keep_quantized=quant is not None, select=select)
+    model.load_weights(tensors)
     model.to(config.device).eval()
     device = torch.device(config.device)
     prepack = device.type == "cpu" and mkldnn_prepack_available()
@@ -182,21 +193,31 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
     """The weight layout to build: the engine config's choice, else what the checkpoint stores (see EngineConfig)."""
     native = ckpt.native_quantization()
     stored = isinstance(ckpt, AsModelCheckpoint) and native is not None
-    method = config.quantization
-    if method == "none":
+    mode = config.quantization  # a method, or a calibrated algorithm (QuantConfig.of)
+    if mode == "none":
         return None
-    if method is None:
+    if mode is None:
         if native is None or (not stored and dtype == torch.float32):  # float32 asks for the reference precision
             return None
-        method = native.method
-    elif stored and method != native.method:
-        raise ValueError(f"quantization={method!r}: {config.path} is stored quantized as {native.describe()}; "
+        mode = native.mode
+    elif stored and mode != native.mode:
+        raise ValueError(f"quantization={mode!r}: {config.path} is stored quantized as {native.describe()}; "
                          "convert the original checkpoint to change it, or use quantization=None or 'none'")
-    group = config.quant_group_size or (native.group_size if native is not None and native.method == "int4" else 128)
+    # int4 keeps the groups it is stored in (GGUF Q4 blocks load exactly); AWQ changes the weights: its own default
+    keeps_blocks = native is not None and native.method == "int4" and (stored or mode not in QUANT_ALGORITHMS)
+    group = config.quant_group_size or (native.group_size if keeps_blocks else 128)
     embeddings = config.quantize_embeddings
     if embeddings is None:
         embeddings = native.embeddings if native is not None else False
-    return QuantConfig(method, group, embeddings)
+    return QuantConfig.of(mode, group, embeddings)
+
+
+def needs_calibration(ckpt: Checkpoint, quant: QuantConfig | None) -> bool:
+    """Whether loading quant from ckpt runs its calibrated algorithm first: yes, unless the checkpoint is an
+    .asmodel that stores the weights already transformed and quantized (``ember convert --quantization awq``)."""
+    if quant is None or quant.algorithm is None:
+        return False
+    return not (isinstance(ckpt, AsModelCheckpoint) and ckpt.native_quantization() is not None)
 
 
 def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple[int, ...]:
@@ -208,6 +229,6 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
     return tuple(ids)
 
 
-__all__ = ["Checkpoint", "LoadedModel", "TokenizerInfo", "check_parallel", "load_model",
+__all__ = ["Checkpoint", "LoadedModel", "TRTLLMCheckpoint", "TokenizerInfo", "check_parallel", "load_model",
            "load_tokenizer", "open_checkpoint",
            "read_shape", "resolve_quantization"]

@@ -26,7 +26,7 @@ import torch
 
 from ember import dtypes
 from ember.distributed import WeightSlice
-from ember.model_loader.hf import Select, read_all, read_slice
+from ember.model_loader.hf import Select, iter_safetensors, read_all, read_slice
 from ember.quantization import QuantConfig, QuantizedTensor, requantize
 
 FORMAT = "ember.asmodel"
@@ -82,10 +82,14 @@ def parse_dtype(value: str | torch.dtype | None, hf_config: Any, name: str = "dt
 
 def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None = None,
             skip_if_exists: bool = False, show_progress: bool = False, quant_config: QuantConfig | None = None,
-            extra: dict[str, Any] | None = None) -> str:
+            extra: dict[str, Any] | None = None, calibration_data: str | None = None,
+            tokenizer: str | None = None) -> str:
     """Serialize the checkpoint at src (Hugging Face folder, .gguf or .asmodel) as out_dir/NAME.asmodel +
-    .asparam; with skip_if_exists, a pair that is already there and validates is kept. Returns the .asmodel path."""
-    from ember.model_loader import open_checkpoint
+    .asparam; with skip_if_exists, a pair that is already there and validates is kept. Returns the .asmodel path.
+    tokenizer: a checkpoint to take the tokenizer from (a TensorRT-LLM checkpoint has none of its own).
+    A quant_config with a calibrated algorithm (awq, smoothquant) stores the weights transformed by it, calibrated
+    on calibration_data (a text file; None: the shipped text), then quantized: loading needs no calibration."""
+    from ember.model_loader import needs_calibration, open_checkpoint
 
     model_path, _ = pair_paths(out_dir, name)
     if skip_if_exists and validate(model_path) is None:
@@ -97,17 +101,34 @@ def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None =
         from tqdm.auto import tqdm
 
         progress = lambda items: tqdm(items, desc="Converting", unit="tensor", dynamic_ncols=True)  # noqa: E731
-    contents = read_contents(ckpt, target, os.path.abspath(src), progress, keep_quantized=quant_config is not None)
+    contents = read_contents(ckpt, target, os.path.abspath(src), progress, keep_quantized=quant_config is not None,
+                             tokenizer=open_checkpoint(tokenizer).tokenizer() if tokenizer is not None else None)
+    native = ckpt.native_quantization() if isinstance(ckpt, AsModelCheckpoint) else None
+    if quant_config is not None and quant_config.algorithm and native is not None and native.mode != quant_config.mode:
+        raise ValueError(f"quantization={quant_config.mode!r}: {src} is stored quantized as {native.describe()}; "
+                         "calibrate from the original float checkpoint")
+    if needs_calibration(ckpt, quant_config):
+        from ember.model_loader.calibrated import calibrated_weights
+
+        # the tensors the algorithm changed, float32 from ember's cache: weights quantized from it as write() stores
+        # them, norms and biases in the stored dtype; the rest as read
+        for t_name, t in iter_safetensors(calibrated_weights(ckpt, ckpt.hf_config(), quant_config, calibration_data)):
+            contents.tensors[t_name] = t if _is_quantizable(t_name, quant_config) else t.to(target).contiguous()
+    elif calibration_data is not None:
+        raise ValueError(f"calibration_data={calibration_data!r} is only read by a calibrated quantization (awq, "
+                         "smoothquant)")
     contents.extra = dict(extra or {})
     contents.quant_config = quant_config
     return write(contents, out_dir, name)[0]
 
 
 def read_contents(checkpoint: Any, dtype: torch.dtype, source: str,
-                  progress: Callable[[Iterable], Iterable] | None = None, keep_quantized: bool = False) -> ModelContents:
+                  progress: Callable[[Iterable], Iterable] | None = None, keep_quantized: bool = False,
+                  tokenizer: Any = None) -> ModelContents:
     """Read a checkpoint (see model_loader.open_checkpoint) into memory, floating-point weights cast to dtype.
     keep_quantized: weights stored quantized (GGUF blocks, a quantized .asmodel) stay so, to be stored again without
-    a round trip through float. A tied LM head is left out, as transformers' save_pretrained does."""
+    a round trip through float. A tied LM head is left out, as transformers' save_pretrained does. tokenizer: an
+    ember Tokenizer to store instead of the checkpoint's own."""
     from ember.models import resolve_architecture
 
     hf_config = checkpoint.hf_config()
@@ -121,7 +142,8 @@ def read_contents(checkpoint: Any, dtype: torch.dtype, source: str,
             tensors[name] = t if keep_quantized else t.dequantize(dtype).contiguous()
         else:
             tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-    return ModelContents(architecture, hf_config, checkpoint.generation_config(), checkpoint.tokenizer(), tensors,
+    tokenizer = tokenizer if tokenizer is not None else checkpoint.tokenizer()
+    return ModelContents(architecture, hf_config, checkpoint.generation_config(), tokenizer, tensors,
                          dtype, source)
 
 

@@ -7,6 +7,10 @@ from typing import Any
 
 QUANT_METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128)
+# calibrated algorithms -> the method their transformed weights are quantized with (ember.quantization.awq,
+# ember.quantization.smoothquant)
+QUANT_ALGORITHMS = {"awq": "int4", "smoothquant": "w8a8"}
+QUANT_MODES = (*QUANT_METHODS, *QUANT_ALGORITHMS)  # what EngineConfig(quantization=...) takes, besides None / "none"
 
 
 @dataclass(slots=True, frozen=True)
@@ -14,11 +18,14 @@ class QuantConfig:
     """method: 'int8' (A16W8, per-output-channel scales), 'int4' (A16W4, groups of group_size along the input,
     asymmetric) or 'w8a8' (int8 weights and dynamic per-token int8 activations). Every linear layer of the decoder
     is quantized; the token embedding and the LM head too when ``embeddings`` (always int8 per row: the logits are
-    where 4 bits cost most)."""
+    where 4 bits cost most). ``algorithm``: the calibrated transformation the float weights went through first
+    ('awq' before int4, 'smoothquant' before w8a8), None for plain rounding; it changes the weights, not the layout
+    or the kernels."""
 
     method: str
     group_size: int = 128
     embeddings: bool = False
+    algorithm: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -27,6 +34,23 @@ class QuantConfig:
         if self.method == "int4" and self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"group_size={self.group_size!r} is out of range: int4 groups are one of "
                              f"{INT4_GROUP_SIZES}")
+        if self.algorithm is not None and QUANT_ALGORITHMS.get(self.algorithm) != self.method:
+            allowed = ", ".join(f"{a!r} (with {m!r})" for a, m in QUANT_ALGORITHMS.items())
+            raise ValueError(f"algorithm={self.algorithm!r} is not supported with method={self.method!r}: use one of "
+                             f"{allowed} or None")
+
+    @classmethod
+    def of(cls, mode: str, group_size: int = 128, embeddings: bool = False) -> "QuantConfig":
+        """The config of a quantization mode as EngineConfig and `ember convert` name it: a method, or a
+        calibrated algorithm (its method implied)."""
+        if mode in QUANT_ALGORITHMS:
+            return cls(QUANT_ALGORITHMS[mode], group_size, embeddings, mode)
+        return cls(mode, group_size, embeddings)
+
+    @property
+    def mode(self) -> str:
+        """The name EngineConfig(quantization=...) gives this config: the algorithm, else the method."""
+        return self.algorithm or self.method
 
     def linear_layout(self, in_features: int) -> tuple[str, int]:
         """(kind, group size) of a linear weight with in_features inputs: int4 in groups (the configured one, or the
@@ -40,10 +64,15 @@ class QuantConfig:
                          f"{in_features} inputs")
 
     def describe(self) -> str:
-        return f"int4 g{self.group_size}" if self.method == "int4" else self.method
+        base = f"int4 g{self.group_size}" if self.method == "int4" else self.method
+        return f"{base} ({self.algorithm})" if self.algorithm else base
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The .asmodel's quant_config; ``algorithm`` only when set, so plain configs read as they always did."""
+        d = asdict(self)
+        if d["algorithm"] is None:
+            del d["algorithm"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "QuantConfig | None":

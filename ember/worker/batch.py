@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from ember.layers.logits_processors import SamplingRow
 from ember.layers.sampler import TokenLogprobs
 
-SWAP_OUT, SWAP_IN = "out", "in"  # directions of a host-tier block copy: device -> host, host -> device
+# kinds of block copy: device -> host and host -> device (the host tier), device -> device (a beam's partial block,
+# copied on write)
+SWAP_OUT, SWAP_IN, COPY = "out", "in", "copy"
 
 
 @dataclass(slots=True)
@@ -61,3 +63,5 @@ class WorkerOutput:
     token_ids: list[int]  # one per sampling row
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[int, list[TokenLogprobs]]  # handle -> one per target token
+    # beam-search rows: sampling row -> (token ids, log-probabilities) of its best continuations
+    beams: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)

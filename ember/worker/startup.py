@@ -14,7 +14,7 @@ import torch
 
 from ember import envs
 from ember.config import CacheConfig, SchedulerConfig
-from ember.errors import DoesNotFitError
+from ember.errors import ConfigError, DoesNotFitError
 from ember.layers.attention import AttentionMetadata, PrefillSpan
 from ember.layers.kv_cache import KVCacheFormat
 from ember.model_loader import LoadedModel
@@ -52,6 +52,11 @@ class PoolPlan:
 
 def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
     bs, max_len, seats = cache.block_size, sched.max_model_len, sched.max_num_seqs
+    if cache.attention_window is not None:
+        if any(layer.sliding_window for layer in worker.layers):
+            raise ConfigError("max_attention_window_size (StreamingLLM) is not supported on a model with "
+                              "sliding-window layers: they already bound their attention; leave it None")
+        max_len = min(max_len, cache.attention_window)  # a sequence never holds more KV than its window
     per_block = kv_bytes_per_block(worker.loaded, bs, cache.kv_cache_dtype)
 
     # 1. a step's activations, measured on a scratch pool that holds just the dummy prompt
@@ -65,7 +70,9 @@ def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolP
     budget = kv_pool_budget(cache, worker.device, act.bytes)
     blocks_per_seq = -(-max_len // bs)
     # split over ranks, every rank holds the same block numbers: the smallest pool decides
-    num_blocks = worker.agree_min(min(max(budget.bytes, 0) // per_block, blocks_per_seq * seats))
+    most = blocks_per_seq * seats if cache.max_tokens is None else min(blocks_per_seq * seats,
+                                                                        -(-cache.max_tokens // bs))
+    num_blocks = worker.agree_min(min(max(budget.bytes, 0) // per_block, most))
     if num_blocks < blocks_per_seq:
         raise DoesNotFitError(
             f"the KV pool cannot hold one sequence of max_model_len={max_len}: {budget.source} leaves "

@@ -22,7 +22,7 @@ from ember.layers.logits_processors import RowState
 from ember.layers.sampler import Sampler, rank_logprobs
 from ember.model_loader import load_model
 from ember.worker import startup
-from ember.worker.batch import SWAP_OUT, BatchDescription, WorkerOutput
+from ember.worker.batch import COPY, SWAP_OUT, BatchDescription, WorkerOutput
 from ember.worker.memory import memory_now
 
 
@@ -75,7 +75,8 @@ class Worker:
             layer.k_cache, layer.v_cache = (pool[0, i], pool[1, i]) if pool is not None else (torch.empty(0),) * 2
 
     def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
-        """Run the host-tier copies queued by the block manager, in order (runs of one direction together)."""
+        """Run the block copies queued by the block manager (host tier, copy-on-write), in order (runs of one kind
+        together)."""
         i = 0
         while i < len(copies):
             j = i
@@ -83,7 +84,9 @@ class Worker:
                 j += 1
             src = torch.tensor([c[1] for c in copies[i:j]], dtype=torch.long)
             dst = torch.tensor([c[2] for c in copies[i:j]], dtype=torch.long)
-            if copies[i][0] == SWAP_OUT:
+            if copies[i][0] == COPY:  # within the pool: every layer's K and V of the block
+                self.kv_cache.index_copy_(2, dst.to(self.device), self.kv_cache.index_select(2, src.to(self.device)))
+            elif copies[i][0] == SWAP_OUT:
                 blocks = self.kv_cache.index_select(2, src.to(self.device)).to("cpu")
                 self.host_cache.index_copy_(2, dst, blocks)
             else:
@@ -181,19 +184,19 @@ class Worker:
         hidden = self._forward(batch)
         if hidden is None:
             return None
-        tokens, lps = [], []
+        tokens, lps, beams = [], [], {}
         if batch.sampling:  # every TP rank lends its vocabulary slice; TP rank 0 samples
             logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=self.device)])
             if logits is not None:
                 states = [self._state(r.handle, r.seed) for r in batch.sampling]
                 out = self.sampler(logits, batch.sampling, states)
-                tokens, lps = out.token_ids, out.logprobs
+                tokens, lps, beams = out.token_ids, out.logprobs, out.beams
         prompt_lps = {}
         for rows in batch.prompt_logprobs:
             logits = self.model.compute_logits(hidden[rows.start:rows.start + len(rows.targets)])
             if logits is not None:
                 prompt_lps[rows.handle] = rank_logprobs(logits.log_softmax(dim=-1), rows.targets, rows.k)
-        return WorkerOutput(tokens, lps, prompt_lps) if self.parallel.is_sampler else None
+        return WorkerOutput(tokens, lps, prompt_lps, beams) if self.parallel.is_sampler else None
 
     def report(self, reset: bool = False) -> dict[str, object]:
         """This rank's place, its bytes of weights and KV, and its time in collectives since the last reset (for

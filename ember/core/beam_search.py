@@ -1,0 +1,167 @@
+"""Beam search in the engine core, with transformers' rules (``GenerationMixin._beam_search``, 5.x).
+
+A request with beam_width W starts as one sequence. Each step every live beam's row returns its K best
+continuations (K = max(2, 1 + #EOS) x W: log-softmax of the logits, then the logits processors); once every live
+beam has answered, the K best of (beam score + logprob) over all beams are ranked. Among them the first W that do
+not end the beam (EOS, a stop token, the length limit) become the next beams; those of the first W that do end it
+become finished hypotheses scored ``sum logprob / generated_length ** length_penalty``, and the W best
+hypotheses are kept. The search stops when no running beam can still beat the worst kept hypothesis (transformers'
+early-stopping heuristic: False, True or "never"), or when every candidate ends.
+
+KV: a new beam is a new sequence that shares its parent's full blocks; the parent's partial last block goes to its
+first child and is copied on write for the others (``BlockManager.fork``). The parents are then released. Beams of
+one request advance together: a beam that ran this step waits (nothing to compute) until its siblings, delayed by
+a preemption, have answered too.
+
+The request reports once, when the search ends: its n best hypotheses, best first, as samples 0..n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ember.core.records import EngineOutput
+from ember.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from ember.core.decoding import Decoding
+    from ember.core.request import CoreRequest
+
+
+@dataclass(slots=True)
+class Hypothesis:
+    score: float  # logprob / generated_length ** length_penalty
+    logprob: float
+    token_ids: list[int]  # generated tokens, the ending token included
+    finish_reason: str
+    stop_reason: int | list[int] | None
+
+
+@dataclass(slots=True)
+class BeamGroup:
+    """One request's search: running beam scores, answers waiting for the siblings, finished hypotheses."""
+
+    scores: dict[int, float] = field(default_factory=dict)  # running seq_id -> summed logprob
+    pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # seq_id -> its continuations
+    finished: list[Hypothesis] = field(default_factory=list)  # the best W so far, best first
+    improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
+
+
+class BeamSearch:
+    def __init__(self, decoding: "Decoding") -> None:
+        self.d = decoding
+
+    def collect(self, seq: Sequence, candidates: tuple[list[int], list[float]],
+                outputs: dict[str, EngineOutput]) -> None:
+        """A beam's continuations; once every live beam of its request has answered, the search takes a step."""
+        req = seq.request
+        group = req.beams
+        group.pending[seq.seq_id] = candidates
+        if all(s.seq_id in group.pending for s in req.seqs if not s.is_finished):
+            self._step(req, group, outputs)
+
+    def _step(self, req: "CoreRequest", group: BeamGroup, outputs: dict[str, EngineOutput]) -> None:
+        p = req.params
+        width, lp = p.beam_width, p.length_penalty
+        beams = [s for s in req.seqs if not s.is_finished]
+        ranked: list[tuple[float, int, int]] = []
+        for b, seq in enumerate(beams):
+            base = group.scores.get(seq.seq_id, 0.0)
+            ids, lps = group.pending.pop(seq.seq_id)
+            ranked.extend((base + v, b, t) for t, v in zip(ids, lps))
+        ranked.sort(key=lambda c: -c[0])  # stable: ties keep beam order, then the beam's own ranking
+        ranked = ranked[:p.beam_candidates]
+        length = beams[0].num_output_tokens + 1  # generated tokens once the candidate token is added
+        ends = [self._ends(req, beams[b], t, length) for _, b, t in ranked]
+
+        if group.improvable and not (len(group.finished) == width and p.early_stopping is True):
+            for (score, b, t), end in zip(ranked[:width], ends[:width]):
+                if end is not None:
+                    group.finished.append(Hypothesis(score / length ** lp, score, beams[b].output_token_ids + [t],
+                                                     *end))
+            group.finished.sort(key=lambda h: -h.score)
+            del group.finished[width:]
+        chosen = [c for c, end in zip(ranked, ends) if end is None][:width]
+        if len(group.finished) == width and chosen:
+            never = p.early_stopping == "never" and lp > 0  # the best a beam could do: grow to the limit
+            horizon = req.record.max_num_tokens - len(req.prompt_token_ids) if never else length
+            best = chosen[0][0] / horizon ** lp
+            group.improvable = group.improvable and best > group.finished[-1].score
+        done = (not chosen or not group.improvable
+                or (len(group.finished) == width and p.early_stopping is True))
+        if done:
+            self._finish(req, group, beams, chosen, length, outputs)
+        else:
+            self._advance(req, group, beams, chosen)
+
+    def _ends(self, req: "CoreRequest", beam: Sequence, token: int, length: int) -> tuple[str, object] | None:
+        """(finish_reason, stop_reason) when appending token ends the beam, else None (Decoding.append's rules)."""
+        p = req.params
+        may_stop = length >= p.min_tokens
+        if may_stop and not p.ignore_eos and token in p.eos_token_ids:
+            return "stop", None
+        if may_stop and token in p.stop_token_ids:
+            return "stop", token
+        if may_stop and p.stop_token_sequences:
+            out = beam.output_token_ids + [token]
+            for stop in p.stop_token_sequences:
+                if out[len(out) - len(stop):] == stop:
+                    return "stop", stop
+        if (p.max_tokens is not None and length >= p.max_tokens) or beam.num_tokens + 1 >= self.d.max_model_len:
+            return "length", None
+        return None
+
+    def _advance(self, req: "CoreRequest", group: BeamGroup, beams: list[Sequence],
+                 chosen: list[tuple[float, int, int]]) -> None:
+        """The chosen continuations become the running beams; the old beams are released."""
+        sched, bm = self.d.scheduler, self.d.bm
+        children, forked = [], set()
+        for i, (score, b, token) in enumerate(chosen):
+            parent = beams[b]
+            child = Sequence(req, i, parent.token_ids + [token], 0, parent.max_num_tokens, parent.cache_salt)
+            if parent.status is SequenceStatus.RUNNING and parent.block_table:
+                bm.fork(parent, child, copy_partial=parent.seq_id in forked)
+                forked.add(parent.seq_id)
+                sched.add_running(child)
+            else:  # the parent was preempted after it answered: the child computes everything again
+                sched.requeue(child)
+            group.scores[child.seq_id] = score
+            children.append(child)
+        self._release(beams, group)
+        req.seqs = children
+
+    def _finish(self, req: "CoreRequest", group: BeamGroup, beams: list[Sequence],
+                chosen: list[tuple[float, int, int]], length: int, outputs: dict[str, EngineOutput]) -> None:
+        """Report the n best hypotheses (running beams fill in if too few finished) and release every beam."""
+        p = req.params
+        best = list(group.finished)
+        for score, b, t in chosen[:max(0, p.n - len(best))]:
+            best.append(Hypothesis(score / length ** p.length_penalty, score, beams[b].output_token_ids + [t],
+                                   "length", None))
+        best.sort(key=lambda h: -h.score)
+        out = self.d.output(outputs, req)
+        for i, h in enumerate(best[:p.n]):
+            sample = out.sample(i)
+            sample.new_token_ids = list(h.token_ids)
+            sample.finish_reason, sample.stop_reason, sample.cumulative_logprob = h.finish_reason, h.stop_reason, \
+                h.logprob
+        self._release(beams, group)
+        for seq in req.seqs:
+            seq.pending_fork = 0
+
+    def _release(self, beams: list[Sequence], group: BeamGroup) -> None:
+        for seq in beams:
+            seq.pending_fork = 0
+            seq.status = SequenceStatus.FINISHED
+            self.d.scheduler.finish(seq)
+            self.d.released.append(seq.seq_id)
+            group.scores.pop(seq.seq_id, None)
+            group.pending.pop(seq.seq_id, None)
+
+    def end(self, req: "CoreRequest", reason: str, out: EngineOutput) -> None:
+        """Abort or give up the whole search: every live beam released, the n samples ended with reason."""
+        beams = [s for s in req.seqs if not s.is_finished]
+        self._release(beams, req.beams)
+        for i in range(req.params.n):
+            out.sample(i).finish_reason = reason
