@@ -91,12 +91,12 @@ class LLM:
             logger.warning("auto_parallel: world_size=%d runs as tp_size=%d x pp_size=%d (the widest tensor split "
                            "the model's heads allow)", world, tp, pp)
             return tp, pp
-        c.world_size  # noqa: B018  (refuses world_size > 1 without auto_parallel)
+        _ = c.world_size  # raises for world_size > 1 without auto_parallel, as TensorRT-LLM does
         return c.parallel_config.tp_size, c.parallel_config.pp_size
 
     def _limits(self) -> dict[str, Any]:
-        """The engine's limits from the build options: sequences, tokens per sequence (capped by the model's
-        positions), tokens per step (at least one sequence, as chunked prefill needs none more)."""
+        """The engine's limits from TensorRT-LLM's build options: max_batch_size sequences (at least max_beam_width),
+        max_input_len + max_output_len tokens each (capped by the model's positions), max_num_tokens a step."""
         from ember.model_loader import read_shape
 
         c = self.config
@@ -155,8 +155,10 @@ class LLM:
         if len(configs) != len(prompts):
             raise ValueError(f"sampling_config has {len(configs)} entries for {len(prompts)} prompts: pass one, or "
                              "one per prompt")
-        results = [self._submit(p, sc, streaming=False) for p, sc in zip(prompts, configs)]
-        try:
+        results: list[GenerationResult] = []
+        try:  # a bad prompt or config later in the list aborts the ones already submitted
+            for p, sc in zip(prompts, configs):
+                results.append(self._submit(p, sc, streaming=False))
             return [r.result() for r in results]
         except BaseException:
             for r in results:
@@ -178,10 +180,7 @@ class LLM:
         if text_wanted and self._tokenizer_obj is not None:
             prompt = list(self._tokenizer_obj.encode(prompt))
         decode = self._tokenizer_obj.decode if self._tokenizer_obj is not None else None
-        holder: list[GenerationResult] = []
-        result = GenerationResult(lambda: self.client.abort(holder[0].request_id), params.beam_width, streaming,
-                                  decode)
-        holder.append(result)
+        result = GenerationResult(lambda: self.client.abort(result.request_id), params.beam_width, streaming, decode)
         result.request_id = self.client.submit([prompt], [params], lambda item: result._add(item, text_wanted))[0]
         return result
 
