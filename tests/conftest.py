@@ -44,22 +44,35 @@ TINY = {
 }
 
 
-def make_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_position: int = 512) -> str:
+def save_random_model(config_class: str, out_dir: str, tokenizer_dir: str, seed: int = 0,
+                      bias_std: float | None = None, **overrides) -> str:
+    """A random-initialised model of a transformers config class, saved with its tokenizer: hidden 64, MLP 128, two
+    layers, the tokenizer's vocabulary and BOS / EOS, peaked distributions; overrides replace any of those. bias_std:
+    draw the biases (zero at init) from N(0, bias_std), so that code handling them is exercised."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cls_name, extra = TINY[kind]
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = getattr(transformers, cls_name)(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=max_position,
-        rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        initializer_range=0.3,  # peaked distributions: greedy parity tests are not decided by rounding noise
-        **extra)
+    settings = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id,
+                    initializer_range=0.3)  # peaked distributions: greedy parity is not decided by rounding noise
+    config = getattr(transformers, config_class)(**{**settings, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if bias_std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, bias_std)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
+
+
+def make_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_position: int = 512) -> str:
+    cls_name, extra = TINY[kind]
+    return save_random_model(cls_name, out_dir, tokenizer_dir, seed, max_position_embeddings=max_position, **extra)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from conftest import default_gguf
+from conftest import default_gguf, save_random_model
 from ember import LLM, SamplingParams
 from ember.quantization import QuantConfig, quantize_int4
 from ember.quantization.calibration import (DEFAULT_TEXT, calibration_sequences, fold_scales, read_calibration_text,
@@ -51,22 +51,9 @@ def _assert_same_logits(before: torch.Tensor, after: torch.Tensor) -> None:
 @pytest.fixture(scope="module")
 def qwen2_mha(tmp_path_factory, tokenizer_dir) -> str:
     """A Qwen2 without GQA: q/k/v biases, and v_proj -> o_proj foldable (its v_proj bias is scaled too)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-
-    out = str(tmp_path_factory.mktemp("qwen2-mha"))
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         tie_word_embeddings=False, initializer_range=0.3)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # non-zero biases, so that scaling them shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    # non-zero biases, so that scaling them shows
+    return save_random_model("Qwen2Config", str(tmp_path_factory.mktemp("qwen2-mha")), tokenizer_dir, seed=3,
+                             bias_std=0.5, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
 
 
 # ----- the float model is unchanged -----

@@ -13,8 +13,7 @@ import sys
 import time
 
 import pytest
-import torch
-from conftest import default_gguf, random_prompts
+from conftest import default_gguf, random_prompts, save_random_model
 
 from ember import LLM as NativeLLM
 from ember import SamplingParams
@@ -52,23 +51,11 @@ def basic(native):
     llm.shutdown()
 
 
-def make_llama(out_dir: str, tokenizer_dir: str, layers: int = 4, heads: int = 4, kv_heads: int = 4) -> str:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.3)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory, tokenizer_dir) -> str:
     """4 layers, 4 heads, 4 KV heads: tp 2 or 4, pp up to 4."""
-    return make_llama(str(tmp_path_factory.mktemp("llama4")), tokenizer_dir)
+    return save_random_model("LlamaConfig", str(tmp_path_factory.mktemp("llama4")), tokenizer_dir,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4)
 
 
 # ----- the reference's examples -----

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, random_prompts, save_random_model
 from trtllm_checkpoint import write_trtllm_checkpoint
 
 from ember import LLM, SamplingParams
@@ -29,22 +29,9 @@ MODELS = {
 
 
 def _make_llama(kind: str, out_dir: str, tokenizer_dir: str) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.3,
-                         **MODELS[kind])
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # biases start at zero: make them count
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.3)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return out_dir
+    # biases start at zero: bias_std makes them count
+    return save_random_model("LlamaConfig", out_dir, tokenizer_dir, seed=7, bias_std=0.3, vocab_size=VOCAB,
+                             num_attention_heads=4, num_key_value_heads=2, **MODELS[kind])
 
 
 @pytest.fixture(scope="module")

@@ -139,8 +139,8 @@ class BlockManager:
 
     def shared_prompt_blocks(self, num_prompt_tokens: int) -> int:
         """Full prompt blocks the n samples of a request share; the last prompt token is always computed again
-        (each sample needs its logits)."""
-        return (num_prompt_tokens - 1) // self.block_size
+        (each sample needs its logits). Under a KV window none: each sample's ring overwrites its blocks."""
+        return 0 if self.window else (num_prompt_tokens - 1) // self.block_size
 
     def request_blocks(self, num_prompt_tokens: int, max_num_tokens: int, num_samples: int) -> int:
         return request_blocks(num_prompt_tokens, max_num_tokens, num_samples, self.block_size, self.window)
@@ -275,14 +275,10 @@ class BlockManager:
         parent's first child and copied on write (a fresh block and a queued copy) for the others, since each
         beam writes its next token into that block. Without a free block for the copy the child keeps only the
         full blocks and computes the partial block's few tokens again."""
-        assert not child.block_table
         bs, n = self.block_size, parent.num_computed_tokens
         full = n // bs
-        for block in parent.block_table[:full]:
-            self.ref_counts[block] += 1
-            child.block_table.append(block)
+        self.share(parent, child, full * bs)
         child.num_computed_tokens = full * bs
-        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         if n % bs == 0:
             return
         last = parent.block_table[full]

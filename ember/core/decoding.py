@@ -61,10 +61,8 @@ class Decoding:
                 self.append(seq, token, lp, self.output(outputs, seq.request))
 
     def fork(self, parent: Sequence) -> None:
-        """The prompt is in the cache: start the other n - 1 samples on its full blocks (the children of a
-        block-less parent compute the prompt themselves)."""
-        # under a KV window each sample's ring overwrites its blocks: the samples share none
-        shared = 0 if self.bm.window else self.bm.shared_prompt_blocks(parent.num_prompt_tokens) * self.bm.block_size
+        """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
+        shared = self.bm.shared_prompt_blocks(parent.num_prompt_tokens) * self.bm.block_size
         for child in parent.request.fork(parent):
             self.bm.share(parent, child, shared)
             child.num_computed_tokens = shared

@@ -40,6 +40,7 @@ class InputProcessor:
         self.info = info
         self.eos_token_ids = eos_token_ids
         self.default_params = default_params
+        self.window = KVWindow(info.attention_window, info.sink_tokens) if info.attention_window else None
         self._counter = itertools.count()
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
@@ -97,7 +98,7 @@ class InputProcessor:
         info = self.info
         blocks, bs = info.num_kv_blocks, info.block_size
         pool = blocks * bs
-        window = KVWindow(info.attention_window, info.sink_tokens) if info.attention_window else None
+        window = self.window
         if window is not None and params.use_beam_search:
             raise BadRequestError(f"beam_width={params.beam_width} is not supported with max_attention_window_size "
                                   "(StreamingLLM): beams share blocks that the window's ring would overwrite")
