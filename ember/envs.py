@@ -8,6 +8,7 @@
 | ``EMBER_CACHE_DIR`` | cache folder (compiled kernels, converted models) | ``$XDG_CACHE_HOME/ember`` |
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
 | ``EMBER_DIST_TIMEOUT`` | seconds a collective of a split model may wait before it fails (a hung rank) | 600 |
+| ``EMBER_API_KEY`` | the key ``ember serve`` requires (``Authorization: Bearer KEY``) when ``--api-key`` is not given | none |
 | ``EMBER_BENCH_VENVS`` | where ``benchmarks/setup_baselines.sh`` put the baselines' environments | ``.bench/venvs`` |
 
 A split model started by a launcher reads the launcher's own variables: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``
@@ -32,6 +33,7 @@ CACHE_DIR = "EMBER_CACHE_DIR"
 HOST_TIER_ON_CPU = "EMBER_HOST_TIER_ON_CPU"
 BENCH_VENVS = "EMBER_BENCH_VENVS"
 DIST_TIMEOUT = "EMBER_DIST_TIMEOUT"
+API_KEY = "EMBER_API_KEY"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -120,3 +122,8 @@ def master_address() -> tuple[str, str] | None:
     """MASTER_ADDR and MASTER_PORT, when both are set."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     return (addr, port) if addr and port else None
+
+
+def api_key() -> str | None:
+    """EMBER_API_KEY, or None when unset or empty."""
+    return os.environ.get(API_KEY) or None

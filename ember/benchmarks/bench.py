@@ -12,7 +12,7 @@ import sys
 from ember.benchmarks import metrics, report
 from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, BenchError, backend_python, parse_backends,
                                      run_driver)
-from ember.benchmarks.workloads import WORKLOADS, BenchRequest, build_requests, fixed_requests, vocabulary
+from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests, vocabulary
 from ember.entrypoints.cli import add_parallel_args
 
 log = logging.getLogger("ember.bench")
@@ -61,6 +61,9 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
     srv.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
     srv.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token at most")
+    srv.add_argument("--http", action="store_true",
+                     help="start each backend's OpenAI-compatible server (ember serve, vllm serve) and drive it over "
+                          "HTTP with one client, instead of the engines in-process")
     srv.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: time per output token at most")
 
 
@@ -115,9 +118,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     from ember.config import default_model_path
 
     backends = parse_backends(args.backends)
-    if args.mode == "serving" and backends != ["ember"]:
-        raise ValueError(f"--backends={args.backends!r}: serving runs ember's AsyncLLM in-process; the other "
-                         "engines join when the OpenAI-compatible server lands")
+    http = args.mode == "serving" and args.http
+    if args.mode == "serving" and not set(backends) <= ({"ember", "vllm"} if http else {"ember"}):
+        raise ValueError(f"--backends={args.backends!r}: serving runs ember's AsyncLLM in-process; with --http it "
+                         "drives the OpenAI-compatible servers of ember and vllm")
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats} is out of range: it must be >= 1")
     model = os.path.abspath(os.path.expanduser(args.model or default_model_path()))
@@ -143,9 +147,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         w = WORKLOADS[args.workload]
         requests = build_requests(w, vocab, args.seed, args.num_requests, args.output_cap, args.prompt_cap)
         record.update(workload=w.name, workload_description=w.description, num_requests=len(requests))
-        tag = f"{args.mode}-{w.name}"
+        tag = f"{args.mode}{'-http' if http else ''}-{w.name}"
         if args.mode == "serving":
-            record.update(rate=args.rate, concurrency=args.concurrency, slo_ttft_ms=args.slo_ttft_ms,
+            record.update(http=http, rate=args.rate, concurrency=args.concurrency, slo_ttft_ms=args.slo_ttft_ms,
                           slo_tpot_ms=args.slo_tpot_ms)
     max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
@@ -163,7 +167,13 @@ def run_bench(args: argparse.Namespace) -> dict:
             if args.mode == "serving":
                 spec["serving"] = {"rate": args.rate, "concurrency": args.concurrency, "seed": args.seed}
             log.info("run %d/%d: %s", rep + 1, args.repeats, BACKEND_NAMES[b])
-            done = run_driver(b, python, spec, os.path.join(args.out, "logs", f"{tag}-{b}.log"), args.timeout)
+            log_path = os.path.join(args.out, "logs", f"{tag}-{b}.log")
+            if http:
+                from ember.benchmarks.http import run_server
+
+                done = run_server(b, python, spec, log_path, args.timeout)
+            else:
+                done = run_driver(b, python, spec, log_path, args.timeout)
             versions[b] = done.result.get("backend_version", "")
             runs[b].append(_figures(args, done))
             log.info("  %s", _headline(args.mode, runs[b][-1]))

@@ -64,7 +64,7 @@ def run_driver(backend: str, python: str, spec: dict, log_path: str, timeout: fl
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
             proc = psutil.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            peak = _watch_rss(proc)
+            peak = watch_rss(proc)
             try:
                 code = proc.wait(timeout)
             except psutil.TimeoutExpired:
@@ -77,7 +77,7 @@ def run_driver(backend: str, python: str, spec: dict, log_path: str, timeout: fl
             return DriverRun(json.load(f), peak())
 
 
-def _watch_rss(proc) -> "callable":
+def watch_rss(proc) -> "callable":
     """Sample the resident memory of the process and its children every 50 ms until it exits."""
     import psutil
 

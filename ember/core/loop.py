@@ -80,6 +80,9 @@ class EngineLoop:
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
+    def is_alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
     def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run fn(core) on the loop's thread between steps and return its result: anything that talks to a split
         model's ranks must, since the ranks follow one sequence of collectives."""

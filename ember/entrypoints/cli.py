@@ -1,4 +1,4 @@
-"""The ``ember`` command line: generate, chat, bench, convert."""
+"""The ``ember`` command line: generate, chat, serve, bench, convert."""
 
 from __future__ import annotations
 
@@ -39,6 +39,31 @@ def add_parallel_args(g) -> None:
     g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                    help="how the ranks start: mp (local processes, the default for more than one rank), launched "
                         "(torchrun / mpirun / srun started them), ray, uni (one rank)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                   help="Hugging Face folder, .gguf or .asmodel file (or --model; default: the embedded model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="clients must send `Authorization: Bearer KEY` (default: $EMBER_API_KEY, else no key)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's name(s) in the API; the first is reported (default: the checkpoint's name)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting beyond the engine's running seats before new ones get 503 (default 256)")
+    g.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest request body; larger ones get 413 (default 4 MiB)")
+    g.add_argument("--allowed-origins", default=None,
+                   help="comma-separated origins allowed by CORS, or * (default: CORS off)")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    e = p.add_argument_group("scheduling")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the running batch at most")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before (default on)")
+    e.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="int4 group size (default 128)")
     conv.add_argument("--quantize-embeddings", action="store_true",
                       help="also store the embedding table and LM head as int8")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with a web chat page and metrics",
+                           description="Serve MODEL over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
+                                       "/tokenize, /detokenize, /health, /metrics, and a chat page at /. "
+                                       "See docs/server.md.")
+    add_serve_args(serve)
+    _add_model_args(serve)
     from ember.benchmarks.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -203,6 +234,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.server.launch import serve  # FastAPI and uvicorn are imported by `ember serve` only
+
+    return serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
@@ -211,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(args)
     logging.basicConfig(level=logging.WARNING, format="[ember] %(message)s")
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,
+                "serve": cmd_serve}[args.command](args)
     except ValueError as e:
         print(f"ember: error: {e}", file=sys.stderr)
         return 2

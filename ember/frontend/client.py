@@ -88,6 +88,10 @@ class EngineClient:
     def stats(self) -> dict[str, Any]:
         return self._loop.stats()
 
+    def is_alive(self) -> bool:
+        """The engine loop is running (a health check: False once it stopped or failed)."""
+        return self._loop.is_alive()
+
     def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
         """Every rank's place, its weight and KV bytes and its seconds in collectives since the last reset (rank 0
         first; one entry for a single-rank engine)."""

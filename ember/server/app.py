@@ -1,0 +1,382 @@
+"""The FastAPI application: OpenAI's endpoints (chat, completions, models), vLLM's extras (tokenize, detokenize,
+health, metrics) and the chat page, over one ``EngineClient``.
+
+Every answer other than 200 is an OpenAI error object. Streams are Server-Sent Events; a client that goes away
+(mid-stream or while waiting for a non-streamed answer) aborts its requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.frontend.client import EngineClient
+from ember.server import responses as R
+from ember.server.admission import Admission
+from ember.server.errors import APIError, from_engine, from_validation, is_engine_error
+from ember.server.group import RequestGroup
+from ember.server.limits import ApiKeyMiddleware, BodyLimitMiddleware
+from ember.server.metrics import ServerMetrics
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ember.server.translate import chat_prompt, chat_request, completion_request
+
+STATIC = Path(__file__).parent / "static"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    served_model_names: tuple[str, ...]  # the first is the name in responses; all are accepted as `model`
+    api_key: str | None = None
+    max_queue: int = 256  # engine requests waiting beyond the running seats before 503
+    max_request_bytes: int = 4 << 20
+    allowed_origins: tuple[str, ...] = ()  # CORS off when empty
+
+
+class ServerState:
+    """What the routes share: the engine client, admission, metrics, and the requests in flight (for shutdown)."""
+
+    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
+        self.client, self.settings = client, settings
+        self.model_name = settings.served_model_names[0]
+        self.admission = Admission(client.model_info.max_num_seqs + settings.max_queue)
+        self.metrics = ServerMetrics(self.model_name, client.stats,
+                                     lambda: (self.admission.in_flight, self.admission.capacity))
+        self.in_flight: dict[str, RequestGroup] = {}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{', '.join(self.settings.served_model_names)}", param="model",
+                           code="model_not_found")
+
+    def group(self, prefix: str) -> RequestGroup:
+        return RequestGroup(self.client, self.admission, self.metrics, self.in_flight,
+                            f"{prefix}-{uuid.uuid4().hex}")
+
+    def abort_all(self) -> None:
+        """Shutdown: refuse new requests and abort every one in flight (their streams end with "abort")."""
+        self.admission.closed = True
+        for group in list(self.in_flight.values()):
+            group.abort()
+
+
+def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
+    state = ServerState(client, settings)
+    app = FastAPI(title="ember", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ember = state
+    _install_errors(app, state)
+    _install_routes(app, state)
+    # outermost last: CORS answers preflights before the key check; the key is checked before the body is read
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    return app
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _install_errors(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        if e.status == 503:
+            state.metrics.reject(e.code or "unavailable")
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(from_validation(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error_response(APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        if is_engine_error(e):
+            return _error_response(from_engine(e, "prompt"))
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: asyncio.Future) -> Any:
+    """work's result, or None after cancelling it when the client leaves first."""
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    return None
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends, even when its body was never started."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _submit(group: RequestGroup, prompts, params, prompt_field: str) -> None:
+    try:
+        group.submit(prompts, params)
+    except APIError:
+        raise
+    except Exception as e:
+        if is_engine_error(e):
+            raise from_engine(e, prompt_field) from None
+        raise
+
+
+def _install_routes(app: FastAPI, state: ServerState) -> None:
+    client = state.client
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not client.is_alive():
+            raise APIError(503, "the engine has stopped", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "ember",
+             "max_model_len": client.model_info.max_model_len} for name in state.settings.served_model_names]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "pass exactly one of prompt and messages", param="prompt")
+        try:
+            if req.messages is not None:
+                ids = chat_prompt(client, req.messages, req.add_generation_prompt)
+            else:
+                ids = client.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except Exception as e:
+            if is_engine_error(e):
+                raise from_engine(e, "messages" if req.messages is not None else "prompt") from None
+            raise
+        return {"count": len(ids), "max_model_len": client.model_info.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        state.check_model(req.model)
+        vocab = client.model_info.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens holds {bad[0]}, out of range: token ids must be in [0, {vocab})",
+                           param="tokens")
+        return {"prompt": client.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        state.check_model(req.model)
+        _check_stream_options(req)
+        try:
+            prompt, params = chat_request(client, req)
+        except Exception as e:
+            if is_engine_error(e):
+                raise from_engine(e, "messages") from None
+            raise
+        group = state.group("chatcmpl")
+        _submit(group, [prompt], params, "messages")
+        top = params.logprobs
+        created, model = int(time.time()), state.model_name
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(_chat_events(group, created, model, params.n, top, usage), group.close)
+        try:
+            final = await _unless_disconnected(request, asyncio.ensure_future(_collect(group)))
+        finally:
+            group.close()
+        if final is None:
+            return Response(status_code=499)  # nobody is listening any more
+        out = final[0]
+        body = {"id": group.request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [R.chat_choice(o, top) for o in out.outputs], "system_fingerprint": None,
+                "usage": R.usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))}
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        state.check_model(req.model)
+        _check_stream_options(req)
+        try:
+            prompts, params = completion_request(client, req)
+        except Exception as e:
+            if is_engine_error(e):
+                raise from_engine(e, "prompt") from None
+            raise
+        group = state.group("cmpl")
+        _submit(group, prompts, params, "prompt")
+        created, model = int(time.time()), state.model_name
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(_completion_events(group, created, model, params.n, req.logprobs, req.echo, usage,
+                                                   client), group.close)
+        try:
+            finals = await _unless_disconnected(request, asyncio.ensure_future(_collect(group)))
+        finally:
+            group.close()
+        if finals is None:
+            return Response(status_code=499)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append(_completion_choice(i * params.n + o.index, out, o, req.logprobs, req.echo, client))
+        body = {"id": group.request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "system_fingerprint": None, "usage": R.usage(prompt_tokens, completion_tokens)}
+        return JSONResponse(body)
+
+
+def _check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+async def _collect(group: RequestGroup) -> list:
+    """Every request's final cumulative output, in prompt order."""
+    finals: list = [None] * len(group.ids)
+    async for i, delta in group.deltas():
+        if finals[i] is None:
+            finals[i] = delta
+        else:
+            finals[i].merge(delta)
+    return finals
+
+
+def _completion_choice(index: int, out, o, logprobs: int | None, echo: bool, client: EngineClient) -> dict:
+    prompt_text = _prompt_text(out, client) if echo else ""
+    lp = None
+    if logprobs is not None:
+        ids, positions = list(o.token_ids), list(o.logprobs or [])
+        if echo:
+            ids = list(out.prompt_token_ids) + ids
+            positions = _prompt_positions(out.prompt_token_ids, out.prompt_logprobs, client) + positions
+        lp = R.completion_logprobs(ids, positions, logprobs, 0)
+    return {"index": index, "text": prompt_text + o.text, "logprobs": lp, "finish_reason": o.finish_reason}
+
+
+def _prompt_text(out, client: EngineClient) -> str:
+    return out.prompt if out.prompt is not None else client.tokenizer.decode(out.prompt_token_ids)
+
+
+def _prompt_positions(prompt_token_ids: list[int], prompt_logprobs: list | None, client: EngineClient) -> list:
+    """Prompt logprobs for echo: the first token has none; missing decoded tokens are filled in."""
+    positions = list(prompt_logprobs or [None] * len(prompt_token_ids))
+    positions[0] = None
+    for tid, pos in zip(prompt_token_ids, positions):
+        if pos is not None and tid in pos and pos[tid].decoded_token is None:
+            pos[tid].decoded_token = client.tokenizer.decode([tid])
+    return positions
+
+
+async def _chat_events(group: RequestGroup, created: int, model: str, n: int, top: int | None,
+                       usage: bool) -> AsyncIterator[str]:
+    rid = group.request_id
+    for i in range(n):  # the role comes first, as OpenAI sends it
+        yield R.sse(R.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None,
+                                 with_usage=usage))
+    completion_tokens, prompt_tokens = 0, 0
+    try:
+        async for _, delta in group.deltas():
+            prompt_tokens = len(delta.prompt_token_ids)
+            for o in delta.outputs:
+                completion_tokens += len(o.token_ids)
+                if not o.text and not o.finish_reason and not o.token_ids:
+                    continue
+                lp = R.chat_logprobs(o.token_ids, o.logprobs or [], top) if top is not None else None
+                yield R.sse(R.chat_chunk(rid, created, model, o.index, {"content": o.text} if o.text else {},
+                                         o.finish_reason, lp, usage))
+    except Exception as e:
+        yield R.sse(from_engine(e, "messages").body() if is_engine_error(e) else
+                    APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+    else:
+        if usage:
+            yield R.sse(R.usage_chunk(rid, created, model, "chat.completion.chunk", prompt_tokens, completion_tokens))
+    yield R.DONE
+
+
+async def _completion_events(group: RequestGroup, created: int, model: str, n: int, logprobs: int | None,
+                             echo: bool, usage: bool, client: EngineClient) -> AsyncIterator[str]:
+    rid = group.request_id
+    prompt_tokens: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # choice index -> characters sent so far (logprobs' text_offset)
+    prompt_logprobs: dict[int, list] = {}  # they come once per prompt, with its first delta
+    completion_tokens = 0
+    try:
+        async for i, delta in group.deltas():
+            prompt_tokens[i] = len(delta.prompt_token_ids)
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[i] = delta.prompt_logprobs
+            for o in delta.outputs:
+                index = i * n + o.index
+                completion_tokens += len(o.token_ids)
+                text, ids, positions = o.text, list(o.token_ids), list(o.logprobs or [])
+                if echo and index not in offsets:  # the prompt goes out with the first chunk of each choice
+                    text = _prompt_text(delta, client) + text
+                    if logprobs is not None:
+                        ids = list(delta.prompt_token_ids) + ids
+                        positions = _prompt_positions(delta.prompt_token_ids, prompt_logprobs.get(i),
+                                                      client) + positions
+                if not text and not o.finish_reason and not ids:
+                    continue
+                start = offsets.get(index, 0)
+                lp = R.completion_logprobs(ids, positions, logprobs, start) if logprobs is not None else None
+                offsets[index] = start + len(text)
+                yield R.sse(R.completion_chunk(rid, created, model, index, text, o.finish_reason, lp, usage))
+    except Exception as e:
+        yield R.sse(from_engine(e, "prompt").body() if is_engine_error(e) else
+                    APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+    else:
+        if usage:
+            yield R.sse(R.usage_chunk(rid, created, model, "text_completion", sum(prompt_tokens.values()),
+                                      completion_tokens))
+    yield R.DONE

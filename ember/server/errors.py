@@ -1,0 +1,75 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with the matching status, for
+every failure the server answers (bad bodies, ember's own ``BadRequestError``, unknown routes, overload)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ember.errors import BadRequestError, DoesNotFitError, EngineDeadError
+from ember.server.protocol import UNSUPPORTED
+
+# the OpenAI error type of each status
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+
+
+class APIError(Exception):
+    """An answer other than 200; ``headers`` carries e.g. Retry-After."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def json_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def from_engine(e: Exception, prompt_field: str) -> APIError:
+    """ember's errors as answers: its messages start with the field they are about (``temperature=nan is ...``,
+    ``prompt has 9000 tokens ...``); the prompt is called ``prompt_field`` in this API (messages or prompt)."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine has stopped: {e}", code="engine_dead")
+    m = _FIELD.match(str(e))
+    param = m.group(1) if m else None
+    if param in ("prompt", "prompts"):
+        param = prompt_field
+    code = "context_length_exceeded" if isinstance(e, DoesNotFitError) or "tokens: prompt length" in str(e) else None
+    return APIError(400, str(e), param=param, code=code)
+
+
+def is_engine_error(e: BaseException) -> bool:
+    return isinstance(e, (BadRequestError, DoesNotFitError, EngineDeadError))
+
+
+def from_validation(errors: list[dict[str, Any]]) -> APIError:
+    """pydantic's first complaint about a body as a 400 that names the field (dotted path)."""
+    if not errors:
+        return APIError(400, "the request body is not valid")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or None
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}",
+                        code="invalid_json")
+    if kind == "missing":
+        return APIError(400, f"{field or 'a JSON body'} is required", param=field, code="missing_field")
+    if kind == "extra_forbidden" or (loc and loc[-1] in UNSUPPORTED and kind == "none_required"):
+        name = loc[-1] if loc else field
+        why = "not supported by ember's server" if name in UNSUPPORTED else "not a known field"
+        return APIError(400, f"{field} is {why}", param=field, code="unsupported_field")
+    value = err.get("input")
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    where = f"{field}={shown}" if field else f"the body {shown}"
+    return APIError(400, f"{where}: {err.get('msg', 'invalid value')}", param=field, code="invalid_value")

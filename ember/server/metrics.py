@@ -1,0 +1,98 @@
+"""Prometheus metrics of the server (prometheus-client, names prefixed ``ember_``, vLLM's set where it has one).
+
+Per-request figures (finish reasons, tokens, TTFT / TPOT / end-to-end latency) are observed by the server as each
+request ends; the engine's state (running, waiting, KV cache usage, prefix-cache hits, preemptions) is read from
+``EngineClient.stats()`` when /metrics is scraped, so nothing polls between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """One engine request as the server saw it (monotonic seconds)."""
+
+    start: float
+    prompt_tokens: int
+    first_token: float | None = None
+    generated: int = 0
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict], admitted: Callable[[], tuple[int, int]]):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        lab = ["model_name"]
+        r = self.registry
+        self.finished = Counter("ember_request_success", "Requests finished, by finish reason (stop, length, "
+                                "abort)", lab + ["finish_reason"], registry=r)
+        self.rejected = Counter("ember_request_rejected", "Requests refused before reaching the engine, by reason",
+                                lab + ["reason"], registry=r)
+        self.prompt_tokens = Counter("ember_prompt_tokens", "Prompt tokens of finished requests", lab, registry=r)
+        self.generation_tokens = Counter("ember_generation_tokens", "Generated tokens of finished requests", lab,
+                                         registry=r)
+        self.ttft = Histogram("ember_time_to_first_token_seconds", "Arrival to first generated token", lab,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("ember_time_per_output_token_seconds", "Mean time between output tokens of a request",
+                              lab, buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("ember_e2e_request_latency_seconds", "Arrival to the last token", lab,
+                             buckets=E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(model_name, engine_stats, admitted))
+
+    def request_done(self, t: RequestTiming, finish_reason: str, end: float) -> None:
+        m = self.model_name
+        self.finished.labels(m, finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(t.prompt_tokens)
+        self.generation_tokens.labels(m).inc(t.generated)
+        if t.first_token is not None:
+            self.ttft.labels(m).observe(t.first_token - t.start)
+            if t.generated > 1:
+                self.tpot.labels(m).observe((end - t.first_token) / (t.generated - 1))
+        self.e2e.labels(m).observe(end - t.start)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The engine's state, read at scrape time."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict], admitted: Callable[[], tuple[int, int]]):
+        self.model_name, self.engine_stats, self.admitted = model_name, engine_stats, admitted
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine_stats()
+        in_flight, capacity = self.admitted()
+        for name, doc, value in (
+                ("ember_num_requests_running", "Requests in the engine's running batch", s["running"]),
+                ("ember_num_requests_waiting", "Requests waiting for a seat in the engine", s["waiting"]),
+                ("ember_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", s["kv_cache_usage"]),
+                ("ember_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache over prompt tokens looked "
+                                                 "up (0-1)", s["prefix_cache_hit_rate"]),
+                ("ember_kv_cache_blocks_total", "KV cache blocks in the pool", s["kv_blocks_total"]),
+                ("ember_server_requests_in_flight", "Engine requests the server has admitted", in_flight),
+                ("ember_server_request_capacity", "Engine requests the server admits at most (running + queue)",
+                 capacity)):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(value))
+            yield g
+        for name, doc, value in (
+                ("ember_num_preemptions", "Sequences preempted (KV blocks given back) since start", s["preemptions"]),
+                ("ember_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache since start",
+                 s["prefix_cache_hit_tokens"])):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(value))
+            yield c

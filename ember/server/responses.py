@@ -1,0 +1,89 @@
+"""ember outputs -> OpenAI response bodies and stream chunks (chat.completion, chat.completion.chunk,
+text_completion), with OpenAI's logprobs shapes and usage."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ember.outputs import CompletionOutput, PositionLogprobs
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token(pos: PositionLogprobs, tid: int) -> str:
+    lp = pos.get(tid)
+    return (lp.decoded_token if lp is not None and lp.decoded_token is not None else "") or ""
+
+
+def _top(pos: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
+    return sorted(((t, lp) for t, lp in pos.items() if lp.rank <= k), key=lambda x: x[1].rank)
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> dict[str, Any]:
+    """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``, one per token."""
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        text = _token(pos, tid)
+        content.append({"token": text, "logprob": pos[tid].logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                                          "bytes": list((lp.decoded_token or "").encode())}
+                                         for _, lp in _top(pos, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int,
+                        offset: int) -> dict[str, Any]:
+    """``{tokens, token_logprobs, top_logprobs, text_offset}``; a position without logprobs (the first prompt
+    token under echo) has null; offsets count characters from ``offset``."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, pos in zip(token_ids, positions):
+        text = _token(pos, tid) if pos is not None else ""
+        out["tokens"].append(text)
+        out["token_logprobs"].append(pos[tid].logprob if pos is not None else None)
+        out["top_logprobs"].append({lp.decoded_token or "": lp.logprob for _, lp in _top(pos, k)}
+                                   if pos is not None else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_choice(o: CompletionOutput, top_logprobs: int | None) -> dict[str, Any]:
+    return {"index": o.index, "message": {"role": "assistant", "content": o.text},
+            "logprobs": chat_logprobs(o.token_ids, o.logprobs or [], top_logprobs)
+            if top_logprobs is not None else None,
+            "finish_reason": o.finish_reason}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
+                     logprobs: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the totals."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,72 @@
+"""OpenAI request bodies -> ember prompts and ``SamplingParams``.
+
+Defaults come from the model's ``generation_config.json`` (as vLLM reads it); a field the client sets wins. Range
+checks are ``SamplingParams``' own, so the HTTP API refuses exactly what the Python API refuses.
+"""
+
+from __future__ import annotations
+
+from ember.errors import BadRequestError
+from ember.frontend.client import EngineClient
+from ember.sampling_params import OutputKind, SamplingParams
+from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+
+# body field -> SamplingParams field, copied when the client sets them
+_COPIED = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "stop")
+
+
+def _params(req: _Sampling, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
+    changes = {name: getattr(req, name) for name in _COPIED if getattr(req, name) is not None}
+    if changes.get("top_k") == -1:  # OpenAI-style clients write -1 for "off"
+        changes["top_k"] = 0
+    changes.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                   output_kind=OutputKind.DELTA)
+    return defaults.clone(**changes)
+
+
+def chat_request(client: EngineClient, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """The conversation rendered by the model's chat template, and the request's sampling parameters."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequestError(f"top_logprobs={req.top_logprobs} needs logprobs=true")
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(req, name)
+    params = _params(req, client.default_params(), max_tokens,
+                     (req.top_logprobs or 0) if req.logprobs else None)
+    prompt = chat_prompt(client, req.messages)
+    _check_length(client, name, max_tokens, len(prompt))
+    return prompt, params
+
+
+def _check_length(client: EngineClient, name: str, max_tokens: int | None, prompt_tokens: int) -> None:
+    """OpenAI and vLLM refuse a max_tokens the context cannot hold, rather than cutting it short silently."""
+    limit = client.model_info.max_model_len - prompt_tokens
+    if max_tokens is not None and max_tokens > limit:
+        raise BadRequestError(f"{name}={max_tokens} is out of range: the prompt's {prompt_tokens} tokens plus "
+                              f"{name} must be <= max_model_len ({client.model_info.max_model_len})")
+
+
+def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    if not client.tokenizer.has_chat_template:
+        raise BadRequestError("messages cannot be rendered: the model has no chat template (use /v1/completions)")
+    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        return client.chat_prompt(conversation, add_generation_prompt=add_generation_prompt)
+    except BadRequestError:
+        raise
+    except Exception as e:  # the template's own complaint (jinja raise_exception: roles out of order, ...)
+        raise BadRequestError(f"messages cannot be rendered by the model's chat template: {e}") from None
+
+
+def completion_request(client: EngineClient, req: CompletionRequest) -> tuple[list[str | list[int]], SamplingParams]:
+    """The prompts (one or several) and their shared sampling parameters."""
+    prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+        else [req.prompt]
+    if not prompts:
+        raise BadRequestError("prompt=[] is empty: pass a string, a list of token ids, or a list of those")
+    logprobs = req.logprobs
+    _check_length(client, "max_tokens", req.max_tokens, 1)  # prompts are tokenized later, by the engine client
+    params = _params(req, client.default_params(), req.max_tokens, logprobs,
+                     logprobs if req.echo and logprobs is not None else None)
+    return prompts, params

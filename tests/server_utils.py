@@ -1,0 +1,95 @@
+"""Starts a real ``ember serve`` process on 127.0.0.1 for the server tests and stops it afterwards."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ember.benchmarks.http import free_port, post  # noqa: F401  (post: the tests' raw HTTP client)
+
+READY = re.compile(r"ready on (http://\S+)")
+# small engine limits keep start-up (warm-up at max_num_seqs x max_model_len) short
+TEST_ENGINE_ARGS = ("--max-num-seqs", "16", "--max-model-len", "1024", "--dtype", "float32")
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT
+    lines: list[str] = field(default_factory=list)  # everything the server printed so far
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+@contextmanager
+def running_server(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> Iterator[ServerProcess]:
+    """``python -m ember serve --port FREE *args``; yields once the readiness line is printed; SIGTERM at exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ember", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    server = ServerProcess(proc, "")
+    ready = threading.Event()
+
+    def pump() -> None:  # keep reading so the pipe never fills; note the readiness line
+        for line in proc.stdout:
+            server.lines.append(line)
+            m = READY.search(line)
+            if m:
+                server.url = m.group(1).rstrip("/")
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.5):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"ember serve did not get ready in {timeout} s:\n{server.log()}")
+    if not server.url:
+        proc.wait(10)
+        raise RuntimeError(f"ember serve exited ({proc.returncode}) before it was ready:\n{server.log()}")
+    try:
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
