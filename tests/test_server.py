@@ -14,12 +14,11 @@ import signal
 import time
 import urllib.request
 
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_utils import TEST_ENGINE_ARGS, metric_sum, post, rss_bytes, running_server
-
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow  # each module-level server loads and warms the engine once (~30-60 s)
 

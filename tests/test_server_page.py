@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-
-from server_utils import TEST_ENGINE_ARGS, running_server
+from server_utils import TEST_ENGINE_ARGS, metric_sum, running_server
 
 KEY = "page-test-key"
 DESKTOP = {"width": 1280, "height": 800}
@@ -22,17 +20,6 @@ PHONE = {"width": 390, "height": 844}
 # the reply being written is always the last element of the conversation
 LAST_REPLY = "#messages > .msg.assistant:last-child"
 REPLY_LENGTH = f"document.querySelector('{LAST_REPLY} .text').textContent.length"  # JavaScript
-SAMPLE = re.compile(r"^ember_request_success_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
-
-
-def aborted_requests(metrics_text: str) -> float:
-    """Sum of the ember_request_success_total samples labelled finish_reason="abort" in Prometheus text."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        m = SAMPLE.match(line)
-        if m and re.search(r'(^|,)\s*finish_reason="abort"', m["labels"]):
-            total += float(m["value"])
-    return total
 
 
 def get(url: str) -> str:
@@ -96,7 +83,7 @@ def test_chat_page_streams_stops_and_fits_desktop_and_phone(tmp_path):
 
         # dropping the connection must abort the request in the engine, not let it run to max_tokens
         deadline = time.monotonic() + 20
-        while aborted_requests(get(f"{srv.url}/metrics")) < 1:
+        while metric_sum(get(f"{srv.url}/metrics"), "ember_request_success_total", finish_reason="abort") < 1:
             assert time.monotonic() < deadline, "the server did not count an aborted request:\n" + srv.log()[-3000:]
             time.sleep(0.5)
 

@@ -39,12 +39,16 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest) -> tuple[list
     return prompt, params
 
 
-def _check_length(client: EngineClient, name: str, max_tokens: int | None, prompt_tokens: int) -> None:
-    """OpenAI and vLLM refuse a max_tokens the context cannot hold, rather than cutting it short silently."""
-    limit = client.model_info.max_model_len - prompt_tokens
-    if max_tokens is not None and max_tokens > limit:
-        raise BadRequestError(f"{name}={max_tokens} is out of range: the prompt's {prompt_tokens} tokens plus "
-                              f"{name} must be <= max_model_len ({client.model_info.max_model_len})")
+def _check_length(client: EngineClient, name: str, max_tokens: int | None, prompt_tokens: int | None) -> None:
+    """OpenAI and vLLM refuse a max_tokens the context cannot hold, rather than cutting it short silently
+    (prompt_tokens None: not known yet, so only max_tokens < max_model_len is checked)."""
+    max_len = client.model_info.max_model_len
+    if max_tokens is None or max_tokens <= max_len - (prompt_tokens or 1):
+        return
+    if prompt_tokens is None:
+        raise BadRequestError(f"{name}={max_tokens} is out of range: it must be < max_model_len ({max_len})")
+    raise BadRequestError(f"{name}={max_tokens} is out of range: the prompt's {prompt_tokens} tokens plus {name} "
+                          f"must be <= max_model_len ({max_len})")
 
 
 def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
@@ -66,7 +70,7 @@ def completion_request(client: EngineClient, req: CompletionRequest) -> tuple[li
     if not prompts:
         raise BadRequestError("prompt=[] is empty: pass a string, a list of token ids, or a list of those")
     logprobs = req.logprobs
-    _check_length(client, "max_tokens", req.max_tokens, 1)  # prompts are tokenized later, by the engine client
+    _check_length(client, "max_tokens", req.max_tokens, None)  # the engine client tokenizes the prompts later
     params = _params(req, client.default_params(), req.max_tokens, logprobs,
                      logprobs if req.echo and logprobs is not None else None)
     return prompts, params
