@@ -24,11 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ember.frontend.client import EngineClient
 from ember.server import responses as R
 from ember.server.admission import Admission
-from ember.server.errors import APIError, from_engine, from_validation, is_engine_error
+from ember.server.errors import APIError, engine_errors, from_engine, from_validation, is_engine_error
 from ember.server.group import RequestGroup
 from ember.server.limits import ApiKeyMiddleware, BodyLimitMiddleware
 from ember.server.metrics import ServerMetrics
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ember.server.streams import chat_stream, collect, completion_choice, completion_stream
 from ember.server.translate import chat_prompt, chat_request, completion_request
 
 STATIC = Path(__file__).parent / "static"
@@ -149,17 +150,6 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-def _submit(group: RequestGroup, prompts, params, prompt_field: str) -> None:
-    try:
-        group.submit(prompts, params)
-    except APIError:
-        raise
-    except Exception as e:
-        if is_engine_error(e):
-            raise from_engine(e, prompt_field) from None
-        raise
-
-
 def _install_routes(app: FastAPI, state: ServerState) -> None:
     client = state.client
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -192,15 +182,11 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "pass exactly one of prompt and messages", param="prompt")
-        try:
+        with engine_errors("messages" if req.messages is not None else "prompt"):
             if req.messages is not None:
                 ids = chat_prompt(client, req.messages, req.add_generation_prompt)
             else:
                 ids = client.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        except Exception as e:
-            if is_engine_error(e):
-                raise from_engine(e, "messages" if req.messages is not None else "prompt") from None
-            raise
         return {"count": len(ids), "max_model_len": client.model_info.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -217,21 +203,17 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
         _check_stream_options(req)
-        try:
-            prompt, params = chat_request(client, req)
-        except Exception as e:
-            if is_engine_error(e):
-                raise from_engine(e, "messages") from None
-            raise
         group = state.group("chatcmpl")
-        _submit(group, [prompt], params, "messages")
+        with engine_errors("messages"):
+            prompt, params = chat_request(client, req)
+            group.submit([prompt], params)
         top = params.logprobs
         created, model = int(time.time()), state.model_name
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(_chat_events(group, created, model, params.n, top, usage), group.close)
+            return _EventStream(chat_stream(group, created, model, params.n, top, usage), group.close)
         try:
-            final = await _unless_disconnected(request, asyncio.ensure_future(_collect(group)))
+            final = await _unless_disconnected(request, asyncio.ensure_future(collect(group)))
         finally:
             group.close()
         if final is None:
@@ -246,21 +228,17 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(req: CompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
         _check_stream_options(req)
-        try:
-            prompts, params = completion_request(client, req)
-        except Exception as e:
-            if is_engine_error(e):
-                raise from_engine(e, "prompt") from None
-            raise
         group = state.group("cmpl")
-        _submit(group, prompts, params, "prompt")
+        with engine_errors("prompt"):
+            prompts, params = completion_request(client, req)
+            group.submit(prompts, params)
         created, model = int(time.time()), state.model_name
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(_completion_events(group, created, model, params.n, req.logprobs, req.echo, usage,
+            return _EventStream(completion_stream(group, created, model, params.n, req.logprobs, req.echo, usage,
                                                    client), group.close)
         try:
-            finals = await _unless_disconnected(request, asyncio.ensure_future(_collect(group)))
+            finals = await _unless_disconnected(request, asyncio.ensure_future(collect(group)))
         finally:
             group.close()
         if finals is None:
@@ -270,7 +248,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             prompt_tokens += len(out.prompt_token_ids)
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
-                choices.append(_completion_choice(i * params.n + o.index, out, o, req.logprobs, req.echo, client))
+                choices.append(completion_choice(i * params.n + o.index, out, o, req.logprobs, req.echo, client))
         body = {"id": group.request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "system_fingerprint": None, "usage": R.usage(prompt_tokens, completion_tokens)}
         return JSONResponse(body)
@@ -279,104 +257,3 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 def _check_stream_options(req) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-
-
-async def _collect(group: RequestGroup) -> list:
-    """Every request's final cumulative output, in prompt order."""
-    finals: list = [None] * len(group.ids)
-    async for i, delta in group.deltas():
-        if finals[i] is None:
-            finals[i] = delta
-        else:
-            finals[i].merge(delta)
-    return finals
-
-
-def _completion_choice(index: int, out, o, logprobs: int | None, echo: bool, client: EngineClient) -> dict:
-    prompt_text = _prompt_text(out, client) if echo else ""
-    lp = None
-    if logprobs is not None:
-        ids, positions = list(o.token_ids), list(o.logprobs or [])
-        if echo:
-            ids = list(out.prompt_token_ids) + ids
-            positions = _prompt_positions(out.prompt_token_ids, out.prompt_logprobs, client) + positions
-        lp = R.completion_logprobs(ids, positions, logprobs, 0)
-    return {"index": index, "text": prompt_text + o.text, "logprobs": lp, "finish_reason": o.finish_reason}
-
-
-def _prompt_text(out, client: EngineClient) -> str:
-    return out.prompt if out.prompt is not None else client.tokenizer.decode(out.prompt_token_ids)
-
-
-def _prompt_positions(prompt_token_ids: list[int], prompt_logprobs: list | None, client: EngineClient) -> list:
-    """Prompt logprobs for echo: the first token has none; missing decoded tokens are filled in."""
-    positions = list(prompt_logprobs or [None] * len(prompt_token_ids))
-    positions[0] = None
-    for tid, pos in zip(prompt_token_ids, positions):
-        if pos is not None and tid in pos and pos[tid].decoded_token is None:
-            pos[tid].decoded_token = client.tokenizer.decode([tid])
-    return positions
-
-
-async def _chat_events(group: RequestGroup, created: int, model: str, n: int, top: int | None,
-                       usage: bool) -> AsyncIterator[str]:
-    rid = group.request_id
-    for i in range(n):  # the role comes first, as OpenAI sends it
-        yield R.sse(R.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None,
-                                 with_usage=usage))
-    completion_tokens, prompt_tokens = 0, 0
-    try:
-        async for _, delta in group.deltas():
-            prompt_tokens = len(delta.prompt_token_ids)
-            for o in delta.outputs:
-                completion_tokens += len(o.token_ids)
-                if not o.text and not o.finish_reason and not o.token_ids:
-                    continue
-                lp = R.chat_logprobs(o.token_ids, o.logprobs or [], top) if top is not None else None
-                yield R.sse(R.chat_chunk(rid, created, model, o.index, {"content": o.text} if o.text else {},
-                                         o.finish_reason, lp, usage))
-    except Exception as e:
-        yield R.sse(from_engine(e, "messages").body() if is_engine_error(e) else
-                    APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-    else:
-        if usage:
-            yield R.sse(R.usage_chunk(rid, created, model, "chat.completion.chunk", prompt_tokens, completion_tokens))
-    yield R.DONE
-
-
-async def _completion_events(group: RequestGroup, created: int, model: str, n: int, logprobs: int | None,
-                             echo: bool, usage: bool, client: EngineClient) -> AsyncIterator[str]:
-    rid = group.request_id
-    prompt_tokens: dict[int, int] = {}
-    offsets: dict[int, int] = {}  # choice index -> characters sent so far (logprobs' text_offset)
-    prompt_logprobs: dict[int, list] = {}  # they come once per prompt, with its first delta
-    completion_tokens = 0
-    try:
-        async for i, delta in group.deltas():
-            prompt_tokens[i] = len(delta.prompt_token_ids)
-            if delta.prompt_logprobs is not None:
-                prompt_logprobs[i] = delta.prompt_logprobs
-            for o in delta.outputs:
-                index = i * n + o.index
-                completion_tokens += len(o.token_ids)
-                text, ids, positions = o.text, list(o.token_ids), list(o.logprobs or [])
-                if echo and index not in offsets:  # the prompt goes out with the first chunk of each choice
-                    text = _prompt_text(delta, client) + text
-                    if logprobs is not None:
-                        ids = list(delta.prompt_token_ids) + ids
-                        positions = _prompt_positions(delta.prompt_token_ids, prompt_logprobs.get(i),
-                                                      client) + positions
-                if not text and not o.finish_reason and not ids:
-                    continue
-                start = offsets.get(index, 0)
-                lp = R.completion_logprobs(ids, positions, logprobs, start) if logprobs is not None else None
-                offsets[index] = start + len(text)
-                yield R.sse(R.completion_chunk(rid, created, model, index, text, o.finish_reason, lp, usage))
-    except Exception as e:
-        yield R.sse(from_engine(e, "prompt").body() if is_engine_error(e) else
-                    APIError(500, f"internal error: {type(e).__name__}: {e}").body())
-    else:
-        if usage:
-            yield R.sse(R.usage_chunk(rid, created, model, "text_completion", sum(prompt_tokens.values()),
-                                      completion_tokens))
-    yield R.DONE

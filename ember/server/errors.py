@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ember.errors import BadRequestError, DoesNotFitError, EngineDeadError
@@ -50,6 +52,15 @@ def from_engine(e: Exception, prompt_field: str) -> APIError:
 
 def is_engine_error(e: BaseException) -> bool:
     return isinstance(e, (BadRequestError, DoesNotFitError, EngineDeadError))
+
+
+@contextmanager
+def engine_errors(prompt_field: str) -> Iterator[None]:
+    """ember's own errors raised inside become answers (400, or 503 for a stopped engine)."""
+    try:
+        yield
+    except (BadRequestError, DoesNotFitError, EngineDeadError) as e:
+        raise from_engine(e, prompt_field) from None
 
 
 def from_validation(errors: list[dict[str, Any]]) -> APIError:
