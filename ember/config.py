@@ -112,6 +112,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None  # tokens per step; default 2048 (chunked) or max_model_len
+    # prompts prefilled in one step at most (EasyDeL's max_concurrent_prefill); None: as many as the budget allows
+    max_num_prefill_seqs: int | None = None
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
     prefix_cache_ttl: float | None = None  # seconds an unused cached block is kept; None: until evicted (LRU)
     enable_chunked_prefill: bool = True  # split prompts longer than the step's token budget over several steps
@@ -162,7 +164,7 @@ class EngineConfig:
             raise ConfigError(f"dtype={self.dtype!r} is not supported: use 'auto', 'float32', 'bfloat16' or "
                               "'float16'")
         for name, low in (("max_num_seqs", 1), ("block_size", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1),
-                          ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1)):
+                          ("max_num_prefill_seqs", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name}={value!r} is out of range: {name} must be an integer >= {low}")
@@ -367,6 +369,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     policy: str
+    max_num_prefill_seqs: int | None = None
 
     @classmethod
     def resolve(cls, c: EngineConfig, max_position: int) -> "SchedulerConfig":
@@ -379,7 +382,8 @@ class SchedulerConfig:
         if not c.enable_chunked_prefill and budget < max_model_len:
             raise ConfigError(f"max_num_batched_tokens={budget} is out of range: without chunked prefill it must be "
                               f">= max_model_len ({max_model_len}) so any prompt fits a step")
-        return cls(c.max_num_seqs, max_model_len, budget, c.enable_chunked_prefill, c.scheduling_policy)
+        return cls(c.max_num_seqs, max_model_len, budget, c.enable_chunked_prefill, c.scheduling_policy,
+                   c.max_num_prefill_seqs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@
 | ``EMBER_CACHE_DIR`` | cache folder (compiled kernels, converted models) | ``$XDG_CACHE_HOME/ember`` |
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
 | ``EMBER_DIST_TIMEOUT`` | seconds a collective of a split model may wait before it fails (a hung rank) | 600 |
-| ``EMBER_API_KEY`` | the key ``ember serve`` requires (``Authorization: Bearer KEY``) when ``--api-key`` is not given | none |
+| ``EMBER_API_KEY`` | the key ``ember serve`` requires (``Bearer KEY``) when ``--api-key`` is not given | none |
 | ``EMBER_BENCH_VENVS`` | where ``benchmarks/setup_baselines.sh`` put the baselines' environments | ``.bench/venvs`` |
 
 A split model started by a launcher reads the launcher's own variables: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``

@@ -45,15 +45,16 @@ DOCS = {i: [(i * 7 + j * (j % i + 1)) % 5 for j in range(64)] for i in (1, 2, 3)
 @settings(max_examples=200, deadline=None)
 @given(num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]), step_budget=st.integers(1, 80),
        chunked=st.booleans(), policy=st.sampled_from(["max_utilization", "guaranteed_no_evict"]),
-       host_blocks=st.sampled_from([0, 0, 3, 12]),
+       host_blocks=st.sampled_from([0, 0, 3, 12]), prefill_cap=st.sampled_from([None, None, 1, 2]),
        events=st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(1, 60),
                                st.integers(1, 3)), min_size=1, max_size=60))
-def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chunked, policy, host_blocks, events):
+def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chunked, policy, host_blocks,
+                                        prefill_cap, events):
     bm = BlockManager(num_blocks, block_size, num_host_blocks=host_blocks)
     max_len = num_blocks * block_size  # any single sequence fits the pool
     budget_tokens = step_budget if chunked else max(max_len, 64)
     sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=budget_tokens, chunked_prefill=chunked,
-                      policy=policy)
+                      policy=policy, max_num_prefill_seqs=prefill_cap)
     device = [[None] * block_size for _ in range(num_blocks)]  # what each slot holds: (token, position) pairs
     host = [[None] * block_size for _ in range(host_blocks)]
     live: list[Sequence] = []
@@ -61,6 +62,8 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
     def step():
         batch = sched.schedule()
         assert sum(batch.num_tokens) <= budget_tokens
+        prefills = sum(1 for seq in batch.seqs if seq.num_tokens - seq.num_computed_tokens > 1)
+        assert prefill_cap is None or prefills <= prefill_cap
         for direction, src, dst in batch.copies:  # the model runner's job, in order
             if direction == SWAP_OUT:
                 host[dst] = list(device[src])

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from conftest import random_prompts
 
-from ember import LLM, SamplingParams
+from ember import LLM, ConfigError, SamplingParams
 from ember.worker.startup import kv_bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -182,6 +182,31 @@ def test_chunked_prefill_same_outputs_and_prompt_logprobs(llama_dir, tiny_llm):
         assert len(y.prompt_logprobs) == len(prompt) and y.prompt_logprobs[0] is None
         for px, py, tok in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], prompt[1:]):
             assert px[tok].logprob == pytest.approx(py[tok].logprob, abs=1e-4)
+
+
+def test_one_prefill_a_step_same_outputs(llama_dir, tiny_llm):
+    """max_num_prefill_seqs=1: prompts are prefilled one per step, and every greedy output is unchanged."""
+    prompts = random_prompts(5, 20, 60, tiny_llm.model_info.vocab_size, seed=19)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_num_prefill_seqs=1)
+    try:
+        core = one.client.engine_core
+        steps = []
+        step = core.scheduler.schedule
+
+        def counted():
+            batch = step()
+            steps.append(sum(1 for s in batch.seqs if s.num_tokens - s.num_computed_tokens > 1))
+            return batch
+
+        core.scheduler.schedule = counted
+        got = _tokens(one.generate(prompts, params, use_tqdm=False))
+    finally:
+        one.shutdown()
+    assert max(steps) == 1 and sum(steps) == len(prompts)
+    assert got == _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
+    with pytest.raises(ConfigError, match="max_num_prefill_seqs"):
+        LLM(llama_dir, max_num_prefill_seqs=0)
 
 
 def test_prefix_caching_hits_and_same_outputs(llama_dir, tiny_llm):

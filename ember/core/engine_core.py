@@ -41,7 +41,7 @@ class EngineCore:
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                           plan.num_host_blocks, cache.prefix_cache_ttl, window)
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill, sched.policy)
+                                   sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs)
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
         self.requests: dict[str, CoreRequest] = {}
         loaded = worker.loaded

@@ -3,7 +3,8 @@ max_num_seqs, max_num_batched_tokens and the free KV blocks, first come first se
 
 Decoding sequences go first, then running prefills, in admission order, then new prompts. With chunked prefill a
 prompt longer than what is left of the step's token budget is computed in chunks over several steps, so a long
-prompt never stalls the sequences that are decoding.
+prompt never stalls the sequences that are decoding. ``max_num_prefill_seqs`` (EasyDeL's max_concurrent_prefill)
+caps the prompts prefilled in one step, running chunks included.
 
 Two policies (TensorRT-LLM's names):
 - ``max_utilization`` admits greedily. When the pool cannot give a running sequence its next block, the most
@@ -43,7 +44,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True, policy: str = "max_utilization") -> None:
+                 chunked_prefill: bool = True, policy: str = "max_utilization",
+                 max_num_prefill_seqs: int | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy={policy!r} is not supported: use one of "
                               f"{', '.join(SCHEDULING_POLICIES)}")
@@ -52,6 +54,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.policy = policy
+        self.max_num_prefill_seqs = max_num_prefill_seqs  # None: no limit beyond the token budget and the seats
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -98,6 +101,8 @@ class Scheduler:
         for seq in decoding + prefilling:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq in prefilling and not self._may_prefill(batch):
+                continue
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
@@ -139,7 +144,7 @@ class Scheduler:
             hit = self.bm.lookup(seq) if not seq.request.wants_prompt_logprobs else None
             start = seq.num_computed_tokens + (hit.num_blocks * self.bm.block_size if hit else 0)
             n = self._chunk(seq, budget, start)
-            if n == 0 or seats + seq.seats() > self.max_num_seqs:
+            if n == 0 or seats + seq.seats() > self.max_num_seqs or not self._may_prefill(batch):
                 break
             taken = self.bm.blocks_to_take(hit) if hit else 0
             if self.policy == "guaranteed_no_evict":  # the free blocks it takes now plus all it may take later
@@ -167,6 +172,13 @@ class Scheduler:
             seats += seq.seats()
             if self.policy == "guaranteed_no_evict":
                 reserved += self._reserve(seq)  # what it may still take, next to the blocks it holds now
+
+    def _may_prefill(self, batch: ScheduledBatch) -> bool:
+        """One more prompt may be prefilled in this step (max_num_prefill_seqs); decodes are never held back."""
+        if self.max_num_prefill_seqs is None:
+            return True
+        prefills = sum(1 for s in batch.seqs if s.num_tokens - s.num_computed_tokens > 1)
+        return prefills < self.max_num_prefill_seqs
 
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of seq to compute this step: all that are left, or with chunked prefill what the budget allows."""

@@ -61,6 +61,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("scheduling")
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the running batch at most")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")
+    e.add_argument("--max-num-prefill-seqs", type=int, default=None,
+                   help="prompts prefilled in one step at most (default: as many as the token budget allows)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (default on)")
     e.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")

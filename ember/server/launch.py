@@ -53,6 +53,7 @@ def serve(args: argparse.Namespace) -> int:
                           pipeline_parallel_size=args.pipeline_parallel_size,
                           distributed_executor_backend=args.distributed_executor_backend,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_num_prefill_seqs=args.max_num_prefill_seqs,
                           enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
     settings = _settings(args, model)  # checked before the model loads
     _raise_open_files()
