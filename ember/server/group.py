@@ -24,7 +24,6 @@ class RequestGroup:
         self.client, self.admission, self.metrics, self.registry = client, admission, metrics, registry
         self.request_id = request_id
         self.ids: list[str] = []
-        self.prompt_token_ids: list[list[int]] = []
         self.timing: dict[str, RequestTiming] = {}
         self.open: set[str] = set()  # submitted, not finished
         self._queue: asyncio.Queue = asyncio.Queue()

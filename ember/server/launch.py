@@ -14,6 +14,7 @@ import uvicorn
 
 from ember import envs
 from ember.config import EngineConfig, default_model_path
+from ember.errors import ConfigError
 from ember.frontend.client import EngineClient
 from ember.server.app import ServerSettings, build_app
 
@@ -28,10 +29,8 @@ def _names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
     return (name,)
 
 
-def _settings(args: argparse.Namespace, model: str | None):
-    from ember.errors import ConfigError
-
-    for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 0),
+def _settings(args: argparse.Namespace, model: str | None) -> ServerSettings:
+    for flag, value, low in (("--port", args.port, 1), ("--max-queue", args.max_queue, 0),
                              ("--max-request-bytes", args.max_request_bytes, 1)):
         if value < low or (flag == "--port" and value > 65535):
             raise ConfigError(f"{flag}={value} is out of range: it must be >= {low}"
