@@ -101,6 +101,13 @@ def random_prompts(n: int, low: int, high: int, vocab: int, seed: int) -> list[l
     return [torch.randint(100, vocab, (length,), generator=g).tolist() for length in lens]
 
 
+def hf_float32(path: str, **kw):
+    """transformers' model of a checkpoint in float32, eval mode: the reference every parity test compares to."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy tokens, EOS not special (like ignore_eos=True), with its own KV cache."""
     with torch.no_grad():

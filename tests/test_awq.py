@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from conftest import default_gguf, save_random_model
+from conftest import default_gguf, hf_float32, save_random_model
 from ember import LLM, SamplingParams
 from ember.quantization import QuantConfig, quantize_int4
 from ember.quantization.calibration import (DEFAULT_TEXT, calibration_sequences, fold_scales, read_calibration_text,
@@ -32,9 +32,7 @@ def _hf_tensors(folder: str) -> dict[str, torch.Tensor]:
 
 def _logits(folder: str, changed: dict[str, torch.Tensor], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' float32 logits of the checkpoint, and of the checkpoint with changed tensors put in."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_float32(folder)
     with torch.no_grad():
         before = model(ids).logits
         missing, unexpected = model.load_state_dict(changed, strict=False)

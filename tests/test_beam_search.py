@@ -9,18 +9,12 @@ import os
 
 import pytest
 import torch
-from conftest import default_gguf, random_prompts
+from conftest import default_gguf, hf_float32, random_prompts
 
 from ember import LLM, SamplingParams
 from ember.errors import BadRequestError, DoesNotFitError
 
 NEW = 12
-
-
-def _hf(path: str, **kw):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
 
 
 def hf_beams(model, prompt: list[int], width: int, eos: int, max_new: int = NEW, **kw) -> list[list[int]]:
@@ -45,7 +39,7 @@ def ember_beams(llm: LLM, prompts: list[list[int]], width: int, eos: int, max_ne
 def setup(llama_dir):
     """The tiny Llama in both engines, prompts, and per prompt an EOS id its greedy path reaches at step 5 (so
     beams end at different lengths)."""
-    hf = _hf(llama_dir)
+    hf = hf_float32(llama_dir)
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", block_size=4, max_num_seqs=16)
     prompts = random_prompts(3, 5, 11, hf.config.vocab_size, seed=1)
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
@@ -144,7 +138,7 @@ def test_beam_input_errors(setup):
 def test_beams_match_transformers_default_model():
     """The real default model (GGUF dequantized by both engines), float32, its own EOS."""
     path = default_gguf()
-    hf = _hf(os.path.dirname(path), gguf_file=os.path.basename(path))
+    hf = hf_float32(os.path.dirname(path), gguf_file=os.path.basename(path))
     llm = LLM(path, dtype="float32", kv_cache_memory="256MiB", max_model_len=512)
     try:
         tok = llm.tokenizer

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts
+from conftest import hf_float32, hf_greedy, random_prompts
 
 from ember import LLM, SamplingParams
 from ember.config import resolve_dtype
@@ -17,14 +17,8 @@ from ember.config import resolve_dtype
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 def test_sharded_safetensors(tiny_models, tmp_path):
-    hf = _hf(tiny_models["qwen2"])
+    hf = hf_float32(tiny_models["qwen2"])
     hf.save_pretrained(tmp_path, max_shard_size="1MB")
     shutil.copy(os.path.join(tiny_models["qwen2"], "tokenizer.json"), tmp_path)
     shutil.copy(os.path.join(tiny_models["qwen2"], "tokenizer_config.json"), tmp_path)
@@ -93,7 +87,7 @@ def rest_is(name: str, parts: tuple[str, ...]) -> bool:
 
 @pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
 def test_gguf_file_matches_source_model(tiny_models, tokenizer_dir, tmp_path, kind, arch):
-    hf = _hf(tiny_models[kind])
+    hf = hf_float32(tiny_models[kind])
     path = str(tmp_path / f"{kind}.gguf")
     _write_gguf(hf, arch, path)
     prompt = random_prompts(1, 15, 15, hf.config.vocab_size, seed=42)[0]
@@ -110,7 +104,7 @@ def test_quantized_gguf_matches_transformers_gguf_loader(tiny_models, tokenizer_
     """Both engines dequantize the same file; greedy tokens agree, and weights stay within the format's error."""
     from transformers import AutoModelForCausalLM
 
-    src = _hf(tiny_models["llama"])
+    src = hf_float32(tiny_models["llama"])
     _write_gguf(src, "llama", str(tmp_path / "m.gguf"), qtype)
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     prompt = random_prompts(1, 15, 15, src.config.vocab_size, seed=43)[0]

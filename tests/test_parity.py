@@ -6,23 +6,17 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, default_gguf, hf_greedy, random_prompts
+from conftest import TINY, default_gguf, hf_float32, hf_greedy, random_prompts
 
 from ember import LLM, SamplingParams
 
 NEW_TOKENS = 40
 
 
-def _hf_model(path: str, **kw):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
-
-
 @pytest.mark.parametrize("kind", list(TINY))
 def test_greedy_parity_tiny(kind, tiny_models):
     path = tiny_models[kind]
-    hf = _hf_model(path)
+    hf = hf_float32(path)
     prompts = random_prompts(4, 3, 70, hf.config.vocab_size, seed=1)  # some exceed mistral's 48-token window
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")
@@ -37,7 +31,7 @@ def test_greedy_parity_tiny(kind, tiny_models):
 
 def test_logprobs_match_transformers(tiny_models):
     path = tiny_models["qwen2"]
-    hf = _hf_model(path)
+    hf = hf_float32(path)
     prompt = random_prompts(1, 20, 20, hf.config.vocab_size, seed=3)[0]
     llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")
     try:
@@ -68,7 +62,7 @@ def test_logprobs_match_transformers(tiny_models):
 def test_greedy_parity_real_smollm2_gguf():
     """The real default model: transformers dequantizes the same GGUF; both run in float32."""
     path = default_gguf()
-    hf = _hf_model(os.path.dirname(path), gguf_file=os.path.basename(path))
+    hf = hf_float32(os.path.dirname(path), gguf_file=os.path.basename(path))
     llm = LLM(path, dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
     try:
         tok = llm.tokenizer
@@ -87,7 +81,7 @@ def test_greedy_parity_real_smollm2_gguf():
 def test_greedy_parity_with_small_prefill_chunks(kind, tiny_models):
     """Prompts split into 16-token chunks (mistral: across its 48-token sliding window) still match transformers."""
     path = tiny_models[kind]
-    hf = _hf_model(path)
+    hf = hf_float32(path)
     prompts = random_prompts(3, 40, 90, hf.config.vocab_size, seed=4)
     expected = [hf_greedy(hf, p, 24) for p in prompts]
     llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=16)

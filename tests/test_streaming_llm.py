@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import hf_float32, random_prompts
 
 from ember import LLM, SamplingParams
 from ember.errors import BadRequestError, ConfigError
@@ -17,9 +17,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf(llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return hf_float32(llama_dir, attn_implementation="eager")
 
 
 def reference(hf, prompt: list[int], new: int, sink: int = SINK, window: int = WINDOW) -> list[int]:

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts, save_random_model
+from conftest import hf_float32, hf_greedy, random_prompts, save_random_model
 from trtllm_checkpoint import write_trtllm_checkpoint
 
 from ember import LLM, SamplingParams
@@ -43,12 +43,6 @@ def _hf_tensors(folder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(os.path.join(folder, "model.safetensors"))
-
-
-def _hf_model(folder: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
@@ -140,7 +134,7 @@ def test_greedy_tokens_match_the_hugging_face_folder_and_transformers(llamas, tm
     src = llamas[kind]
     ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), tp)
     prompts = random_prompts(3, 5, 30, VOCAB, seed=11)
-    ref = _hf_model(src)
+    ref = hf_float32(src)
     want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
     got = {}
     for name, path, options in (("hf", src, {}), ("trt", ckpt_dir, dict(tokenizer=src))):
@@ -161,7 +155,7 @@ def test_a_split_engine_on_a_sharded_checkpoint_gives_the_same_tokens(llamas, tm
     ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), tp, pp, **options)
     _copy_tokenizer(src, ckpt_dir)
     prompts = random_prompts(3, 5, 30, VOCAB, seed=12)
-    ref = _hf_model(src)
+    ref = hf_float32(src)
     want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
     llm = LLM(ckpt_dir, dtype="float32", device="cpu", kv_cache_memory="16MiB", tensor_parallel_size=2,
               distributed_executor_backend="mp")
@@ -257,7 +251,7 @@ def test_a_kv_cache_quantization_scale_is_ignored_and_the_float_weights_load(lla
     src = llamas["tied"]
     ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), 1, kv_cache_quant_algo="INT8")
     prompts = random_prompts(2, 5, 20, VOCAB, seed=13)
-    want = [hf_greedy(_hf_model(src), p, GREEDY.max_tokens) for p in prompts]
+    want = [hf_greedy(hf_float32(src), p, GREEDY.max_tokens) for p in prompts]
     llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from ember.benchmarks.drivers._common import poisson_arrivals
 from ember.benchmarks.runner import BenchError, DriverRun, watch_rss
 
 SERVED_NAME = "bench"
@@ -168,8 +168,7 @@ def _version(backend: str, python: str) -> str:
 
 async def drive(url: str, requests: list[dict], opts: dict, timeout: float) -> dict:
     """The requests with Poisson arrivals; per request, when each streamed token arrived (from its send)."""
-    rng = random.Random(opts.get("seed", 0))
-    rate, gate = float(opts["rate"]), asyncio.Semaphore(int(opts["concurrency"]))
+    gate = asyncio.Semaphore(int(opts["concurrency"]))
 
     async def one(r: dict) -> dict:
         body = {"model": SERVED_NAME, "prompt": r["prompt_token_ids"], "max_tokens": r["max_tokens"],
@@ -193,13 +192,4 @@ async def drive(url: str, requests: list[dict], opts: dict, timeout: float) -> d
                 "start_s": sent}
 
     await one({"prompt_token_ids": requests[0]["prompt_token_ids"][:16], "max_tokens": 4})  # warm the path
-    start, tasks = time.perf_counter(), []
-    for r in requests:
-        tasks.append(asyncio.create_task(one(r)))
-        if rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(rate))
-    outputs = await asyncio.gather(*tasks)
-    wall = time.perf_counter() - start
-    for o in outputs:
-        o["start_s"] -= start
-    return {"wall_s": wall, "outputs": outputs}
+    return await poisson_arrivals(requests, one, float(opts["rate"]), opts.get("seed", 0))

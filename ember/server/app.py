@@ -13,7 +13,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.frontend.client import EngineClient
+from ember.outputs import RequestOutput
 from ember.server import responses as R
 from ember.server.admission import Admission
 from ember.server.errors import APIError, engine_errors, from_engine, from_validation, is_engine_error
@@ -122,13 +122,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work: asyncio.Future) -> Any:
-    """work's result, or None after cancelling it when the client leaves first."""
+async def _finals_unless_left(request: Request, group: RequestGroup) -> list[RequestOutput] | None:
+    """Every request's final output, or None (the work cancelled) when the client leaves first; the group is
+    closed either way."""
+    work = asyncio.ensure_future(collect(group))
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
+        group.close()
     if work in done:
         return work.result()
     work.cancel()
@@ -210,14 +213,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         top = params.logprobs
         created, model = int(time.time()), state.model_name
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(chat_stream(group, created, model, params.n, top, usage), group.close)
-        try:
-            final = await _unless_disconnected(request, asyncio.ensure_future(collect(group)))
-        finally:
-            group.close()
+            return _EventStream(chat_stream(group, created, model, params.n, top, _usage(req)), group.close)
+        final = await _finals_unless_left(request, group)
         if final is None:
-            return Response(status_code=499)  # nobody is listening any more
+            return Response(status_code=499)  # the client closed the connection: nobody reads an answer
         out = final[0]
         body = {"id": group.request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [R.chat_choice(o, top) for o in out.outputs], "system_fingerprint": None,
@@ -234,13 +233,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             group.submit(prompts, params)
         created, model = int(time.time()), state.model_name
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(completion_stream(group, created, model, params.n, req.logprobs, req.echo, usage,
-                                                   client), group.close)
-        try:
-            finals = await _unless_disconnected(request, asyncio.ensure_future(collect(group)))
-        finally:
-            group.close()
+            return _EventStream(completion_stream(group, created, model, params.n, req.logprobs, req.echo,
+                                                  _usage(req), client), group.close)
+        finals = await _finals_unless_left(request, group)
         if finals is None:
             return Response(status_code=499)
         choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -257,3 +252,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 def _check_stream_options(req) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+def _usage(req) -> bool:
+    """A streamed request asked for the usage chunk at the end."""
+    return bool(req.stream_options and req.stream_options.include_usage)

@@ -66,17 +66,19 @@ def chat_choice(o: CompletionOutput, top_logprobs: int | None) -> dict[str, Any]
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any], finish_reason: str | None,
                logprobs: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
+    return _chunk(rid, created, model, "chat.completion.chunk", with_usage,
+                  {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
                      logprobs: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    return _chunk(rid, created, model, "text_completion", with_usage,
+                  {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+
+
+def _chunk(rid: str, created: int, model: str, obj: str, with_usage: bool, choice: dict[str, Any]) -> dict[str, Any]:
+    """One choice's stream chunk; with include_usage every chunk carries ``usage: null`` until the last."""
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
     if with_usage:
         chunk["usage"] = None
     return chunk

@@ -9,11 +9,13 @@ token_times are seconds from the request's start to each output token's arrival 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -75,3 +77,20 @@ class TokenClock:
 
 def output_record(prompt_tokens: int, output_tokens: int, times: list[float] | None = None) -> dict:
     return {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "token_times": times or []}
+
+
+async def poisson_arrivals(requests: list[dict], start: Callable[[dict], Awaitable[dict]], rate: float,
+                           seed: int) -> dict:
+    """One task per request, started with exponential gaps at ``rate`` per second (inf: all at once); the wall
+    time from the first start to the last output, and the outputs with their ``start_s`` made relative to it."""
+    rng, tasks = random.Random(seed), []
+    t0 = time.perf_counter()
+    for r in requests:
+        tasks.append(asyncio.create_task(start(r)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    outputs = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    for o in outputs:
+        o["start_s"] -= t0
+    return {"wall_s": wall, "outputs": outputs}

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
-from _common import TokenClock, output_record, package_versions, run, set_threads, warmup_requests
+from _common import TokenClock, output_record, package_versions, poisson_arrivals, run, set_threads, warmup_requests
 
 
 def load(spec: dict):
@@ -74,10 +73,9 @@ def latency(llm, spec: dict) -> dict:
 def serving(llm, spec: dict) -> dict:
     """Poisson arrivals at ``rate`` requests/s (inf: all at once), at most ``concurrency`` in flight."""
     opts = spec["serving"]
-    rng = random.Random(opts.get("seed", 0))
-    rate, cap = float(opts["rate"]), int(opts["concurrency"])
+    gate = asyncio.Semaphore(int(opts["concurrency"]))  # binds to asyncio.run's loop at first use (3.10+)
 
-    async def one(r: dict, gate: asyncio.Semaphore) -> dict:
+    async def one(r: dict) -> dict:
         async with gate:
             clock = TokenClock()
             async for delta in llm.generate(r["prompt_token_ids"], _params(r).clone(output_kind=_delta())):
@@ -86,17 +84,7 @@ def serving(llm, spec: dict) -> dict:
 
     async def main() -> dict:
         await _warm(llm, spec)
-        gate, tasks = asyncio.Semaphore(cap), []
-        start = time.perf_counter()
-        for r in spec["requests"]:
-            tasks.append(asyncio.create_task(one(r, gate)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(rate))
-        outputs = await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
-        for o in outputs:
-            o["start_s"] -= start
-        return {"wall_s": wall, "outputs": outputs}
+        return await poisson_arrivals(spec["requests"], one, float(opts["rate"]), opts.get("seed", 0))
 
     result = asyncio.run(main())
     llm.shutdown()
