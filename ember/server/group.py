@@ -15,12 +15,14 @@ from ember.frontend.client import EngineClient
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.admission import Admission
+from ember.server.errors import APIError
 from ember.server.metrics import RequestTiming, ServerMetrics
 
 
 class RequestGroup:
-    def __init__(self, client: EngineClient, admission: Admission, metrics: ServerMetrics,
+    def __init__(self, model_name: str, client: EngineClient, admission: Admission, metrics: ServerMetrics,
                  registry: dict[str, "RequestGroup"], request_id: str) -> None:
+        self.model_name = model_name  # the engine's name in the metrics
         self.client, self.admission, self.metrics, self.registry = client, admission, metrics, registry
         self.request_id = request_id
         self.ids: list[str] = []
@@ -32,7 +34,11 @@ class RequestGroup:
 
     def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> None:
         """Admit (503 when full) and submit every prompt; a bad one raises before any is queued."""
-        self.admission.enter(len(prompts))
+        try:
+            self.admission.enter(len(prompts))
+        except APIError as e:
+            self.metrics.reject(self.model_name, e.code or "unavailable")
+            raise
         self._admitted = len(prompts)
         ids = [f"{self.request_id}-{i}" for i in range(len(prompts))]
         start = time.monotonic()
@@ -71,7 +77,7 @@ class RequestGroup:
             if item.finished:
                 self.open.discard(rid)
                 reason = next((o.finish_reason for o in item.outputs if o.finish_reason), None) or "stop"
-                self.metrics.request_done(t, reason, time.monotonic())
+                self.metrics.request_done(self.model_name, t, reason, time.monotonic())
             yield index[rid], item
 
     def abort(self) -> None:
@@ -85,7 +91,7 @@ class RequestGroup:
         now = time.monotonic()
         for rid in sorted(self.open):
             self.client.abort(rid)
-            self.metrics.request_done(self.timing[rid], "abort", now)
+            self.metrics.request_done(self.model_name, self.timing[rid], "abort", now)
         self.open.clear()
         self.registry.pop(self.request_id, None)
         self.admission.leave(self._admitted)

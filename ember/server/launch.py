@@ -16,7 +16,7 @@ from ember import envs
 from ember.config import EngineConfig, default_model_path
 from ember.errors import ConfigError
 from ember.frontend.client import EngineClient
-from ember.server.app import ServerSettings, build_app
+from ember.server.app import ServedModel, ServerSettings, build_app
 
 
 def _names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
@@ -36,9 +36,8 @@ def _settings(args: argparse.Namespace, model: str | None) -> ServerSettings:
             raise ConfigError(f"{flag}={value} is out of range: it must be >= {low}"
                               + (" and <= 65535" if flag == "--port" else ""))
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
-    return ServerSettings(served_model_names=_names(args, model), api_key=args.api_key or envs.api_key(),
-                          max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
-                          allowed_origins=origins)
+    return ServerSettings(api_key=args.api_key or envs.api_key(), max_queue=args.max_queue,
+                          max_request_bytes=args.max_request_bytes, allowed_origins=origins)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -54,29 +53,39 @@ def serve(args: argparse.Namespace) -> int:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_prefill_seqs=args.max_num_prefill_seqs,
                           enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
-    settings = _settings(args, model)  # checked before the model loads
+    settings, names = _settings(args, model), _names(args, model)  # checked before the model loads
     _raise_open_files()
     print(f"[ember] loading {model or default_model_path()} ...", file=sys.stderr, flush=True)
     client = EngineClient(config)
     try:
-        app = build_app(client, settings)
-        state = app.state.ember
-        server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                        access_log=args.access_log, timeout_graceful_shutdown=10,
-                                        timeout_keep_alive=30), state.abort_all)
-        url = f"http://{args.host if ':' not in args.host else f'[{args.host}]'}:{args.port}"
-        info = client.model_info
-        # uvicorn raises the signal it handled again once its own shutdown is done; catching it here lets the
-        # engine (and its ranks) stop next instead of the process dying at that point
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
-        asyncio.run(_serve(server, f"[ember] serving {settings.served_model_names[0]} (max_model_len "
-                                   f"{info.max_model_len}, {info.max_num_seqs} seqs, queue {settings.max_queue}"
-                                   f"{', API key required' if settings.api_key else ''}): ready on {url}"))
+        run_app([ServedModel(names, client)], settings, args.host, args.port, access_log=args.access_log)
     finally:
         client.shutdown()
     print("[ember] server stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def run_app(models: list[ServedModel], settings: ServerSettings, host: str, port: int, access_log: bool = False,
+            log_level: str = "warning") -> None:
+    """Serve the engines until SIGINT / SIGTERM: print the readiness line once requests are accepted; on the signal
+    abort every request in flight and close the server. The engines stay up (their owner stops them)."""
+    app = build_app(models, settings)
+    state = app.state.ember
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                                    timeout_graceful_shutdown=10, timeout_keep_alive=30), state.abort_all)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    info = models[0].client.model_info
+    served = ", ".join(m.names[0] for m in models)
+    # uvicorn raises the signal it handled again once its own shutdown is done; a no-op handler lets the caller
+    # go on (stop the engine and its ranks) instead of the process dying at that point
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(_serve(server, f"[ember] serving {served} (max_model_len {info.max_model_len}, "
+                                   f"{info.max_num_seqs} seqs, queue {settings.max_queue}"
+                                   f"{', API key required' if settings.api_key else ''}): ready on {url}"))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _raise_open_files(want: int = 65536) -> None:

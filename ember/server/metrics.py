@@ -2,12 +2,13 @@
 
 Per-request figures (finish reasons, tokens, TTFT / TPOT / end-to-end latency) are observed by the server as each
 request ends; the engine's state (running, waiting, KV cache usage, prefix-cache hits, preemptions) is read from
-``EngineClient.stats()`` when /metrics is scraped, so nothing polls between scrapes.
+``EngineClient.stats()`` when /metrics is scraped, so nothing polls between scrapes. A server of several engines
+labels every series with the engine's model name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -28,10 +29,18 @@ class RequestTiming:
     generated: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSource:
+    """Where one engine's state is read at scrape time."""
+
+    model_name: str
+    stats: Callable[[], dict]
+    admitted: Callable[[], tuple[int, int]]  # (engine requests in flight, capacity)
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict], admitted: Callable[[], tuple[int, int]]):
+    def __init__(self, engines: Sequence[EngineSource]):
         self.registry = CollectorRegistry()
-        self.model_name = model_name
         lab = ["model_name"]
         r = self.registry
         self.finished = Counter("ember_request_success", "Requests finished, by finish reason (stop, length, "
@@ -47,10 +56,10 @@ class ServerMetrics:
                               lab, buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("ember_e2e_request_latency_seconds", "Arrival to the last token", lab,
                              buckets=E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(model_name, engine_stats, admitted))
+        r.register(_EngineCollector(tuple(engines)))
 
-    def request_done(self, t: RequestTiming, finish_reason: str, end: float) -> None:
-        m = self.model_name
+    def request_done(self, m: str, t: RequestTiming, finish_reason: str, end: float) -> None:
+        """One engine request of model m ended."""
         self.finished.labels(m, finish_reason).inc()
         self.prompt_tokens.labels(m).inc(t.prompt_tokens)
         self.generation_tokens.labels(m).inc(t.generated)
@@ -60,39 +69,42 @@ class ServerMetrics:
                 self.tpot.labels(m).observe((end - t.first_token) / (t.generated - 1))
         self.e2e.labels(m).observe(end - t.start)
 
-    def reject(self, reason: str) -> None:
-        self.rejected.labels(self.model_name, reason).inc()
+    def reject(self, m: str, reason: str) -> None:
+        self.rejected.labels(m, reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _EngineCollector:
-    """The engine's state, read at scrape time."""
+_GAUGES = (  # (name, help, key of the engine's row)
+    ("ember_num_requests_running", "Requests in the engine's running batch", "running"),
+    ("ember_num_requests_waiting", "Requests waiting for a seat in the engine", "waiting"),
+    ("ember_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", "kv_cache_usage"),
+    ("ember_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache over prompt tokens looked up (0-1)",
+     "prefix_cache_hit_rate"),
+    ("ember_kv_cache_blocks_total", "KV cache blocks in the pool", "kv_blocks_total"),
+    ("ember_server_requests_in_flight", "Engine requests the server has admitted", "in_flight"),
+    ("ember_server_request_capacity", "Engine requests the server admits at most (running + queue)", "capacity"))
+_COUNTERS = (
+    ("ember_num_preemptions", "Sequences preempted (KV blocks given back) since start", "preemptions"),
+    ("ember_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache since start",
+     "prefix_cache_hit_tokens"))
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict], admitted: Callable[[], tuple[int, int]]):
-        self.model_name, self.engine_stats, self.admitted = model_name, engine_stats, admitted
+
+class _EngineCollector:
+    """Every engine's state, read at scrape time: one sample per engine in each family."""
+
+    def __init__(self, engines: tuple[EngineSource, ...]):
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine_stats()
-        in_flight, capacity = self.admitted()
-        for name, doc, value in (
-                ("ember_num_requests_running", "Requests in the engine's running batch", s["running"]),
-                ("ember_num_requests_waiting", "Requests waiting for a seat in the engine", s["waiting"]),
-                ("ember_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", s["kv_cache_usage"]),
-                ("ember_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache over prompt tokens looked "
-                                                 "up (0-1)", s["prefix_cache_hit_rate"]),
-                ("ember_kv_cache_blocks_total", "KV cache blocks in the pool", s["kv_blocks_total"]),
-                ("ember_server_requests_in_flight", "Engine requests the server has admitted", in_flight),
-                ("ember_server_request_capacity", "Engine requests the server admits at most (running + queue)",
-                 capacity)):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(value))
-            yield g
-        for name, doc, value in (
-                ("ember_num_preemptions", "Sequences preempted (KV blocks given back) since start", s["preemptions"]),
-                ("ember_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache since start",
-                 s["prefix_cache_hit_tokens"])):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(value))
-            yield c
+        rows = []
+        for e in self.engines:
+            in_flight, capacity = e.admitted()
+            rows.append((e.model_name, {**e.stats(), "in_flight": in_flight, "capacity": capacity}))
+        for table, family in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+            for name, doc, key in table:
+                m = family(name, doc, labels=["model_name"])
+                for model, row in rows:
+                    m.add_metric([model], float(row[key]))
+                yield m
