@@ -266,6 +266,8 @@ def test_settings_map_onto_the_engine(llama_dir):
                                                                                                           200, 894)
     assert (c.block_size, c.max_kv_cache_tokens, surge.extra_eos_token_ids) == (32, 640, (7,))
     assert surge.vsurge_name == f"llama-{m.num_parameters / 1e9:.2f}b"
+    with pytest.raises(ValueError, match="max_length=4096 is out of range"):  # the tiny model has 512 positions
+        ed.vSurge.from_model(m, None, max_length=4096)
     d = ed.vSurge.from_model(m, None)  # EasyDeL's defaults: max_length from the model, half of it a prefill step
     assert (d.engine_config.max_num_batched_tokens, d.engine_config.max_num_prefill_seqs) == (100, 1)
 

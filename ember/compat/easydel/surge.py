@@ -69,6 +69,10 @@ class vSurge:  # noqa: N801  (EasyDeL's name)
             raise ValueError(f"model={type(model).__name__} is not supported: pass what "
                              "AutoEasyDeLModelForCausalLM.from_pretrained returned")
         max_length = max_length or model.max_length
+        positions = int(getattr(model.config, "max_position_embeddings", 0) or max_length)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 2 <= max_length <= positions:
+            raise ValueError(f"max_length={max_length!r} is out of range: it must be an integer in [2, {positions}] "
+                             "(the model's max_position_embeddings)")
         max_prefill_length = max_prefill_length or max_length // 2
         if isinstance(prefill_lengths, int) and not isinstance(prefill_lengths, bool):
             max_prefill_length, buckets = prefill_lengths, (prefill_lengths,)
