@@ -1,5 +1,6 @@
 """The engine requests of one HTTP request (one per prompt), submitted together through ``EngineClient.submit``,
-their deltas delivered on one asyncio queue, timed for the metrics, and all aborted when the client leaves.
+their deltas delivered to the event loop through one ``Inbox``, timed for the metrics, and all aborted when the
+client leaves.
 
 ``close()`` is the one exit: it aborts whatever has not finished, gives the admission slots back and records the
 requests that ended by abort, exactly once, whichever way the HTTP request ended (done, disconnect, error).
@@ -12,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from ember.frontend.client import EngineClient
+from ember.frontend.inbox import Inbox
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.admission import Admission
@@ -28,8 +30,7 @@ class RequestGroup:
         self.ids: list[str] = []
         self.timing: dict[str, RequestTiming] = {}
         self.open: set[str] = set()  # submitted, not finished
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
+        self._inbox = Inbox(asyncio.get_running_loop())
         self._admitted = 0
 
     def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> None:
@@ -43,7 +44,7 @@ class RequestGroup:
         ids = [f"{self.request_id}-{i}" for i in range(len(prompts))]
         start = time.monotonic()
         try:
-            self.client.submit(prompts, [params] * len(prompts), self._put, ids)
+            self.client.submit(prompts, [params] * len(prompts), self._inbox.put, ids)
         except BaseException:
             self.close()
             raise
@@ -53,32 +54,28 @@ class RequestGroup:
         for rid in ids:
             self.timing[rid] = RequestTiming(start, 0)
 
-    def _put(self, item: RequestOutput | BaseException) -> None:  # the engine thread
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) until every request finished; an engine failure is raised."""
         index = {rid: i for i, rid in enumerate(self.ids)}
         while self.open:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            rid = item.request_id
-            if rid not in self.open:
-                continue
-            t = self.timing[rid]
-            if t.prompt_tokens == 0:
-                t.prompt_tokens = len(item.prompt_token_ids)
-            new = sum(len(o.token_ids) for o in item.outputs)
-            if new and t.first_token is None:
-                t.first_token = time.monotonic()
-            t.generated += new
-            if item.finished:
-                self.open.discard(rid)
-                reason = next((o.finish_reason for o in item.outputs if o.finish_reason), None) or "stop"
-                self.metrics.request_done(self.model_name, t, reason, time.monotonic())
-            yield index[rid], item
+            for item in await self._inbox.take():
+                if isinstance(item, BaseException):
+                    raise item
+                rid = item.request_id
+                if rid not in self.open:
+                    continue
+                t = self.timing[rid]
+                if t.prompt_tokens == 0:
+                    t.prompt_tokens = len(item.prompt_token_ids)
+                new = sum(len(o.token_ids) for o in item.outputs)
+                if new and t.first_token is None:
+                    t.first_token = time.monotonic()
+                t.generated += new
+                if item.finished:
+                    self.open.discard(rid)
+                    reason = next((o.finish_reason for o in item.outputs if o.finish_reason), None) or "stop"
+                    self.metrics.request_done(self.model_name, t, reason, time.monotonic())
+                yield index[rid], item
 
     def abort(self) -> None:
         """Abort what has not finished (thread-safe: the engine takes the abort between steps)."""

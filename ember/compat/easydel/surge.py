@@ -22,7 +22,7 @@ from ember.compat.easydel.outputs import PromptProgress, ReturnSample
 from ember.compat.easydel.sampling import SamplingParams
 from ember.config import EngineConfig
 from ember.frontend.client import EngineClient
-from ember.outputs import RequestOutput
+from ember.frontend.inbox import Inbox
 from ember.sampling_params import SamplingParams as NativeParams
 
 
@@ -250,7 +250,7 @@ class Generation(Coroutine):
         if self.stream:
             return self.__aiter__()
         last: list[ReturnSample] = []
-        updates = self._run()
+        updates = self._run(final_only=True)
         try:
             async for last in updates:
                 pass
@@ -263,35 +263,31 @@ class Generation(Coroutine):
             raise TypeError("generate(stream=False) is awaited, not iterated: `await surge.generate(...)`")
         return self._run()
 
-    async def _run(self) -> AsyncIterator[list[ReturnSample]]:
+    async def _run(self, final_only: bool = False) -> AsyncIterator[list[ReturnSample]]:
+        """A snapshot per batch of deltas (final_only: one, at the end; the snapshots' copies are skipped)."""
         if self._used:
             raise RuntimeError("a generate() result is consumed once: call generate() again")
         self._used = True
         if not self.requests:
             return
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-
-        def sink(item: RequestOutput | BaseException) -> None:  # the engine thread
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-
+        inbox = Inbox(asyncio.get_running_loop())
         start = time.perf_counter()
-        ids = self.client.submit([r[0] for r in self.requests], [r[1] for r in self.requests], sink)
+        ids = self.client.submit([r[0] for r in self.requests], [r[1] for r in self.requests], inbox.put)
         index = {rid: i for i, rid in enumerate(ids)}
         progress = [PromptProgress(r[1].n, start, d) for r, d in zip(self.requests, self.detokenize)]
         open_ids = set(ids)
         try:
             while open_ids:
-                items = [await queue.get()]
-                while not queue.empty():  # every delta that arrived meanwhile goes into one snapshot
-                    items.append(queue.get_nowait())
+                items = await inbox.take()  # every delta that arrived meanwhile goes into one snapshot
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
                     progress[index[item.request_id]].add(item)
                     if item.finished:
                         open_ids.discard(item.request_id)
-                yield [p.sample() for p in progress]
+                if not final_only or not open_ids:
+                    yield [p.sample() for p in progress]
         finally:
             for rid in open_ids:
                 self.client.abort(rid)
+
