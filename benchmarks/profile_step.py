@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None, help="EngineConfig.quantization ('none': float weights)")
     args = ap.parse_args()
 
     from ember.config import EngineConfig, SchedulerConfig
@@ -30,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # this thread runs every op, as the engine thread does
     B, L = args.batch, args.context
     cfg = EngineConfig(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=L + 16,
-                       max_num_seqs=B, kv_cache_memory="2GiB")
+                       max_num_seqs=B, kv_cache_memory="2GiB", quantization=args.quantization)
     resolved = cfg.resolve()
     worker = Worker(resolved.model, resolved.cache)
     worker.init_cache(SchedulerConfig.resolve(cfg, worker.loaded.max_position))
@@ -50,7 +51,7 @@ def main() -> None:
     n, start = 30, time.perf_counter()
     for _ in range(n):
         step()
-    print(f"batch {B}, context {L}, {args.dtype}: {1e3 * (time.perf_counter() - start) / n:.2f} ms a step")
+    print(f"batch {B}, context {L}, {args.dtype}, quantization {args.quantization}: {1e3 * (time.perf_counter() - start) / n:.2f} ms a step")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

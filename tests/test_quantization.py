@@ -54,7 +54,7 @@ def _weight(method: str, device: str = "cpu"):
 
 
 @pytest.mark.parametrize("method,path", [(m, p) for m in ("int8", "int4", "w8a8") for p in (f"cpu-{m}", "portable")])
-@pytest.mark.parametrize("rows", [1, 7, 200])
+@pytest.mark.parametrize("rows", [1, 7, 20, 200])
 def test_quantized_matmul_matches_dense_matmul_of_the_dequantized_weight(method, path, rows):
     qt = _weight(method)
     x = torch.randn(rows, 256)
@@ -66,6 +66,31 @@ def test_quantized_matmul_matches_dense_matmul_of_the_dequantized_weight(method,
     assert ((y - ref).norm() / ref.norm()).item() < tol
     w = qt.dequantize()
     assert ((mm.dequantized(torch.float32) - w).norm() / w.norm()).item() < 0.01  # bf16 scales on the CPU ops
+
+
+@pytest.mark.parametrize("method,group", [("int4", 32), ("int4", 128), ("int8", None)])
+def test_ember_quantized_gemm_matches_the_dequantized_weight_at_every_row_count(method, group):
+    """ember's AVX512-BF16 kernels (the CPU paths from a few rows on) against a float32 matmul of the weight as the
+    path holds it: every row-block tail (1..13 rows), several column panels, two K."""
+    from ember.quantization.kernels import _ember_gemm
+
+    kernels = _ember_gemm()
+    if kernels is None:
+        pytest.skip("ember's quantized GEMM is not built on this machine (no AVX512-BF16): torch's ops run")
+    torch.manual_seed(2)
+    for n, k in ((192, 256), (128, 1536)):
+        w = torch.randn(n, k) * 0.05
+        mm = QuantizedMatmul(method, quantize_int4(w, group) if method == "int4" else quantize_int8(w))
+        held = mm.dequantized(torch.float32)
+        for rows in (*range(1, 14), 64):
+            x = torch.randn(rows, k).bfloat16()
+            if method == "int4":
+                y = kernels.int4_gemm(x, mm.impl.w, mm.impl.s, group)
+            else:
+                y = kernels.int8_gemm(x, mm.impl.w, mm.impl.s32)
+            ref = x.float() @ held.t()
+            # bf16 weights in the panel and a bf16 result: about 2**-8 relative
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 6e-3, (n, k, rows)
 
 
 def test_cpu_weights_take_the_packed_ops():

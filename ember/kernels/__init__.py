@@ -20,7 +20,8 @@ logger = logging.getLogger("ember")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp")
+_HEADERS = ("avx512_util.h",)  # part of the cache key only
 # reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the
 # library it links (libgomp.so.1) resolves to the copy torch has already loaded, so there is one thread pool.
@@ -61,7 +62,7 @@ def _build() -> ModuleType:
     here = os.path.dirname(__file__)
     sources = [os.path.join(here, s) for s in _SOURCES]
     digest = hashlib.sha1(" ".join([torch.__version__, *_CFLAGS]).encode())
-    for path in sources:
+    for path in [*sources, *(os.path.join(here, h) for h in _HEADERS)]:
         with open(path, "rb") as f:
             digest.update(f.read())
     name = f"ember_cpu_{digest.hexdigest()[:12]}"

@@ -11,6 +11,8 @@
 #include <limits>
 #include <vector>
 
+#include "avx512_util.h"
+
 namespace {
 
 // Row to float32. bf16 is the top half of a float32: a shift the compiler vectorises (c10's scalar conversion
@@ -117,6 +119,105 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables, 
   });
 }
 
+#ifdef EMBER_AVX512_BF16
+// bf16 with AVX512-BF16, D = 64 or 128: the cache is read in tiles of up to 16 tokens of one block; for each query
+// head of a KV head the tile's 16 scores come from vdpbf16ps dot products (one transposing add tree instead of 16
+// horizontal sums), an online softmax keeps a running max and sum, and P.V runs as vdpbf16ps over token pairs with
+// P rounded to bf16 (as FlashAttention does). The tile stays in L1 while every query head of its KV head uses it.
+template <int64_t D>
+void decode_kernel_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                        const int64_t* tables, const int64_t* lens, c10::BFloat16* out, int64_t nd, int64_t hq,
+                        int64_t hkv, int64_t bs, int64_t max_blocks, int64_t window, float scale) {
+  using namespace ember_avx512;
+  constexpr int64_t NV = D / 32;  // bf16 vectors of 32 in a row, and fp32 accumulators of 16 for each pair half
+  const int64_t g = hq / hkv;
+  const int64_t row_stride = hkv * D;
+  at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc_store(hq * 2 * NV * 16), m_store(hq), l_store(hq);
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      if (len - first <= 0) continue;
+      std::fill(acc_store.begin(), acc_store.end(), 0.f);
+      std::fill(m_store.begin(), m_store.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l_store.begin(), l_store.end(), 0.f);
+      const int64_t* table = tables + s * max_blocks;
+      const c10::BFloat16* qs = q + s * hq * D;
+      for (int64_t t0 = first; t0 < len;) {
+        const int64_t blk = table[t0 / bs];
+        const int64_t in_blk = t0 % bs;
+        const int64_t T = std::min<int64_t>({16, bs - in_blk, len - t0});
+        const int64_t base = (blk * bs + in_blk) * row_stride;
+        if (in_blk + T == bs && t0 + T < len) {  // the next block is elsewhere in the pool: ask for it now
+          const int64_t nxt = table[(t0 + T) / bs] * bs * row_stride;
+          for (int64_t i = 0; i < bs * row_stride * 2; i += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kc + nxt) + i);
+            __builtin_prefetch(reinterpret_cast<const char*>(vc + nxt) + i);
+          }
+        }
+        const __mmask16 valid = static_cast<__mmask16>((1u << T) - 1);
+        for (int64_t h = 0; h < hkv; ++h) {
+          const c10::BFloat16* kt = kc + base + h * D;
+          const c10::BFloat16* vt = vc + base + h * D;
+          for (int64_t r = h * g; r < (h + 1) * g; ++r) {
+            __m512bh qv[NV];
+            for (int64_t j = 0; j < NV; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qs + r * D + 32 * j);
+            __m512 part[16];
+            for (int64_t t = 0; t < 16; ++t) {
+              __m512 a = _mm512_setzero_ps();
+              if (t < T) {
+                const c10::BFloat16* kr = kt + t * row_stride;
+                for (int64_t j = 0; j < NV; ++j) a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+              }
+              part[t] = a;
+            }
+            __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                           _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
+            const float m_old = m_store[r];
+            const float m_new = std::max(m_old, _mm512_reduce_max_ps(sc));
+            const float corr = m_old == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m_old - m_new);
+            __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+            m_store[r] = m_new;
+            l_store[r] = l_store[r] * corr + _mm512_reduce_add_ps(p);
+            alignas(64) uint32_t pp[8];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+            float* ar = acc_store.data() + r * 2 * NV * 16;
+            __m512 acc[2 * NV];
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int64_t j = 0; j < 2 * NV; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * j), cv);
+            for (int64_t t = 0; t < T; t += 2) {
+              const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));
+              const c10::BFloat16* va = vt + t * row_stride;
+              for (int64_t j = 0; j < NV; ++j) {
+                const __m512i x = _mm512_loadu_si512(va + 32 * j);
+                const __m512i y = t + 1 < T ? _mm512_loadu_si512(va + row_stride + 32 * j) : _mm512_setzero_si512();
+                acc[2 * j] = _mm512_dpbf16_ps(acc[2 * j], (__m512bh)_mm512_unpacklo_epi16(x, y), pv);
+                acc[2 * j + 1] = _mm512_dpbf16_ps(acc[2 * j + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), pv);
+              }
+            }
+            for (int64_t j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(ar + 16 * j, acc[j]);
+          }
+        }
+        t0 += T;
+      }
+      // acc[2j] lane 4c+i holds dimension 32j + 8c + i, acc[2j+1] lane 4c+i dimension 32j + 8c + 4 + i
+      // (unpacklo/hi interleave within 128-bit quarters)
+      for (int64_t r = 0; r < hq; ++r) {
+        const float inv = 1.f / l_store[r];
+        const float* ar = acc_store.data() + r * 2 * NV * 16;
+        c10::BFloat16* o = out + (s * hq + r) * D;
+        for (int64_t j = 0; j < NV; ++j)
+          for (int64_t c = 0; c < 4; ++c)
+            for (int64_t i = 0; i < 4; ++i) {
+              o[32 * j + 8 * c + i] = static_cast<c10::BFloat16>(ar[16 * (2 * j) + 4 * c + i] * inv);
+              o[32 * j + 8 * c + 4 + i] = static_cast<c10::BFloat16>(ar[16 * (2 * j + 1) + 4 * c + i] * inv);
+            }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // q [nd, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [nd, max_blocks] int64;
@@ -136,6 +237,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t nd = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), hkv = k_cache.size(2);
   TORCH_CHECK(hq % hkv == 0, "query heads must be a multiple of KV heads");
+#ifdef EMBER_AVX512_BF16
+  if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), nd, hq, hkv, bs,
+             tables.size(1), window, static_cast<float>(scale));
+    };
+    if (d == 64) run(decode_kernel_bf16<64>);
+    else run(decode_kernel_bf16<128>);
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),

@@ -1,0 +1,206 @@
+// Weight-only quantized GEMM for CPU: y[M, N] = x[M, K] (bf16) . W^T, W held as int4 (torch's CPU int4 pack) or
+// int8 (one scale per output row). torch's packed ops cost about the same per row whatever M (3072x576 int4: 29 us
+// at 1 row, 707 us at 64), so from a few rows on this kernel takes over: each thread dequantizes a panel of 64
+// output columns once into bf16 pairs (the layout vdpbf16ps reads) in its cache, then runs every row block of x
+// against it with 6x4 register-blocked AVX512-BF16 dot products. The weight stays packed in memory; the panel is
+// the only float copy, 128*K bytes a thread.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "avx512_util.h"
+
+#ifdef EMBER_AVX512_BF16
+namespace {
+
+constexpr int64_t NB = 64;  // output columns a panel: four vectors of 16
+constexpr int64_t MR = 6;   // rows a register block: 6 x 4 accumulators
+
+// panel[kp * 64 + c] = bf16 pair (W[n0 + c, 2kp], W[n0 + c, 2kp + 1]) as one 32-bit word
+using Panel = std::vector<uint32_t>;
+
+// Two float vectors (k and k+1 for 16 columns) -> 16 bf16 pairs, k in the low half of each 32-bit lane.
+inline __m512i pair_bf16(__m512 wk, __m512 wk1) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(wk1, wk);  // [wk as 16 bf16 | wk1 as 16 bf16]
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, both);
+}
+
+// torch's CPU int4 pack: bytes [N/64, K, 32]; column c of a 64-column block is byte c % 32 of row k, low nibble
+// for c < 32. scale_zeros bf16 [K/g, N, 2]: w = (q - 8) * scale + zero.
+void dequant_int4(const uint8_t* w, const c10::BFloat16* sz, int64_t nb, int64_t K, int64_t N, int64_t group,
+                  uint32_t* panel) {
+  const uint8_t* blk = w + nb * K * 32;
+  const __m512i lo4 = _mm512_set1_epi32(0xF);
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m512 s[4], z[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      // 16 (scale, zero) bf16 pairs as 32-bit lanes: scale in the low half
+      const __m512i p = _mm512_loadu_si512(sz + ((g0 / group) * N + nb * NB + 16 * j) * 2);
+      s[j] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      z[j] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[j], zero);  // w = q * s + (zero - 8 s)
+    }
+    for (int64_t k = g0; k < g0 + group; k += 2) {
+      const __m512i r0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + k * 32)));
+      const __m512i r1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + k * 32 + 16)));
+      const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (k + 1) * 32)));
+      const __m512i s1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (k + 1) * 32 + 16)));
+      const __m512i qk[4] = {_mm512_and_si512(r0, lo4), _mm512_and_si512(r1, lo4), _mm512_srli_epi32(r0, 4),
+                             _mm512_srli_epi32(r1, 4)};
+      const __m512i qk1[4] = {_mm512_and_si512(s0, lo4), _mm512_and_si512(s1, lo4), _mm512_srli_epi32(s0, 4),
+                              _mm512_srli_epi32(s1, 4)};
+      uint32_t* out = panel + (k / 2) * NB;
+      for (int64_t j = 0; j < 4; ++j) {
+        const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qk[j]), s[j], z[j]);
+        const __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qk1[j]), s[j], z[j]);
+        _mm512_storeu_si512(out + 16 * j, pair_bf16(a, b));
+      }
+    }
+  }
+}
+
+// int8 [N, K] row-major: the 16 columns' (k, k+1) byte pairs are gathered as 32-bit words; the values go in as
+// exact bf16 integers and the row scales are applied to the sums.
+void dequant_int8(const int8_t* w, int64_t nb, int64_t K, uint32_t* panel) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(K)));
+  for (int64_t j = 0; j < 4; ++j) {
+    const int8_t* base = w + (nb * NB + 16 * j) * K;
+    for (int64_t k = 0; k < K; k += 2) {
+      // reads 4 bytes at each row's k: the last pair of the last row would read 2 bytes past the tensor
+      __m512i v;
+      if (k + 4 <= K || j < 3) {
+        v = _mm512_i32gather_epi32(rows, base + k, 1);
+      } else {
+        alignas(64) int32_t tmp[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          int16_t pair;
+          std::memcpy(&pair, base + i * K + k, 2);
+          tmp[i] = pair;
+        }
+        v = _mm512_load_si512(tmp);
+      }
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
+      // integers below 256 are exact in bf16: truncation is the conversion
+      const __m512i pa = _mm512_srli_epi32(_mm512_castps_si512(a), 16);
+      const __m512i pb = _mm512_and_si512(_mm512_castps_si512(b), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+      _mm512_storeu_si512(panel + (k / 2) * NB + 16 * j, _mm512_or_si512(pa, pb));
+    }
+  }
+}
+
+// y[m0 : m0+R, n0 : n0+64] = x[m0 : m0+R, :] . panel (times col_scale when given)
+template <int R>
+inline void micro(const c10::BFloat16* x, int64_t K, const uint32_t* panel, const float* col_scale, c10::BFloat16* y,
+                  int64_t ldy) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int32_t* xw = reinterpret_cast<const int32_t*>(x);  // bf16 pairs of x as 32-bit words
+  const int64_t kw = K / 2;
+  for (int64_t kp = 0; kp < kw; ++kp) {
+    const uint32_t* p = panel + kp * NB;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 16);
+    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(p + 32), b3 = (__m512bh)_mm512_loadu_si512(p + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) {
+      __m512 v = acc[r][j];
+      if (col_scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(col_scale + 16 * j));
+      _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+template <typename Dequant>
+torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, const float* scales, Dequant dequant) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, N / NB, 1, [&](int64_t begin, int64_t end) {
+    Panel panel(K / 2 * NB);
+    alignas(64) float cs[NB];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      dequant(nb, panel.data());
+      const float* col = nullptr;
+      if (scales) {
+        std::memcpy(cs, scales + nb * NB, sizeof(cs));
+        col = cs;
+      }
+      int64_t m = 0;
+      for (; m + MR <= M; m += MR) micro<MR>(xp + m * K, K, panel.data(), col, yp + m * N + nb * NB, N);
+      const c10::BFloat16* xr = xp + m * K;
+      c10::BFloat16* yr = yp + m * N + nb * NB;
+      switch (M - m) {
+        case 5: micro<5>(xr, K, panel.data(), col, yr, N); break;
+        case 4: micro<4>(xr, K, panel.data(), col, yr, N); break;
+        case 3: micro<3>(xr, K, panel.data(), col, yr, N); break;
+        case 2: micro<2>(xr, K, panel.data(), col, yr, N); break;
+        case 1: micro<1>(xr, K, panel.data(), col, yr, N); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+#endif
+
+bool quant_gemm_available() {
+#ifdef EMBER_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x bf16 [M, K]; w uint8 from _convert_weight_to_int4pack_for_cpu ([N, K/2], read as [N/64, K, 32]);
+// scale_zeros bf16 [K/group, N, 2]. Returns bf16 [M, N].
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group) {
+#ifdef EMBER_AVX512_BF16
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.dim() == 3, "scale_zeros bf16 [G, N, 2]");
+  x = x.contiguous();
+  const int64_t K = x.size(1), N = scale_zeros.size(1);
+  TORCH_CHECK(N % NB == 0 && group % 2 == 0 && K % group == 0 && w.numel() == N * K / 2, "int4_gemm: bad shapes");
+  auto wc = w.contiguous();
+  auto szc = scale_zeros.contiguous();
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
+  return panel_gemm(x, N, nullptr,
+                    [&](int64_t nb, uint32_t* panel) { dequant_int4(wp, sp, nb, K, N, group, panel); });
+#else
+  TORCH_CHECK(false, "int4_gemm needs AVX512-BF16");
+#endif
+}
+
+// x bf16 [M, K]; w int8 [N, K]; scales float32 [N]. Returns bf16 [M, N].
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+#ifdef EMBER_AVX512_BF16
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  TORCH_CHECK(w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat, "int8 weight, float32 scales");
+  x = x.contiguous();
+  const int64_t K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && N % NB == 0 && K % 2 == 0 && scales.numel() == N, "int8_gemm: bad shapes");
+  auto wc = w.contiguous();
+  auto sc = scales.contiguous();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  return panel_gemm(x, N, sc.data_ptr<float>(), [&](int64_t nb, uint32_t* panel) { dequant_int8(wp, nb, K, panel); });
+#else
+  TORCH_CHECK(false, "int8_gemm needs AVX512-BF16");
+#endif
+}
