@@ -119,6 +119,30 @@ def test_quantized_gguf_matches_transformers_gguf_loader(tiny_models, tokenizer_
     assert got == hf_greedy(ref, prompt, 20)
 
 
+def test_lazy_gguf_header_reads_what_the_gguf_package_reads(tiny_models, tmp_path):
+    """ember's lazy header reader against gguf.GGUFReader: every metadata value, every tensor's type, shape and
+    bytes, on the default model (Q4_1, Q8_0, F32 and the tokenizer arrays) and a file the gguf writer made."""
+    from conftest import default_gguf
+    from gguf import GGUFReader
+
+    from ember.model_loader.gguf_file import GGUFFile
+
+    _write_gguf(hf_float32(tiny_models["qwen2"]), "qwen2", str(tmp_path / "q.gguf"), "Q5_0")
+    for path in (default_gguf(), str(tmp_path / "q.gguf")):
+        ref, ours = GGUFReader(path), GGUFFile(path)
+        keys = [k for k in ref.fields if not k.startswith("GGUF.")]  # the reader's own header pseudo-fields
+        assert ours.keys == keys
+        for key in keys:
+            want, got = ref.fields[key].contents(), ours.value(key)
+            assert got == pytest.approx(want) if isinstance(want, float) else got == want, key
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for a, b in zip(ref.tensors, ours.tensors):
+            assert b.tensor_type == a.tensor_type and b.shape == tuple(a.shape.tolist()), a.name
+            assert b.data.dtype == a.data.dtype and np.array_equal(b.data, a.data), a.name
+        if "tokenizer.ggml.tokens" in ref.fields:
+            assert ours.array_len("tokenizer.ggml.tokens") == len(ref.fields["tokenizer.ggml.tokens"].data)
+
+
 def test_bad_model_files(tiny_models, tmp_path):
     src = tiny_models["llama"]
     # unknown architecture

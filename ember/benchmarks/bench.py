@@ -10,8 +10,8 @@ import os
 import sys
 
 from ember.benchmarks import metrics, report
-from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, BenchError, backend_python, parse_backends,
-                                     run_driver)
+from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, EMBER_VARIANTS, BenchError, backend_python,
+                                     parse_backends, run_driver)
 from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests, vocabulary
 from ember.entrypoints.cli import add_parallel_args
 
@@ -32,7 +32,8 @@ def add_bench_parser(sub) -> None:
         g = p.add_argument_group("common")
         g.add_argument("--model", default=None, help=".gguf file or Hugging Face folder (default: the embedded "
                                                      "SmolLM2-135M-Instruct); hf/vLLM get it exported to safetensors")
-        g.add_argument("--backends", default="ember", help="comma separated: ember,hf,vllm,llamacpp")
+        g.add_argument("--backends", default="ember", help="comma separated: ember,ember-float,hf,vllm,llamacpp "
+                       "(ember-float: ember with float weights, quantization='none')")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                        help="weights and compute of ember, hf and vllm (llama.cpp runs the GGUF's own types)")
         g.add_argument("--dtype-for", action="append", default=[], metavar="BACKEND=DTYPE",
@@ -162,7 +163,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         for b in order:
             python, path = plan[b]
             spec = {"model": path, "dtype": dtypes[b], "mode": args.mode, "threads": args.threads,
-                    "device": args.device, "max_model_len": max_len, "options": options.get(b, {}),
+                    "device": args.device, "max_model_len": max_len,
+                    "options": EMBER_VARIANTS.get(b, {}) | options.get(b, {}),
                     "requests": [r.to_json() for r in requests]}
             if args.mode == "serving":
                 spec["serving"] = {"rate": args.rate, "concurrency": args.concurrency, "seed": args.seed}

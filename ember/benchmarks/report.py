@@ -86,7 +86,7 @@ def write_chart(record: dict, path: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4))
     if mode == "throughput":
         values = [f["output_tokens_per_s"] for f in med.values()]
-        bars = ax.bar(names, values, color=["#d9480f" if b == "ember" else "#868e96" for b in med])
+        bars = ax.bar(names, values, color=["#d9480f" if b.startswith("ember") else "#868e96" for b in med])
         ax.bar_label(bars, labels=[f"{v:.0f}" for v in values])
         ax.set_ylabel("output tokens/s (median)")
         ax.set_title(f"{record['workload']}: {record['workload_description']}", fontsize=9)

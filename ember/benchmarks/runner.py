@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 from ember import envs
 
-BACKENDS = ("ember", "hf", "vllm", "llamacpp")
-BACKEND_NAMES = {"ember": "ember", "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
+BACKENDS = ("ember", "ember-float", "hf", "vllm", "llamacpp")
+BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "hf": "transformers", "vllm": "vLLM-CPU",
+                 "llamacpp": "llama.cpp"}
+# variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
+EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
 DEFAULT_VENVS = envs.bench_venvs()
 
@@ -41,7 +44,7 @@ def backend_python(backend: str, venvs: str = DEFAULT_VENVS, overrides: dict[str
     """The interpreter of the backend's environment: ember runs in this one, the baselines in their own."""
     if overrides and backend in overrides:
         return overrides[backend]
-    if backend == "ember":
+    if backend in EMBER_VARIANTS:
         return sys.executable
     python = os.path.join(venvs, backend, "bin", "python")
     if not os.path.isfile(os.path.join(venvs, backend, ".installed")):
@@ -59,7 +62,8 @@ def run_driver(backend: str, python: str, spec: dict, log_path: str, timeout: fl
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [python, os.path.join(DRIVERS, f"run_{backend}.py"), spec_path, result_path]
+        driver = "ember" if backend in EMBER_VARIANTS else backend
+        cmd = [python, os.path.join(DRIVERS, f"run_{driver}.py"), spec_path, result_path]
         with open(log_path, "a") as log:
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()

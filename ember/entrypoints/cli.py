@@ -126,11 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# generate and chat run one stream: one seat, and 512-token prefill steps (llama.cpp's micro-batch). The engine warms
+# up at its worst case (every seat at max_model_len, a full prefill step); at the serving defaults (64 seats, 2048
+# tokens) that warm-up is most of the command's start-up.
+CLI_MAX_NUM_SEQS = 1
+CLI_PREFILL_TOKENS = 512
+
+
 def _load(args: argparse.Namespace):
     from ember import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               kv_cache_memory=args.kv_cache_memory, max_num_seqs=8, quantization=args.quantization,
+               kv_cache_memory=args.kv_cache_memory, max_num_seqs=CLI_MAX_NUM_SEQS,
+               max_num_batched_tokens=CLI_PREFILL_TOKENS, quantization=args.quantization,
                calibration_data=args.calibration,
                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,

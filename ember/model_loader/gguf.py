@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ember.distributed import WeightSlice
+from ember.model_loader.gguf_file import GGUFFile
 from ember.model_loader.hf import Select, read_all
 from ember.quantization import GGUF_DIRECT_TYPES, QuantConfig, QuantizedTensor, from_gguf
 
@@ -53,28 +54,19 @@ _LAYER_NAMES = {
 }
 
 
-def _value(field: Any) -> Any:
-    if hasattr(field, "contents"):
-        return field.contents()
-    parts = [field.parts[i] for i in field.data]
-    vals = [bytes(p).decode("utf-8") if p.dtype == np.uint8 else p.tolist()[0] for p in parts]
-    return vals[0] if len(vals) == 1 else vals
-
-
 class GGUFCheckpoint:
     """One GGUF file: its metadata as a transformers config and its tensors under Hugging Face names."""
 
     kind = "gguf"
 
     def __init__(self, path: str) -> None:
-        from gguf import GGUFReader
-
         try:
-            self.reader = GGUFReader(path)
-        except Exception as e:  # the reader raises bare ValueError/struct errors on truncated files
+            self.file = GGUFFile(path)
+        except Exception as e:  # struct errors and short maps on truncated files
             raise ValueError(f"model file {path!r} is not a readable GGUF file: {e}") from e
         self.path = path
-        self.meta = {k: _value(f) for k, f in self.reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+        # the tokenizer's arrays (vocabulary, merges) are decoded only by the tokenizer conversion
+        self.meta = {k: self.file.value(k) for k in self.file.keys if not k.startswith("tokenizer.ggml.")}
         self.gguf_arch = str(self.meta.get("general.architecture"))
         if self.gguf_arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF general.architecture={self.gguf_arch!r} is not supported: "
@@ -90,8 +82,8 @@ class GGUFCheckpoint:
             if prefix + key in self.meta:
                 kwargs[name] = self.meta[prefix + key]
         if "vocab_size" not in kwargs:
-            kwargs["vocab_size"] = len(self.reader.fields["tokenizer.ggml.tokens"].data)
-        kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.reader.tensors)
+            kwargs["vocab_size"] = self.file.array_len("tokenizer.ggml.tokens")
+        kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.file.tensors)
         scaling = self.meta.get(prefix + "rope.scaling.type")
         if scaling and scaling != "none":
             rope = {"rope_type": scaling, "factor": float(self.meta.get(prefix + "rope.scaling.factor", 1.0))}
@@ -101,9 +93,9 @@ class GGUFCheckpoint:
         if "head_dim" not in kwargs:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
         for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-            field = self.reader.fields.get("tokenizer.ggml." + key)
-            if field is not None:
-                kwargs[name] = int(_value(field))
+            value = self.file.value("tokenizer.ggml." + key)
+            if value is not None:
+                kwargs[name] = int(value)
         config = AutoConfig.for_model(self.model_type, **kwargs)
         config.architectures = [self.architecture]
         return config
@@ -121,7 +113,7 @@ class GGUFCheckpoint:
         int8 when they are Q8_0 (or a mix of the three); None (float) otherwise. The embedding table stays int8
         when it is stored in one of those types."""
         linear, table = set(), set()
-        for t in self.reader.tensors:
+        for t in self.file.tensors:
             name = _hf_name(t.name) or ""
             if name.endswith("_proj.weight"):
                 linear.add(t.tensor_type.name)
@@ -135,7 +127,7 @@ class GGUFCheckpoint:
     def kept_block_size(self, suffix: str) -> int:
         """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
         1 when none is (other types are dequantized and can be sliced anywhere)."""
-        return max((32 for t in self.reader.tensors
+        return max((32 for t in self.file.tensors
                     if t.tensor_type.name in GGUF_DIRECT_TYPES and (_hf_name(t.name) or "").endswith(suffix)),
                    default=1)
 
@@ -146,7 +138,7 @@ class GGUFCheckpoint:
         from gguf import dequantize
 
         permute = self.gguf_arch in ("llama", "mistral")
-        for t in self.reader.tensors:
+        for t in self.file.tensors:
             kind = t.tensor_type.name
             if kind not in SUPPORTED_QUANT_TYPES:
                 raise ValueError(f"GGUF tensor {t.name} has type {kind}: supported types are {SUPPORTED_QUANT_TYPES}")
