@@ -62,6 +62,49 @@ def test_cpu_kernel_matches_sdpa_on_the_block_pool(dtype, heads, kv_heads, windo
         torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,D,bs", [(9, 3, 64, 16), (14, 2, 64, 16), (4, 4, 128, 32), (8, 1, 64, 8)])
+def test_cpu_prefill_kernel_matches_sdpa_over_the_paged_context(heads, kv_heads, D, bs):
+    """ember's bf16 prefill attention (AVX512-BF16 builds) against SDPA with an explicit causal / window mask on the
+    context gathered by hand: fresh prompts, chunks after cached context, windows cutting blocks."""
+    kernels = kernels_for(torch.device("cpu"))
+    if kernels is None or not kernels.has_avx512_bf16():
+        pytest.skip("the AVX512-BF16 kernels are not built on this machine (prefill runs SDPA)")
+    g = torch.Generator().manual_seed(heads * D + bs)
+    for length, ctx in ((1, 1), (5, 5), (33, 33), (40, 100), (100, 100), (7, 64)):
+        for window in (0, 5, 37):
+            nbl = -(-ctx // bs) + 1
+            kc = torch.randn(nbl + 4, bs, kv_heads, D, generator=g).bfloat16()
+            vc = torch.randn(nbl + 4, bs, kv_heads, D, generator=g).bfloat16()
+            table = torch.randperm(nbl + 4, generator=g)[:nbl]
+            q = (torch.randn(length, heads, D, generator=g) * 2).bfloat16()
+            out = kernels.paged_prefill_attention(q, kc, vc, table, ctx, window, D ** -0.5).float()
+            rep = heads // kv_heads
+            k = kc[table].reshape(-1, kv_heads, D)[:ctx].float().repeat_interleave(rep, 1).transpose(0, 1)
+            v = vc[table].reshape(-1, kv_heads, D)[:ctx].float().repeat_interleave(rep, 1).transpose(0, 1)
+            rows, cols = torch.arange(ctx - length, ctx)[:, None], torch.arange(ctx)[None]
+            mask = (cols <= rows) & ((cols > rows - window) if window else True)
+            ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=D ** -0.5)
+            # bf16 output and P rounded to bf16 before P.V
+            torch.testing.assert_close(out, ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_rotary_kernel_equals_eager_rope_bit_for_bit(dtype):
+    """The in-place RoPE kernel on the Q/K slice of a fused QKV output (rows strided) against apply_rotary."""
+    from ember.layers.rotary import apply_rotary, rotate_in_place
+
+    if kernels_for(torch.device("cpu")) is None:
+        pytest.skip("the CPU kernels could not be built on this machine")
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(37, 15 * 64, generator=g).to(dtype)
+    x = qkv[:, :12 * 64].view(37, 12, 64)
+    cos, sin = torch.randn(37, 1, 64, generator=g).to(dtype), torch.randn(37, 1, 64, generator=g).to(dtype)
+    want, v_before = apply_rotary(x, cos, sin), qkv[:, 12 * 64:].clone()
+    got = rotate_in_place(x, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr() and torch.equal(got, want)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)  # V untouched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_fused_add_rms_norm_matches_the_torch_path(dtype):
     """The kernel's residual add + RMSNorm against the eager transformers-style arithmetic it replaces."""

@@ -20,7 +20,8 @@ logger = logging.getLogger("ember")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp", "elementwise.cpp",
+            "prefill_attention.cpp")
 _HEADERS = ("avx512_util.h",)  # part of the cache key only
 # reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the

@@ -3,15 +3,20 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t window,
                                      double scale);
-bool quant_gemm_available();
+bool has_avx512_bf16();
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t context_len, int64_t window, double scale);
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group);
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void add_rms_norm_(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the block pool (CPU)");
-  m.def("quant_gemm_available", &quant_gemm_available, "whether int4_gemm / int8_gemm were built (AVX512-BF16)");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX512-BF16 kernels were built (int4/int8 GEMM, prefill)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "a chunk's causal attention over its paged context");
   m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (torch's CPU int4 pack) -> bf16 [M, N]");
   m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]");
+  m.def("rotary_", &rotary_, "in place: rotate-half RoPE of x [T, H, D] by cos/sin [T, D]");
   m.def("add_rms_norm_", &add_rms_norm_, "in place: residual += x (if given); x = rms_norm(residual or x) * w");
 }

@@ -160,7 +160,7 @@ torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, const float* scales,
 }  // namespace
 #endif
 
-bool quant_gemm_available() {
+bool has_avx512_bf16() {
 #ifdef EMBER_AVX512_BF16
   return true;
 #else

@@ -217,7 +217,7 @@ class TorchAttention(AttentionBackend):
 
 class CpuKernelAttention(TorchAttention):
     """CPU with ember's compiled kernels and a float pool: decode reads the blocks in place, with no gathered copy;
-    prefill as ``torch``."""
+    bf16 prefill too where the AVX512-BF16 kernels were built, else prefill as ``torch``."""
 
     __slots__ = ("kernels",)
     name = "cpu-kernel"
@@ -237,6 +237,15 @@ class CpuKernelAttention(TorchAttention):
                fmt: KVCacheFormat | None) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
                                                    meta.decode_context_lens, layer.sliding_window or 0, layer.scale)
+
+    def prefill(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
+                fmt: KVCacheFormat | None) -> torch.Tensor:
+        """bf16 with head size 64 or 128 on an AVX512-BF16 build: ember's kernel over the paged context (no gather,
+        prefix hits and earlier chunks included); otherwise SDPA as ``torch``."""
+        if q.dtype == torch.bfloat16 and layer.head_dim in (64, 128) and self.kernels.has_avx512_bf16():
+            return self.kernels.paged_prefill_attention(q, layer.k_cache, layer.v_cache, span.block_table,
+                                                        span.context_len, layer.sliding_window or 0, layer.scale)
+        return super().prefill(layer, q, k, v, span, fmt)
 
 
 # name -> backend, in order of preference: selection takes the first that supports the device and KV format

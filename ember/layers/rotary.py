@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.kernels import kernels_for
+
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -45,6 +47,17 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and sin of every token's position, in the activations' dtype (as transformers casts)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` written back into x [T, H, D] (a view into the QKV projection's output) where ember's CPU
+    kernel runs it in one pass (bf16/fp16; the same rounding as eager), else eager; returns the rotated tensor."""
+    if x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]:
+        kernels = kernels_for(x.device)
+        if kernels is not None:
+            kernels.rotary_(x, cos, sin)
+            return x
+    return apply_rotary(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.embedding import LMHead, VocabEmbedding, vocab_range
 from ember.layers.linear import MergedLinear, load_float, row_parallel_linear
 from ember.layers.norm import RMSNorm
-from ember.layers.rotary import RotaryEmbedding, apply_rotary
+from ember.layers.rotary import RotaryEmbedding, apply_rotary, rotate_in_place
 from ember.quantization import QuantConfig, QuantizedTensor
 
 
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, (nq + nkv) * d:].view(T, nkv, d)
         if self.q_norm is None:  # Q and K are adjacent: one rotation for both
-            qk = apply_rotary(qkv[:, :(nq + nkv) * d].view(T, nq + nkv, d), *rope)
+            qk = rotate_in_place(qkv[:, :(nq + nkv) * d].view(T, nq + nkv, d), *rope)
             q, k = qk[:, :nq], qk[:, nq:]
         else:
             q = apply_rotary(self.q_norm(qkv[:, :nq * d].reshape(T, nq, d)), *rope)

@@ -47,7 +47,7 @@ def _ember_gemm():
     from ember.kernels import cpu_kernels
 
     k = cpu_kernels()
-    return k if k is not None and k.quant_gemm_available() else None
+    return k if k is not None and k.has_avx512_bf16() else None
 
 
 def _has_kernel(op: str, key: str) -> bool:

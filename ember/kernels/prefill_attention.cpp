@@ -1,0 +1,183 @@
+// Paged prefill attention for CPU, bf16 with AVX512-BF16: a chunk's queries against every cached key of their
+// sequence (earlier chunks and prefix-cache hits included), read from the block pool. torch's CPU flash attention
+// ran W1's prompts at ~57 GFLOP/s on a machine whose bf16 matmuls reach ~414; here both products are register-blocked
+// vdpbf16ps GEMM tiles, as in quant_gemm.cpp:
+//   1. per KV head, the context's K is laid out as pairs along the head dimension for 16 keys at a time and V as
+//      pairs of consecutive keys (the layouts vdpbf16ps reads), gathered from the pool once for all query heads;
+//   2. per query head and block of MR query rows: S = Q K^T over 32 keys, causal / window mask, online softmax,
+//      O += P V with P rounded to bf16 (as FlashAttention), key blocks past the causal edge skipped.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "avx512_util.h"
+
+#ifdef EMBER_AVX512_BF16
+namespace {
+
+constexpr int64_t KB = 32;  // keys a step: two vectors of 16
+
+// kt[(j / 16) * (D / 2) * 16 + dp * 16 + j % 16] = K[j] pair dp;  vt[(j / 2) * D + x] = (V[j][x], V[j + 1][x])
+template <int64_t D>
+void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t bs, int64_t hkv, int64_t h,
+               int64_t S, uint32_t* kt, uint32_t* vt) {
+  const int64_t S32 = (S + KB - 1) / KB * KB;
+  for (int64_t j = 0; j < S32; ++j) {
+    uint32_t* kd = kt + (j / 16) * (D / 2) * 16 + j % 16;
+    uint16_t* vd = reinterpret_cast<uint16_t*>(vt + (j / 2) * D) + (j % 2);
+    if (j < S) {
+      const int64_t row = ((table[j / bs] * bs + j % bs) * hkv + h) * D;
+      const uint32_t* kr = reinterpret_cast<const uint32_t*>(kc + row);
+      for (int64_t dp = 0; dp < D / 2; ++dp) kd[dp * 16] = kr[dp];
+      const uint16_t* vr = vc + row;
+      for (int64_t x = 0; x < D; ++x) vd[2 * x] = vr[x];
+    } else {  // padding keys: zeros (masked out of the softmax)
+      for (int64_t dp = 0; dp < D / 2; ++dp) kd[dp * 16] = 0;
+      for (int64_t x = 0; x < D; ++x) vd[2 * x] = 0;
+    }
+  }
+}
+
+template <int64_t D, int MR>
+void attend_rows(const uint16_t* q, int64_t q_stride, const int64_t* pos, int rows, const uint32_t* kt,
+                 const uint32_t* vt, int64_t S, int64_t window, float scale, c10::BFloat16* out, int64_t out_stride) {
+  using namespace ember_avx512;
+  constexpr int64_t NV = D / 16;
+  __m512 o[MR][NV];
+  float m[MR], l[MR];
+  const uint32_t* qw[MR];
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_setzero_ps();
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+    qw[r] = reinterpret_cast<const uint32_t*>(q + std::min(r, rows - 1) * q_stride);
+  }
+  const int64_t p_first = pos[0], p_last = pos[std::min(MR, rows) - 1];
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
+  const int64_t hi = std::min(S, p_last + 1);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t k0 = lo / KB * KB; k0 < hi; k0 += KB) {
+    __m512 s[MR][2];
+    for (int r = 0; r < MR; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    const uint32_t* k_a = kt + (k0 / 16) * (D / 2) * 16;
+    const uint32_t* k_b = k_a + (D / 2) * 16;
+    for (int64_t dp = 0; dp < D / 2; ++dp) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k_a + dp * 16);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(k_b + dp * 16);
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r][dp]));
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], a, b0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], a, b1);
+      }
+    }
+    alignas(64) uint32_t pw[MR][16];
+    for (int r = 0; r < MR; ++r) {
+      const int64_t p = pos[std::min(r, rows - 1)];
+      const __m512i first = _mm512_set1_epi32(static_cast<int>(window > 0 ? p - window + 1 : 0));
+      const __m512i last = _mm512_set1_epi32(static_cast<int>(std::min(p, S - 1)));
+      __mmask16 valid[2];
+      for (int j = 0; j < 2; ++j) {
+        const __m512i kj = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + 16 * j)), iota);
+        valid[j] = _mm512_cmple_epi32_mask(kj, last) & _mm512_cmpge_epi32_mask(kj, first);
+        s[r][j] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid[j],
+                                     _mm512_mul_ps(s[r][j], _mm512_set1_ps(scale)));
+      }
+      const float mx = std::max(_mm512_reduce_max_ps(s[r][0]), _mm512_reduce_max_ps(s[r][1]));
+      const float m_new = std::max(m[r], mx);
+      if (m_new == -std::numeric_limits<float>::infinity()) {  // no visible key in this block for this row
+        std::memset(pw[r], 0, sizeof(pw[r]));
+        continue;
+      }
+      const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - m_new);
+      const __m512 mv = _mm512_set1_ps(m_new);
+      const __m512 p0 = _mm512_maskz_mov_ps(valid[0], exp_ps(_mm512_sub_ps(s[r][0], mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(valid[1], exp_ps(_mm512_sub_ps(s[r][1], mv)));
+      m[r] = m_new;
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_mul_ps(o[r][x], cv);
+      _mm512_store_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // 32 bf16 in key order = 16 key pairs
+    }
+    const uint32_t* v0 = vt + (k0 / 2) * D;
+    for (int64_t kp = 0; kp < KB / 2; ++kp) {
+      __m512bh b[NV];
+      for (int64_t x = 0; x < NV; ++x) b[x] = (__m512bh)_mm512_loadu_si512(v0 + kp * D + 16 * x);
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r][kp]));
+        for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_dpbf16_ps(o[r][x], a, b[x]);
+      }
+    }
+  }
+  for (int r = 0; r < rows && r < MR; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int64_t x = 0; x < NV; ++x)
+      _mm256_storeu_si256((__m256i*)(out + r * out_stride + 16 * x),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][x], inv)));
+  }
+}
+
+template <int64_t D>
+void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const int64_t* table,
+             int64_t S, int64_t window, float scale, torch::Tensor& out) {
+  constexpr int MR = D == 64 ? 4 : 2;  // O stays in registers: MR x D/16 accumulators
+  const int64_t L = q.size(0), hq = q.size(1), hkv = kc.size(2), bs = kc.size(1), g = hq / hkv;
+  const int64_t S32 = (S + KB - 1) / KB * KB;
+  std::vector<uint32_t> kt(hkv * S32 * D / 2), vt(hkv * S32 / 2 * D);
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<c10::BFloat16>());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, hkv, 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h)
+      layout_kv<D>(kp, vp, table, bs, hkv, h, S, kt.data() + h * S32 * D / 2, vt.data() + h * S32 / 2 * D);
+  });
+  std::vector<int64_t> pos(L);
+  for (int64_t i = 0; i < L; ++i) pos[i] = S - L + i;
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t blocks = (L + MR - 1) / MR, tasks = hq * blocks;
+  // later row blocks see more keys (causal): tasks go round-robin so every thread gets early and late rows
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t tid = b; tid < e; ++tid)
+    for (int64_t t = tid; t < tasks; t += nt) {
+      const int64_t h = t % hq, blk = t / hq, i0 = blk * MR;
+      const int rows = static_cast<int>(std::min<int64_t>(MR, L - i0));
+      attend_rows<D, MR>(qp + (i0 * hq + h) * D, hq * D, pos.data() + i0, rows,
+                         kt.data() + (h / g) * S32 * D / 2, vt.data() + (h / g) * S32 / 2 * D, S, window, scale,
+                         op + (i0 * hq + h) * D, hq * D);
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+// q [L, Hq, D] bf16: the chunk's queries, at positions context_len - L .. context_len - 1; k_cache/v_cache
+// [num_blocks, block_size, Hkv, D] with the chunk's K/V already written; block_table [>= ceil(context_len / bs)];
+// window <= 0: full causal attention. Returns [L, Hq, D].
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t context_len, int64_t window, double scale) {
+#ifdef EMBER_AVX512_BF16
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+              v_cache.scalar_type() == at::kBFloat16, "bf16 q and caches expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "caches");
+  TORCH_CHECK(block_table.scalar_type() == torch::kLong, "int64 block table");
+  const int64_t D = q.size(2);
+  TORCH_CHECK((D == 64 || D == 128) && k_cache.size(3) == D && q.size(1) % k_cache.size(2) == 0, "head shapes");
+  TORCH_CHECK(context_len >= q.size(0) && block_table.numel() * k_cache.size(1) >= context_len, "context");
+  q = q.contiguous();
+  auto table = block_table.contiguous();
+  auto out = torch::empty_like(q);
+  if (D == 64)
+    prefill<64>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, window, static_cast<float>(scale), out);
+  else
+    prefill<128>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, window, static_cast<float>(scale), out);
+  return out;
+#else
+  TORCH_CHECK(false, "paged_prefill_attention needs AVX512-BF16");
+#endif
+}
