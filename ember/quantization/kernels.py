@@ -12,7 +12,7 @@ One *path* a weight, chosen at load by ``select_path`` and run by its class in `
   ``cuda-w8a8``: ``torch._int_mm`` (cuBLASLt int8, at least 17 rows: smaller batches are zero-padded).
 - ``portable``: dequantize per call (int8 per channel: cast, matmul, scale). Correct on every device.
 On CPUs with AVX512-BF16, ember's own kernels (``ember/kernels/quant_gemm.cpp``) take over the int4 path from
-4 rows and the int8 path from 16: they read the same packed weight, dequantize 64 output columns at a time into the
+4 rows and the int8 path up to 4 rows (row-wise dot products) and from 16: they read the same packed weight, dequantize 64 output columns at a time into the
 thread's cache and run register-blocked bf16 dot products, so the cost per row falls with the batch (3072x576 int4,
 bf16 activations, 2 threads: 48 rows 0.42 ms against torch's packed op 1.06 ms and oneDNN bf16 0.46 ms; 512 rows
 4.4 ms against 12.3 and 4.8). Below those rows torch's packed ops are faster (no panel to fill).
@@ -36,7 +36,9 @@ logger = logging.getLogger("ember")
 
 DENSE_MIN_ROWS = 128  # from this many rows on, dequantize + one dense matmul beats the packed CPU ops
 EMBER_INT4_MIN_ROWS = 4  # from this many rows on, ember's int4 kernel beats torch's packed op (3072x576: 88 vs 100 us)
-EMBER_INT8_MIN_ROWS = 16  # the int8 kernel gathers rows, so it overtakes torch's op later (49152x576: 9.0 vs 12.1 ms)
+EMBER_INT8_MIN_ROWS = 16  # the int8 panels gather rows, so they overtake torch's op later (49152x576: 9.0 vs 12.1 ms)
+EMBER_INT8_ROWS_MAX = 4  # up to this many rows the int8 kernel dots weight rows directly (49152x576, 1 row: 1.0 ms
+#                          against torch's 3.7 ms)
 _INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows; other row counts take the portable path
 _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more than 16 rows
 _CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
@@ -183,10 +185,12 @@ class _CpuWeightOnly(_WeightOnlyPath):
 
     __slots__ = ()
     ember_min_rows: ClassVar[int]
+    ember_max_small_rows: ClassVar[int] = 0  # batches this small take ember's kernel too
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= self.ember_min_rows and (kernels := _ember_gemm()) is not None:
+        ember_rows = rows >= self.ember_min_rows or rows <= self.ember_max_small_rows
+        if ember_rows and (kernels := _ember_gemm()) is not None:
             y = self.ember_mm(kernels, x.reshape(rows, self.k).to(torch.bfloat16))
             return y.to(x.dtype).view(*x.shape[:-1], self.n)
         if rows >= DENSE_MIN_ROWS:
@@ -217,13 +221,14 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
     __slots__ = ("s32",)
     name = "cpu-int8"
     ember_min_rows = EMBER_INT8_MIN_ROWS
+    ember_max_small_rows = EMBER_INT8_ROWS_MAX
 
     def prepare(self, qt: QuantizedTensor) -> None:
         super().prepare(qt)
         self.s32 = qt.scales.view(-1).float()  # ember's kernel scales the float sums
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
-        if self.n % _INT4_BLOCK_N:  # the kernel works in panels of 64 rows
+        if self.n % _INT4_BLOCK_N and xb.shape[0] > EMBER_INT8_ROWS_MAX:  # panels of 64 output rows
             return self.packed_mm(xb)
         return kernels.int8_gemm(xb, self.w, self.s32)
 
