@@ -88,6 +88,40 @@ def test_cpu_prefill_kernel_matches_sdpa_over_the_paged_context(heads, kv_heads,
             torch.testing.assert_close(out, ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_write_kernel_equals_index_copy(dtype):
+    """K/V rows strided inside a fused QKV output, written to their slots in one pass, as two index_copy_ would."""
+    kernels = kernels_for(torch.device("cpu"))
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built on this machine")
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(11, 15 * 64, generator=g).to(dtype)
+    k, v = qkv[:, 9 * 64:12 * 64].view(11, 3, 64), qkv[:, 12 * 64:].view(11, 3, 64)
+    slots = torch.randperm(8 * 16, generator=g)[:11]
+    pools = [torch.randn(8, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    pools += [p.clone() for p in pools]
+    kernels.write_kv_(pools[0], pools[1], k, v, slots)
+    pools[2].view(-1, 3, 64).index_copy_(0, slots, k)
+    pools[3].view(-1, 3, 64).index_copy_(0, slots, v)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv_(pools[0], pools[1], k, v, slots + 8 * 16)
+
+
+def test_cpu_silu_and_mul_kernel_matches_eager_within_one_bf16_step():
+    from ember.layers.activation import silu_and_mul
+
+    kernels = kernels_for(torch.device("cpu"))
+    if kernels is None or not kernels.has_avx512_bf16():
+        pytest.skip("the AVX512-BF16 kernels are not built on this machine (eager runs)")
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(37, 2 * 1536, generator=g) * 4).bfloat16()
+    want = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    got = silu_and_mul(gate_up)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    assert (got == want).float().mean().item() > 0.99  # almost every value bit-equal
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_rotary_kernel_equals_eager_rope_bit_for_bit(dtype):
     """The in-place RoPE kernel on the Q/K slice of a fused QKV output (rows strided) against apply_rotary."""

@@ -45,5 +45,10 @@ inline __m512 load_bf16_ps(const void* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+// 16 bf16 held in a register -> 16 float32
+inline __m512 load_bf16_ps_from(__m256bh v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
+}
+
 }  // namespace ember_avx512
 #endif

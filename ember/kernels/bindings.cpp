@@ -1,5 +1,7 @@
 #include <torch/extension.h>
 
+#include "avx512_util.h"
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t window,
                                      double scale);
@@ -9,6 +11,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group);
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
+#ifdef EMBER_AVX512_BF16
+torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
+#endif
 void add_rms_norm_(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -17,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "a chunk's causal attention over its paged context");
   m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (torch's CPU int4 pack) -> bf16 [M, N]");
   m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]");
+  m.def("write_kv_", &write_kv_, "in place: k/v rows into the pools at their slots");
+#ifdef EMBER_AVX512_BF16
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of a bf16 [rows, 2I] projection (AVX512)");
+#endif
   m.def("rotary_", &rotary_, "in place: rotate-half RoPE of x [T, H, D] by cos/sin [T, D]");
   m.def("add_rms_norm_", &add_rms_norm_, "in place: residual += x (if given); x = rms_norm(residual or x) * w");
 }

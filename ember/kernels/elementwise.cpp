@@ -1,9 +1,12 @@
-// Rotate-half RoPE, which eager torch runs as five ops with temporaries (mul, neg, cat, mul, add), in one pass in
-// place, rounding to the model dtype where eager rounds (after each op), so the result equals eager's.
-// (A one-pass SiLU-and-mul was measured too and dropped: with libm's scalar exp it ran 3.5x slower than eager's
-// vectorised silu + mul at 48 rows.)
+// Elementwise steps of a layer that eager torch runs as several ops with temporaries: rotate-half RoPE in place
+// (mul, neg, cat, mul, add), the K/V write into the pools (two index_copy_), and SiLU-and-mul (chunk, silu, mul),
+// each in one pass, rounding to the model dtype where eager rounds.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "avx512_util.h"
 
 namespace {
 
@@ -44,3 +47,61 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     });
   });
 }
+
+// k, v [T, Hkv, D] (rows may be strided: views into the QKV output) -> the pools [num_blocks * block_size, Hkv, D]
+// at slots [T], both in one pass (eager torch runs two index_copy_ calls a layer).
+void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "pools");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && slots.scalar_type() == torch::kLong, "k/v");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(), "dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "heads of a row must be contiguous");
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), elem = k.element_size();
+  TORCH_CHECK(k_cache.numel() % row == 0, "pool rows");
+  auto sl = slots.contiguous();
+  const int64_t* s = sl.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t rows = k_cache.numel() / row;
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < rows, "slot out of range");
+  at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      std::memcpy(kc + s[t] * row * elem, kp + t * k.stride(0) * elem, row * elem);
+      std::memcpy(vc + s[t] * row * elem, vp + t * v.stride(0) * elem, row * elem);
+    }
+  });
+}
+
+#ifdef EMBER_AVX512_BF16
+// gate_up [rows, 2I] bf16 -> silu(gate) * up [rows, I], 16 lanes at a time; silu is rounded to bf16 before the
+// product as eager rounds it. The exp is Cephes' (within 2 ulp of float32's), so a result can differ from eager's
+// in the last bf16 bit where the float32 silu lands on a rounding boundary.
+torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == at::kBFloat16 &&
+              gate_up.size(1) % 32 == 0, "gate_up must be contiguous bf16 [rows, 2I], I % 16 == 0");
+  using namespace ember_avx512;
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  const c10::BFloat16* in = gate_up.data_ptr<c10::BFloat16>();
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows * (inter / 16), 64, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t r = c / (inter / 16), i = (c % (inter / 16)) * 16;
+      const c10::BFloat16* g = in + r * 2 * inter + i;
+      const __m512 x = load_bf16_ps(g), u = load_bf16_ps(g + inter);
+      // x / (1 + exp(-x)): exp_ps takes x <= 0, so exp(-|x|) and the sign folded back
+      const __m512 e_neg = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+      const __m512 one = _mm512_set1_ps(1.f);
+      const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+      // x >= 0: x / (1 + e^-x); x < 0: x * e^x / (1 + e^x)
+      const __m512 den = _mm512_add_ps(one, e_neg);
+      const __m512 silu = _mm512_mask_blend_ps(pos, _mm512_div_ps(_mm512_mul_ps(x, e_neg), den), _mm512_div_ps(x, den));
+      const __m512 s_r = load_bf16_ps_from(_mm512_cvtneps_pbh(silu));
+      _mm256_storeu_si256((__m256i*)(o + r * inter + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s_r, u)));
+    }
+  });
+  return out;
+}
+#endif

@@ -233,6 +233,11 @@ class CpuKernelAttention(TorchAttention):
     def supports(cls, device: torch.device, kv_format: KVCacheFormat | None) -> bool:
         return _quantized(kv_format) is None and kernels_for(device) is not None
 
+    def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              fmt: KVCacheFormat | None) -> None:
+        """Both pools in one pass (a float pool: ``supports`` admits no other)."""
+        self.kernels.write_kv_(layer.k_cache, layer.v_cache, k, v, slots)
+
     def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
                fmt: KVCacheFormat | None) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
