@@ -51,7 +51,8 @@ def main() -> None:
     n, start = 30, time.perf_counter()
     for _ in range(n):
         step()
-    print(f"batch {B}, context {L}, {args.dtype}, quantization {args.quantization}: {1e3 * (time.perf_counter() - start) / n:.2f} ms a step")
+    ms = 1e3 * (time.perf_counter() - start) / n
+    print(f"batch {B}, context {L}, {args.dtype}, quantization {args.quantization}: {ms:.2f} ms a step")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
