@@ -1,7 +1,9 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder and cached.
 
-Only what eager torch does badly lives here: paged decode attention that reads the block pool in place, and
-residual add + RMSNorm in one pass (eager torch spends about nine small ops on it, twice a layer).
+Only what eager torch does badly lives here: paged decode and prefill attention that read the block pool in place,
+the int4 / int8 weight-only GEMM (torch's packed ops cost the same per row at any batch), and one-pass RoPE, K/V
+write, SiLU-and-mul and residual add + RMSNorm (eager torch spends several small ops on each, every layer).
+The AVX512-BF16 kernels compile only where the build machine has the instructions (``has_avx512_bf16()``).
 Every kernel has a torch fallback: no compiler, a CUDA device or EMBER_CPU_KERNELS=0 select it, so the kernels
 are an optimisation, never a requirement.
 """
