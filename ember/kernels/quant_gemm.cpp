@@ -32,37 +32,105 @@ inline __m512i pair_bf16(__m512 wk, __m512 wk1) {
 }
 
 // torch's CPU int4 pack: bytes [N/64, K, 32]; column c of a 64-column block is byte c % 32 of row k, low nibble
-// for c < 32. scale_zeros bf16 [K/g, N, 2]: w = (q - 8) * scale + zero.
-void dequant_int4(const uint8_t* w, const c10::BFloat16* sz, int64_t nb, int64_t K, int64_t N, int64_t group,
-                  uint32_t* panel) {
+// for c < 32. The panel gets q itself (0..15, exact in bf16); scale_zeros bf16 [K/g, N, 2] (w = (q - 8) * scale +
+// zero) become float scales s and offsets z = zero - 8 * scale per group and column, applied to the float sums of
+// each group, so w is never rounded to bf16 (torch's packed op does not round it either).
+void unpack_int4(const uint8_t* w, const c10::BFloat16* sz, int64_t nb, int64_t K, int64_t N, int64_t group,
+                 uint32_t* panel, float* gs, float* gz) {
   const uint8_t* blk = w + nb * K * 32;
   const __m512i lo4 = _mm512_set1_epi32(0xF);
-  for (int64_t g0 = 0; g0 < K; g0 += group) {
-    __m512 s[4], z[4];
+  for (int64_t g = 0; g < K / group; ++g)
     for (int64_t j = 0; j < 4; ++j) {
       // 16 (scale, zero) bf16 pairs as 32-bit lanes: scale in the low half
-      const __m512i p = _mm512_loadu_si512(sz + ((g0 / group) * N + nb * NB + 16 * j) * 2);
-      s[j] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      const __m512i p = _mm512_loadu_si512(sz + (g * N + nb * NB + 16 * j) * 2);
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
       const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-      z[j] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[j], zero);  // w = q * s + (zero - 8 s)
+      _mm512_storeu_ps(gs + g * NB + 16 * j, sc);
+      _mm512_storeu_ps(gz + g * NB + 16 * j, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sc, zero));
     }
-    for (int64_t k = g0; k < g0 + group; k += 2) {
-      const __m512i r0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + k * 32)));
-      const __m512i r1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + k * 32 + 16)));
-      const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (k + 1) * 32)));
-      const __m512i s1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (k + 1) * 32 + 16)));
-      const __m512i qk[4] = {_mm512_and_si512(r0, lo4), _mm512_and_si512(r1, lo4), _mm512_srli_epi32(r0, 4),
-                             _mm512_srli_epi32(r1, 4)};
-      const __m512i qk1[4] = {_mm512_and_si512(s0, lo4), _mm512_and_si512(s1, lo4), _mm512_srli_epi32(s0, 4),
-                              _mm512_srli_epi32(s1, 4)};
-      uint32_t* out = panel + (k / 2) * NB;
-      for (int64_t j = 0; j < 4; ++j) {
-        const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qk[j]), s[j], z[j]);
-        const __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qk1[j]), s[j], z[j]);
-        _mm512_storeu_si512(out + 16 * j, pair_bf16(a, b));
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m512i r0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + k * 32)));
+    const __m512i r1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + k * 32 + 16)));
+    const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (k + 1) * 32)));
+    const __m512i s1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (k + 1) * 32 + 16)));
+    const __m512i qk[4] = {_mm512_and_si512(r0, lo4), _mm512_and_si512(r1, lo4), _mm512_srli_epi32(r0, 4),
+                           _mm512_srli_epi32(r1, 4)};
+    const __m512i qk1[4] = {_mm512_and_si512(s0, lo4), _mm512_and_si512(s1, lo4), _mm512_srli_epi32(s0, 4),
+                            _mm512_srli_epi32(s1, 4)};
+    uint32_t* out = panel + (k / 2) * NB;
+    for (int64_t j = 0; j < 4; ++j)
+      _mm512_storeu_si512(out + 16 * j, pair_bf16(_mm512_cvtepi32_ps(qk[j]), _mm512_cvtepi32_ps(qk1[j])));
+  }
+}
+
+// y[m0 : m0+R, n0 : n0+64] = sum over groups of (x . q) * s + xsum * z: the integer dot products of a group
+// accumulate apart, then are scaled in float32.
+template <int R>
+inline void micro_int4(const c10::BFloat16* x, int64_t K, int64_t group, const uint32_t* panel, const float* gs,
+                       const float* gz, const float* xsum, int64_t groups, c10::BFloat16* y, int64_t ldy) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int32_t* xw = reinterpret_cast<const int32_t*>(x);
+  const int64_t kw = K / 2, gw = group / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
+    for (int64_t kp = g * gw; kp < (g + 1) * gw; ++kp) {
+      const uint32_t* p = panel + kp * NB;
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 16);
+      const __m512bh b2 = (__m512bh)_mm512_loadu_si512(p + 32), b3 = (__m512bh)_mm512_loadu_si512(p + 48);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
+        part[r][0] = _mm512_dpbf16_ps(part[r][0], a, b0);
+        part[r][1] = _mm512_dpbf16_ps(part[r][1], a, b1);
+        part[r][2] = _mm512_dpbf16_ps(part[r][2], a, b2);
+        part[r][3] = _mm512_dpbf16_ps(part[r][3], a, b3);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512 sv = _mm512_loadu_ps(gs + g * NB + 16 * j), zv = _mm512_loadu_ps(gz + g * NB + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm512_fmadd_ps(part[r][j], sv, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), zv, acc[r][j]);
       }
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
+torch::Tensor int4_panel_gemm(const torch::Tensor& x, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
+                              int64_t group) {
+  constexpr int R = 3;  // 3 x 4 group sums + 3 x 4 totals stay in registers
+  const int64_t M = x.size(0), K = x.size(1), groups = K / group;
+  auto y = torch::empty({M, N}, x.options());
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  std::vector<float> xsum(M * groups, 0.f);  // each row's sum over each group, from the bf16 values
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += static_cast<float>(xp[m * K + k]);
+  at::parallel_for(0, N / NB, 1, [&](int64_t begin, int64_t end) {
+    Panel panel(K / 2 * NB);
+    std::vector<float> gs(groups * NB), gz(groups * NB);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      unpack_int4(w, sz, nb, K, N, group, panel.data(), gs.data(), gz.data());
+      int64_t m = 0;
+      for (; m + R <= M; m += R)
+        micro_int4<R>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
+                      yp + m * N + nb * NB, N);
+      const int64_t rest = M - m;
+      if (rest == 2)
+        micro_int4<2>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
+                      yp + m * N + nb * NB, N);
+      else if (rest == 1)
+        micro_int4<1>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
+                      yp + m * N + nb * NB, N);
+    }
+  });
+  return y;
 }
 
 // int8 [N, K] row-major: the 16 columns' (k, k+1) byte pairs are gathered as 32-bit words; the values go in as
@@ -210,8 +278,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
-  return panel_gemm(x, N, nullptr,
-                    [&](int64_t nb, uint32_t* panel) { dequant_int4(wp, sp, nb, K, N, group, panel); });
+  return int4_panel_gemm(x, wp, sp, N, group);
 #else
   TORCH_CHECK(false, "int4_gemm needs AVX512-BF16");
 #endif
