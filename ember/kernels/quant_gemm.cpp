@@ -1,12 +1,13 @@
 // Weight-only quantized GEMM for CPU: y[M, N] = x[M, K] (bf16) . W^T, W held as int4 (torch's CPU int4 pack) or
 // int8 (one scale per output row). torch's packed ops cost about the same per row whatever M (3072x576 int4: 29 us
-// at 1 row, 707 us at 64), so from a few rows on this kernel takes over: each thread dequantizes a panel of 64
-// output columns once into bf16 pairs (the layout vdpbf16ps reads) in its cache, then runs every row block of x
-// against it with 6x4 register-blocked AVX512-BF16 dot products. The weight stays packed in memory; the panel is
-// the only float copy, 128*K bytes a thread.
+// at 1 row, 707 us at 64), so from a few rows on this kernel takes over: each thread unpacks a panel of 64
+// output columns once into exact integers as bf16 pairs (the layout vdpbf16ps reads) in its cache, then runs every
+// row block of x against it with 3x4 register-blocked AVX512-BF16 dot products whose group sums are scaled in
+// float32. The weight stays packed in memory; the panel is the only unpacked copy, 128*K bytes a thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -17,7 +18,6 @@
 namespace {
 
 constexpr int64_t NB = 64;  // output columns a panel: four vectors of 16
-constexpr int64_t MR = 6;   // rows a register block: 6 x 4 accumulators
 constexpr int64_t INT8_ROWS_MAX = 4;  // int8 with at most this many rows: row-wise dot products, no panel
 
 // panel[kp * 64 + c] = bf16 pair (W[n0 + c, 2kp], W[n0 + c, 2kp + 1]) as one 32-bit word
@@ -66,7 +66,7 @@ void unpack_int4(const uint8_t* w, const c10::BFloat16* sz, int64_t nb, int64_t 
 // y[m0 : m0+R, n0 : n0+64] = sum over groups of (x . q) * s + xsum * z: the integer dot products of a group
 // accumulate apart, then are scaled in float32.
 template <int R>
-inline void micro_int4(const c10::BFloat16* x, int64_t K, int64_t group, const uint32_t* panel, const float* gs,
+inline void micro_grouped(const c10::BFloat16* x, int64_t K, int64_t group, const uint32_t* panel, const float* gs,
                        const float* gz, const float* xsum, int64_t groups, c10::BFloat16* y, int64_t ldy) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -102,8 +102,10 @@ inline void micro_int4(const c10::BFloat16* x, int64_t K, int64_t group, const u
       _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-torch::Tensor int4_panel_gemm(const torch::Tensor& x, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
-                              int64_t group) {
+// The panel driver for both weight kinds: fill(nb, panel, gs, gz) lays out 64 columns as exact integers with their
+// float scales s and offsets z per group (int8: one group of K, z = 0).
+template <typename Fill>
+torch::Tensor grouped_panel_gemm(const torch::Tensor& x, int64_t N, int64_t group, Fill fill) {
   constexpr int R = 3;  // 3 x 4 group sums + 3 x 4 totals stay in registers
   const int64_t M = x.size(0), K = x.size(1), groups = K / group;
   auto y = torch::empty({M, N}, x.options());
@@ -116,17 +118,17 @@ torch::Tensor int4_panel_gemm(const torch::Tensor& x, const uint8_t* w, const c1
     Panel panel(K / 2 * NB);
     std::vector<float> gs(groups * NB), gz(groups * NB);
     for (int64_t nb = begin; nb < end; ++nb) {
-      unpack_int4(w, sz, nb, K, N, group, panel.data(), gs.data(), gz.data());
+      fill(nb, panel.data(), gs.data(), gz.data());
       int64_t m = 0;
       for (; m + R <= M; m += R)
-        micro_int4<R>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
+        micro_grouped<R>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
                       yp + m * N + nb * NB, N);
       const int64_t rest = M - m;
       if (rest == 2)
-        micro_int4<2>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
+        micro_grouped<2>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
                       yp + m * N + nb * NB, N);
       else if (rest == 1)
-        micro_int4<1>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
+        micro_grouped<1>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
                       yp + m * N + nb * NB, N);
     }
   });
@@ -162,68 +164,6 @@ void dequant_int8(const int8_t* w, int64_t nb, int64_t K, uint32_t* panel) {
       _mm512_storeu_si512(panel + (k / 2) * NB + 16 * j, _mm512_or_si512(pa, pb));
     }
   }
-}
-
-// y[m0 : m0+R, n0 : n0+64] = x[m0 : m0+R, :] . panel (times col_scale when given)
-template <int R>
-inline void micro(const c10::BFloat16* x, int64_t K, const uint32_t* panel, const float* col_scale, c10::BFloat16* y,
-                  int64_t ldy) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int32_t* xw = reinterpret_cast<const int32_t*>(x);  // bf16 pairs of x as 32-bit words
-  const int64_t kw = K / 2;
-  for (int64_t kp = 0; kp < kw; ++kp) {
-    const uint32_t* p = panel + kp * NB;
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 16);
-    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(p + 32), b3 = (__m512bh)_mm512_loadu_si512(p + 48);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) {
-      __m512 v = acc[r][j];
-      if (col_scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(col_scale + 16 * j));
-      _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
-
-template <typename Dequant>
-torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, const float* scales, Dequant dequant) {
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N / NB, 1, [&](int64_t begin, int64_t end) {
-    Panel panel(K / 2 * NB);
-    alignas(64) float cs[NB];
-    for (int64_t nb = begin; nb < end; ++nb) {
-      dequant(nb, panel.data());
-      const float* col = nullptr;
-      if (scales) {
-        std::memcpy(cs, scales + nb * NB, sizeof(cs));
-        col = cs;
-      }
-      int64_t m = 0;
-      for (; m + MR <= M; m += MR) micro<MR>(xp + m * K, K, panel.data(), col, yp + m * N + nb * NB, N);
-      const c10::BFloat16* xr = xp + m * K;
-      c10::BFloat16* yr = yp + m * N + nb * NB;
-      switch (M - m) {
-        case 5: micro<5>(xr, K, panel.data(), col, yr, N); break;
-        case 4: micro<4>(xr, K, panel.data(), col, yr, N); break;
-        case 3: micro<3>(xr, K, panel.data(), col, yr, N); break;
-        case 2: micro<2>(xr, K, panel.data(), col, yr, N); break;
-        case 1: micro<1>(xr, K, panel.data(), col, yr, N); break;
-        default: break;
-      }
-    }
-  });
-  return y;
 }
 
 // A few rows against an int8 [N, K] weight, row by row (the weight's own layout: no panel, no gather): each weight
@@ -278,7 +218,9 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
-  return int4_panel_gemm(x, wp, sp, N, group);
+  return grouped_panel_gemm(x, N, group, [&](int64_t nb, uint32_t* panel, float* gs, float* gz) {
+    unpack_int4(wp, sp, nb, K, N, group, panel, gs, gz);
+  });
 #else
   TORCH_CHECK(false, "int4_gemm needs AVX512-BF16");
 #endif
@@ -309,7 +251,12 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales) 
     }
     return y;
   }
-  return panel_gemm(x, N, sc.data_ptr<float>(), [&](int64_t nb, uint32_t* panel) { dequant_int8(wp, nb, K, panel); });
+  const float* sp = sc.data_ptr<float>();
+  return grouped_panel_gemm(x, N, K, [&](int64_t nb, uint32_t* panel, float* gs, float* gz) {
+    dequant_int8(wp, nb, K, panel);
+    std::memcpy(gs, sp + nb * NB, NB * sizeof(float));
+    std::fill(gz, gz + NB, 0.f);
+  });
 #else
   TORCH_CHECK(false, "int8_gemm needs AVX512-BF16");
 #endif
