@@ -30,6 +30,63 @@ def _bad(name: str, value: Any, allowed: str) -> BadRequestError:
     return BadRequestError(f"{name}={value!r} is out of range: {name} must be {allowed}")
 
 
+_GUIDES = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output, token by token (vLLM's ``StructuredOutputsParams``; exactly one kind):
+
+    - json: a JSON schema (a dict or its JSON text); json_object=True: any JSON object;
+    - regex: the whole output fullmatches it; choice: the output is exactly one of these strings;
+    - grammar: a Lark grammar (llguidance's dialect) or a GBNF / EBNF one (llama.cpp's, recognised by ``::=``).
+
+    JSON layout: by default a run of at most 20 whitespace characters between tokens (unbounded whitespace lets a
+    small model loop on newlines); whitespace_pattern: your own regex for it (r"[ \\t\\n\\r]*": any, as JSON allows);
+    disable_any_whitespace: compact JSON, no whitespace at all.
+    disable_additional_properties: objects get only the properties their schema names."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice) if isinstance(self.choice, (list, tuple))
+                               else self.choice)
+        given = [k for k in _GUIDES if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise BadRequestError(f"structured_outputs sets {given or 'nothing'}: set exactly one of "
+                                  f"{', '.join(_GUIDES)}")
+        kind = given[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, (str, dict)), "regex": isinstance(value, str) and bool(value),
+              "grammar": isinstance(value, str) and bool(value.strip()), "json_object": value is True,
+              "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}
+        allowed = {"json": "a JSON schema (a dict or JSON text)", "regex": "a non-empty regular expression",
+                   "grammar": "a non-empty Lark or GBNF grammar", "json_object": "True",
+                   "choice": "a non-empty list of non-empty strings"}
+        if not ok[kind]:
+            raise _bad(f"structured_outputs.{kind}", value, allowed[kind])
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(f"structured_outputs.{name}", getattr(self, name), "True or False")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise _bad("structured_outputs.whitespace_pattern", self.whitespace_pattern, "None or a regex string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _GUIDES if getattr(self, k) not in (None, False))
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name for it before 0.10.2
+
+
 _FLOATS = {"temperature": ">= 0 (0 means greedy)", "top_p": "in (0, 1]", "min_p": "in [0, 1]",
            "repetition_penalty": "> 0 (1 means off)", "presence_penalty": "in [-2, 2]",
            "frequency_penalty": "in [-2, 2]"}
@@ -73,6 +130,9 @@ class SamplingParams:
     # every token id that ends generation; empty: the engine fills in the model's EOS ids (tokenizer and
     # generation config)
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # the output follows a JSON schema, regex, choice or grammar (``StructuredOutputsParams``; a dict of its fields
+    # is taken too); compiled by the front end, enforced by masking the logits each step
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +145,11 @@ class SamplingParams:
         self.output_kind = OutputKind(self.output_kind)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise BadRequestError(f"structured_outputs: {e}; the fields are those of StructuredOutputsParams")
         self._validate()
 
     def _validate(self) -> None:
@@ -136,6 +201,9 @@ class SamplingParams:
                 raise _bad(name, value, "a list of non-empty lists of token ids >= 0")
         if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
             raise _bad("no_repeat_ngram_size", self.no_repeat_ngram_size, "an integer >= 0 (0 means off)")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise _bad("structured_outputs", so, "None, a StructuredOutputsParams or a dict of its fields")
         self._validate_beams()
 
     def _validate_beams(self) -> None:
@@ -159,6 +227,9 @@ class SamplingParams:
         if self.stop:
             raise _bad("stop", self.stop, "empty with beam_width > 1: end beams with stop_token_ids or "
                                           "stop_token_sequences")
+        if self.structured_outputs is not None:
+            raise _bad("structured_outputs", self.structured_outputs, "None with beam_width > 1 (beams are ranked "
+                                                                      "over the whole vocabulary)")
 
     @property
     def is_greedy(self) -> bool:

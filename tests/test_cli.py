@@ -55,3 +55,26 @@ def test_help(cmd):
 def test_bad_argument_is_a_clear_error():
     proc = _ember("generate", "hi", "--temperature", "-1")
     assert proc.returncode == 2 and "temperature" in proc.stderr
+
+
+def test_generate_with_json_schema_and_regex(tmp_path, capsys):
+    """--json-schema FILE and --regex constrain the reply (in process: the model loads once per call)."""
+    import json
+
+    import jsonschema
+
+    from ember.entrypoints import cli
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    assert cli.main(["generate", "What is the capital of France?", "--json-schema", str(path),
+                     "--max-tokens", "48"]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), schema)
+    assert cli.main(["generate", "Which year did the war end?", "--regex", "[0-9]{4}", "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip().isdigit()
+    assert cli.main(["generate", "hi", "--json-schema", str(tmp_path / "missing.json")]) == 2  # before loading
+    assert "missing.json: cannot be read" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", "--regex", "a("]) == 2
+    assert "structured_outputs.regex cannot be compiled" in capsys.readouterr().err

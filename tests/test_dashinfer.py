@@ -393,8 +393,7 @@ def test_generation_config_keys_and_translation(running):
     assert gen["max_length"] == 256 and gen["top_k"] == 50 and gen["do_sample"] is True
     with pytest.raises(ValueError, match="'top_q' is unknown"):
         gen.update({"top_q": 0.5})
-    for key, value in (("lora_name", "adapter"), ("response_format", {"type": "json_object"}),
-                       ("mm_info", object())):
+    for key, value in (("lora_name", "adapter"), ("mm_info", object())):
         with pytest.raises(ValueError, match=f"{key}=.* is not supported yet"):
             gen.update({key: value})
     gen.update({"max_length": 3})
@@ -405,6 +404,33 @@ def test_generation_config_keys_and_translation(running):
         engine.start_request_ids("m", loader, [1, 2, 3], gen)
     built = ASGenerationConfigBuilder().do_sample().max_length(512).temperature(0.7).top_k(50).build()
     assert built["max_length"] == 512 and built["temperature"] == 0.7 and built["top_k"] == 50
+
+
+def test_response_format_json_schema(running, tiny):
+    """DashInfer's guided decoding: response_format json_object, with a schema or without; bad ones fail first."""
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    engine, loader, cfg = running
+    tok = AutoTokenizer.from_pretrained(tiny["src"])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    for fmt, check in (({"type": "json_object", "json_schema": json.dumps(schema)},
+                        lambda doc: jsonschema.validate(doc, schema)),
+                       ({"type": "json_object"}, lambda doc: isinstance(doc, dict) or pytest.fail(doc))):
+        gen = loader.create_reference_generation_config_builder(cfg)
+        gen.update({"top_k": 1, "max_length": 200, "response_format": fmt})
+        _, h, q = engine.start_request_ids("m", loader, [7, 8, 9], gen)
+        ids = _ids_of(q)
+        engine.release_request("m", h)
+        check(json.loads(tok.decode(ids, skip_special_tokens=True)))
+    gen = loader.create_reference_generation_config_builder(cfg)
+    for fmt, message in (({"type": "json_schema"}, "response_format=.* is not supported"),
+                         ({"type": "json_object", "json_schema": "{oops"}, "structured_outputs.json is not valid")):
+        gen.update({"response_format": fmt})
+        with pytest.raises(ValueError, match=message):
+            engine.start_request_ids("m", loader, [1, 2, 3], gen)
 
 
 def test_generation_defaults_from_the_models_generation_config(tiny, tmp_path):

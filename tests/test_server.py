@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -151,6 +153,41 @@ def test_stop_echo_and_prompt_lists(api, model, llm):
     assert ids.usage.prompt_tokens == 3
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                        "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_structured_output(api, model):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's guided_* fields, streamed or not."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    r = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=96, temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
+    chunks = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=96, temperature=0,
+                                         response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    r = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=96, temperature=0,
+                                    response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = api.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+                               extra_body={"guided_choice": ["Paris", "Lyon"]})
+    assert r.choices[0].text in ("Paris", "Lyon")
+    r = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0,
+                                    extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", r.choices[0].message.content)
+    r = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")
+    for extra, message in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                            "response_format.json_schema.schema is required"),
+                           ({"guided_regex": "a("}, "structured_outputs.regex cannot be compiled"),
+                           ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex and guided_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, extra_body=extra)
+        assert message in e.value.body["message"]
+
+
 def test_errors_are_openai_objects(server, api, model):
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model=model, messages=QUESTION, temperature=5.0, top_p=0.0)
@@ -162,8 +199,8 @@ def test_errors_are_openai_objects(server, api, model):
         api.completions.create(model=model, prompt="hello " * 1100, max_tokens=4)
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
-        api.chat.completions.create(model=model, messages=QUESTION, response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format" and "not supported" in e.value.body["message"]
+        api.chat.completions.create(model=model, messages=QUESTION, logit_bias={"42": -100})
+    assert e.value.body["param"] == "logit_bias" and "not supported" in e.value.body["message"]
     bad = asyncio.run(post(server.url, "/v1/chat/completions", b'{"messages": [', {}))
     assert bad.status == 400 and json.loads(bad.body)["error"]["code"] == "invalid_json"
     nan = asyncio.run(post(server.url, "/v1/completions", b'{"prompt": "x", "temperature": NaN}'))
@@ -247,7 +284,8 @@ def test_clients_that_leave_abort(server):
 
 _FIELDS = ["model", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "stream",
-           "stream_options", "ignore_eos", "user", "tools", "prompt", "echo", "max_completion_tokens"]
+           "stream_options", "ignore_eos", "user", "tools", "prompt", "echo", "max_completion_tokens",
+           "response_format", "guided_json", "guided_regex", "guided_choice"]
 _weird = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40),
                    st.lists(st.integers(-5, 10**6), max_size=4), st.dictionaries(st.text(max_size=5), st.integers(),

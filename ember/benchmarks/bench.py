@@ -192,9 +192,9 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _figures(args: argparse.Namespace, done) -> dict:
-    if args.mode == "throughput":  # with a split model's per-rank figures (run_ember.rank_figures)
-        return metrics.throughput_figures(done.result, done.peak_rss_bytes) | (
-            {"ranks": done.result["ranks"]} if "ranks" in done.result else {})
+    if args.mode == "throughput":  # with a split model's per-rank figures and the guided run's mask times
+        return metrics.throughput_figures(done.result, done.peak_rss_bytes) | {
+            k: done.result[k] for k in ("ranks", "guided") if k in done.result}
     if args.mode == "latency":
         return metrics.latency_figures(done.result, done.peak_rss_bytes)
     return metrics.serving_figures(done.result, done.peak_rss_bytes, args.slo_ttft_ms, args.slo_tpot_ms)

@@ -13,11 +13,16 @@ from dataclasses import dataclass
 
 from ember import envs
 
-BACKENDS = ("ember", "ember-float", "hf", "vllm", "llamacpp")
-BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "hf": "transformers", "vllm": "vLLM-CPU",
+BACKENDS = ("ember", "ember-float", "ember-json", "hf", "vllm", "llamacpp")
+BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-json": "ember (JSON-schema guided)",
+                 "hf": "transformers", "vllm": "vLLM-CPU",
                  "llamacpp": "llama.cpp"}
 # variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
-EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}}
+# ("guided_json": every request's reply follows that JSON schema: structured output's cost on the same workload)
+GUIDED_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                                                  "tags": {"type": "array", "items": {"type": "string"}}},
+                 "required": ["title", "year", "tags"]}
+EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-json": {"guided_json": GUIDED_SCHEMA}}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
 DEFAULT_VENVS = envs.bench_venvs()
 

@@ -13,6 +13,7 @@ from ember.config import EngineConfig, ResolvedConfig, SchedulerConfig
 from ember.core.batching import describe
 from ember.core.block_manager import BlockManager
 from ember.core.decoding import Decoding
+from ember.core.guided import GrammarSource, Guides
 from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
@@ -24,7 +25,7 @@ from ember.worker.batch import BatchDescription
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, resolved: ResolvedConfig) -> None:
+    def __init__(self, config: EngineConfig, resolved: ResolvedConfig, grammars: GrammarSource | None = None) -> None:
         # the limits are settled from the checkpoint's config before the weights load: a bad max_model_len fails fast
         self.sched_config = sched = SchedulerConfig.resolve(config, read_shape(resolved.model.path).max_position)
         par = resolved.parallel  # and a split that cannot work fails before any process starts
@@ -43,6 +44,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs)
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
+        self.guides = Guides(grammars)
         self.requests: dict[str, CoreRequest] = {}
         loaded = worker.loaded
         self.model_info = ModelInfo(
@@ -84,6 +86,7 @@ class EngineCore:
         for seq in batch.interrupted:
             self.decoding.interrupted(seq, outputs)
         released, self.decoding.released = self.decoding.released, []
+        self.guides.release(released)
         if not batch.seqs:
             if batch.copies or released:
                 self.executor.execute(BatchDescription(copies=batch.copies, released=released))
@@ -94,7 +97,9 @@ class EngineCore:
                     seq.request.first_scheduled_time = now
             bm = self.block_manager
             description, sampled = describe(batch, bm.block_size, released, bm.window)
+            description.token_masks = self.guides.masks(sampled)  # computed while the model runs
             result = self.executor.execute(description)
+            self.guides.advance(sampled, result.token_ids, description.token_masks)
             self.decoding.after_step(batch, sampled, result, outputs)
         self._forget_finished(self.requests[rid] for rid in outputs if rid in self.requests)
         return list(outputs.values())
@@ -106,6 +111,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the executor's ranks (a split model's processes); the core is unusable after."""
+        self.guides.shutdown()
         self.executor.shutdown()
 
     def stats(self) -> dict[str, Any]:
@@ -134,5 +140,6 @@ class EngineCore:
             "swapped_in_blocks": bm.swapped_in,
             "kv_budget_source": worker.plan.budget_source,
             "attention_backend": worker.attention_backend.name,
+            **self.guides.stats(),
             **worker.memory_report(),
         }

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from ember.config import EngineConfig, ResolvedConfig
 from ember.core.engine_core import EngineCore
+from ember.core.guided import GrammarSource
 from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.errors import EngineDeadError
 
@@ -45,14 +46,16 @@ class OutputHandler(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, resolved: ResolvedConfig, handler: OutputHandler) -> None:
+    def __init__(self, config: EngineConfig, resolved: ResolvedConfig, handler: OutputHandler,
+                 grammars: GrammarSource | None = None) -> None:
         self.handler = handler
         self.core: EngineCore | None = None
         self.dead: EngineDeadError | None = None  # set once the loop has stopped, with why
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(config, resolved), name="ember-engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(config, resolved, grammars),
+                                        name="ember-engine", daemon=True)
         self._thread.start()
         # at interpreter exit (the script's end, Ctrl-C, an uncaught exception) the loop stops as on shutdown(),
         # so a split model's other ranks are stopped, not killed
@@ -97,9 +100,9 @@ class EngineLoop:
                 if not self._thread.is_alive():
                     raise EngineDeadError(str(self.dead or "the engine has stopped")) from None
 
-    def _main(self, config: EngineConfig, resolved: ResolvedConfig) -> None:
+    def _main(self, config: EngineConfig, resolved: ResolvedConfig, grammars: GrammarSource | None) -> None:
         try:
-            self.core = EngineCore(config, resolved)
+            self.core = EngineCore(config, resolved, grammars)
         except BaseException as e:
             self._init_error = e
             self._ready.set()

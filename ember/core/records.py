@@ -20,6 +20,7 @@ class EngineRequest:
     params: SamplingParams  # validated, eos_token_ids filled in
     max_num_tokens: int  # prompt + max_tokens, capped by max_model_len
     cache_salt: str | None = None  # extra prefix-cache key (an adapter name)
+    grammar: str | None = None  # structured output: the llguidance grammar text the front end compiled
 
 
 @dataclass(slots=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 
 from ember.config import EXECUTOR_BACKENDS, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_MODES
 from ember.quantization.config import QuantConfig
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -76,6 +77,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", default=None, metavar="FILE",
+                    help="the reply is JSON following the schema in FILE (enforced token by token)")
+    so.add_argument("--json-object", action="store_true", help="the reply is a JSON object")
+    so.add_argument("--regex", default=None, help="the whole reply matches this regular expression")
+    so.add_argument("--grammar", default=None, metavar="FILE",
+                    help="the reply follows the Lark or GBNF grammar in FILE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,9 +153,33 @@ def _load(args: argparse.Namespace):
                distributed_executor_backend=args.distributed_executor_backend)
 
 
-def _params(llm, args: argparse.Namespace) -> SamplingParams:
+def _structured(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The reply's constraint from --json-schema / --json-object / --regex / --grammar, read before the model loads."""
+    def read(path: str, flag: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: cannot be read ({e.strerror})") from None
+
+    if args.json_schema is not None:
+        text = read(args.json_schema, "--json-schema")
+        try:
+            return StructuredOutputsParams(json=json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
+    if args.json_object:
+        return StructuredOutputsParams(json_object=True)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.grammar is not None:
+        return StructuredOutputsParams(grammar=read(args.grammar, "--grammar"))
+    return None
+
+
+def _params(llm, args: argparse.Namespace, structured: StructuredOutputsParams | None = None) -> SamplingParams:
     params = llm.get_default_sampling_params()
-    changes = {"max_tokens": args.max_tokens, "seed": args.seed}
+    changes = {"max_tokens": args.max_tokens, "seed": args.seed, "structured_outputs": structured}
     if args.temperature is not None:
         changes["temperature"] = args.temperature
     elif "temperature" not in llm.client.generation_config:
@@ -179,20 +211,24 @@ def _messages(system: str | None) -> list[dict[str, str]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    structured = _structured(args)
     llm = _load(args)
-    params = _params(llm, args)
-    if args.no_chat or not llm.tokenizer.has_chat_template:
-        prompt = args.prompt
-    else:
-        prompt = llm.client.chat_prompt(_messages(args.system) + [{"role": "user", "content": args.prompt}])
-    _stream_reply(llm, prompt, params)
-    llm.shutdown()
+    try:
+        params = _params(llm, args, structured)
+        if args.no_chat or not llm.tokenizer.has_chat_template:
+            prompt = args.prompt
+        else:
+            prompt = llm.client.chat_prompt(_messages(args.system) + [{"role": "user", "content": args.prompt}])
+        _stream_reply(llm, prompt, params)
+    finally:
+        llm.shutdown()
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    structured = _structured(args)
     llm = _load(args)
-    params = _params(llm, args)
+    params = _params(llm, args, structured)
     history = _messages(args.system)
     print("ember chat: /reset to start over, /exit or Ctrl-D to leave.", file=sys.stderr)
     while True:

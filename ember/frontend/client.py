@@ -18,6 +18,7 @@ from ember.executor import serve_launched
 from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
 from ember.frontend.output_stream import OutputStream
 from ember.frontend.processor import InputProcessor, PromptType
+from ember.frontend.structured_output import Grammars
 from ember.model_loader import load_tokenizer
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message, Tokenizer
@@ -33,10 +34,11 @@ class EngineClient:
         self.tokenizer: Tokenizer = tok.tokenizer
         self.generation_config = tok.generation_config
         self._outputs = OutputProcessor(self.tokenizer)
-        self._loop = EngineLoop(config, resolved, self._outputs)
+        grammars = Grammars(self.tokenizer, tok.eos_token_ids)  # structured output: the front end compiles,
+        self._loop = EngineLoop(config, resolved, self._outputs, grammars)  # the core takes matchers from it
         self.model_info: ModelInfo = self._loop.model_info
         defaults = SamplingParams.from_generation_config(tok.generation_config)
-        self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults)
+        self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults, grammars)
         self.eos_token_ids: tuple[int, ...] = tok.eos_token_ids  # the model's EOS ids, filled into requests
 
     def default_params(self) -> SamplingParams:

@@ -12,6 +12,7 @@ from ember.core.block_manager import blocks_for, request_blocks
 from ember.core.records import EngineRequest, ModelInfo
 from ember.core.window import KVWindow
 from ember.errors import BadRequestError, DoesNotFitError
+from ember.frontend.structured_output import Grammars
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -35,8 +36,9 @@ def prompt_list(prompts: Any) -> list[PromptType]:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo, eos_token_ids: tuple[int, ...],
-                 default_params: SamplingParams) -> None:
+                 default_params: SamplingParams, grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.info = info
         self.eos_token_ids = eos_token_ids
         self.default_params = default_params
@@ -91,7 +93,12 @@ class InputProcessor:
             rid = str(request_id)
         else:
             raise BadRequestError(f"request_id={request_id!r} is not supported: pass a string, an int or None")
-        return text, EngineRequest(rid, ids, params, max_num_tokens)
+        grammar = None
+        if params.structured_outputs is not None:  # compiled last: every cheaper check has passed
+            if self.grammars is None:
+                raise BadRequestError("structured_outputs is not supported by this engine client")
+            grammar = self.grammars.compile(params.structured_outputs)
+        return text, EngineRequest(rid, ids, params, max_num_tokens, grammar=grammar)
 
     def _check_fits(self, prompt_len: int, params: SamplingParams, max_num_tokens: int) -> None:
         """Refuse a request the KV pool can never hold (under guaranteed_no_evict: never reserve for)."""

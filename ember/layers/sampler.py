@@ -1,6 +1,7 @@
 """One batched sampler for every request of a step.
 
-Order, as in transformers: penalties, then the min_tokens / no-repeat-n-gram / bad-words masks, then temperature,
+Order: the structured-output mask (tokens the request's grammar does not allow are removed), then, as in
+transformers, penalties, then the min_tokens / no-repeat-n-gram / bad-words masks, then temperature,
 top-k, top-p, min-p, then a draw.
 Greedy rows take the argmax. A draw is ``argmax(probs / Exp(1) noise)`` (the Gumbel trick): each seeded request
 draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
@@ -10,10 +11,19 @@ Logprobs are those of the model's raw distribution (log_softmax of the logits), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ember.layers.logits_processors import DEFAULT_PROCESSORS, LogitsProcessor, RowState, SamplingRow
+
+
+class TokenMasks(Protocol):
+    """The guided rows' allowed tokens (``ember.worker.batch.TokenMasks``): rows, and their bitmask once ready."""
+
+    rows: list[int]
+
+    def get(self) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -30,6 +40,20 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
     # beam-search rows: row -> (token ids, log-probabilities) of its best continuations, best first
     beams: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of logits [B, V] with every token their bitmask (int32 [len(rows), W], 32 tokens a word) does
+    not allow set to -inf; tokens past the mask's 32 * W are not allowed."""
+    V = logits.shape[1]
+    allowed = ((bits.to(logits.device)[:, :, None] >> _BIT.to(logits.device)) & 1).flatten(1).bool()
+    if allowed.shape[1] < V:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
+    idx = torch.tensor(rows, device=logits.device)
+    return logits.index_copy(0, idx, logits[idx].masked_fill(~allowed[:, :V], float("-inf")))
 
 
 _CANDIDATES = 512  # top-k/top-p look at this many best tokens and rank a whole row only if they fall short
@@ -94,8 +118,9 @@ class Sampler:
         self.processors = processors
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], states: list[RowState]) -> SamplerOutput:
-        """logits [B, V] float32, one row per sample."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], states: list[RowState],
+                 masks: TokenMasks | None = None) -> SamplerOutput:
+        """logits [B, V] float32, one row per sample; masks: the guided rows' allowed tokens."""
         B, V = logits.shape
         device = logits.device
         params = [r.params for r in rows]
@@ -106,6 +131,8 @@ class Sampler:
             beam_idx = torch.tensor(beam_rows, device=device)
             temps = torch.tensor([params[i].temperature or 1.0 for i in beam_rows], dtype=logits.dtype, device=device)
             logits = logits.index_copy(0, beam_idx, (logits[beam_idx] / temps[:, None]).log_softmax(dim=-1))
+        if masks is not None:
+            logits = apply_token_masks(logits, masks.rows, masks.get())
 
         for proc in self.processors:
             wanted = [i for i, p in enumerate(params) if proc.wants(p)]

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI / vLLM fields with no implementation in ember; only null is accepted for them
 UNSUPPORTED = frozenset({
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "logit_bias",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "logit_bias",
     "modalities", "audio", "prediction", "service_tier", "store", "metadata", "reasoning_effort",
-    "web_search_options", "suffix", "best_of", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "web_search_options", "suffix", "best_of",
 })
 
 
@@ -27,6 +27,22 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema: the schema under "schema" (strict is accepted: every output follows
+    the schema whatever it says)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -51,16 +67,19 @@ class _Sampling(_Body):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs
+    # (StructuredOutputsParams' fields); at most one of them
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
     # declared only to be refused by name when not null
     logit_bias: None = None
-    response_format: None = None
     service_tier: None = None
     store: None = None
     metadata: None = None
-    guided_json: None = None
-    guided_regex: None = None
-    guided_choice: None = None
-    guided_grammar: None = None
 
 
 class TextPart(_Body):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient
-from ember.sampling_params import OutputKind, SamplingParams
+from ember.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 
 # body field -> SamplingParams field, copied when the client sets them
@@ -22,8 +22,33 @@ def _params(req: _Sampling, defaults: SamplingParams, max_tokens: int | None, lo
     if changes.get("top_k") == -1:  # OpenAI-style clients write -1 for "off"
         changes["top_k"] = 0
     changes.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                   output_kind=OutputKind.DELTA)
+                   output_kind=OutputKind.DELTA, structured_outputs=_structured(req))
     return defaults.clone(**changes)
+
+
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def _structured(req: _Sampling) -> StructuredOutputsParams | None:
+    """The one structured-output constraint a body sets, from whichever field it uses."""
+    given: dict[str, StructuredOutputsParams] = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = StructuredOutputsParams(json_object=True)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise BadRequestError("response_format.json_schema.schema is required with type 'json_schema'")
+        given["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
+    for name, kind in _GUIDED:
+        if getattr(req, name) is not None:
+            given[name] = StructuredOutputsParams(**{kind: getattr(req, name)})
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = SamplingParams(structured_outputs=req.structured_outputs).structured_outputs
+    if len(given) > 1:
+        raise BadRequestError(f"{' and '.join(given)} are both set: a request takes at most one structured-output "
+                              "constraint")
+    return next(iter(given.values()), None)
 
 
 def chat_request(client: EngineClient, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:

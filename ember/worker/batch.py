@@ -1,4 +1,5 @@
-"""What the engine core sends a worker each step, and what comes back: plain lists and numbers, picklable.
+"""What the engine core sends a worker each step, and what comes back: plain lists and numbers (and the guided rows'
+token bitmask), picklable.
 
 This is exactly what a tensor-parallel broadcast or a pipeline stage carries; the worker builds every tensor
 from it. Rows are ordered decodes first, then prefill chunks.
@@ -6,7 +7,11 @@ from it. Rows are ordered decodes first, then prefill chunks.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from ember.layers.logits_processors import SamplingRow
 from ember.layers.sampler import TokenLogprobs
@@ -34,6 +39,29 @@ class PromptLogprobsRows:
     k: int
 
 
+class TokenMasks:
+    """The tokens each guided sampling row may take (structured output): ``bits`` int32 [len(rows), ceil(V / 32)],
+    bit t % 32 of word t // 32 set when token t is allowed; ``rows`` index the batch's sampling rows.
+
+    The engine core fills the bits on a helper thread while the model runs; ``get`` waits for them (``waited``
+    counts the seconds the step spent blocked). Pickled for another rank, it is sent filled."""
+
+    __slots__ = ("rows", "bits", "_ready", "waited")
+
+    def __init__(self, rows: list[int], bits: torch.Tensor, ready: Future | None = None) -> None:
+        self.rows, self.bits, self._ready, self.waited = rows, bits, ready, 0.0
+
+    def get(self) -> torch.Tensor:
+        if self._ready is not None:
+            t0 = time.perf_counter()
+            self._ready.result()
+            self._ready, self.waited = None, time.perf_counter() - t0
+        return self.bits
+
+    def __reduce__(self):
+        return TokenMasks, (self.rows, self.get())
+
+
 @dataclass(slots=True)
 class BatchDescription:
     input_ids: list[int] = field(default_factory=list)
@@ -48,6 +76,7 @@ class BatchDescription:
     copies: list[tuple[str, int, int]] = field(default_factory=list)  # host-tier block copies, run first
     released: list[int] = field(default_factory=list)  # handles whose sampling state the worker may drop
     adapter_ids: list[int] | None = None  # one per row once adapters exist; None: the base model
+    token_masks: TokenMasks | None = None  # structured output: the guided sampling rows' allowed tokens
 
     @property
     def num_decode(self) -> int:

@@ -189,7 +189,7 @@ class Worker:
             logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=self.device)])
             if logits is not None:
                 states = [self._state(r.handle, r.seed) for r in batch.sampling]
-                out = self.sampler(logits, batch.sampling, states)
+                out = self.sampler(logits, batch.sampling, states, batch.token_masks)
                 tokens, lps, beams = out.token_ids, out.logprobs, out.beams
         prompt_lps = {}
         for rows in batch.prompt_logprobs:

@@ -1,11 +1,15 @@
 """A script that ends with a split engine still running: normally, by an exception, or waiting for Ctrl-C.
 It prints the ranks' pids first so the test can check that none outlives it."""
 
+import signal
 import sys
 import time
 
 from ember import LLM, SamplingParams
 
+# Ctrl-C raises KeyboardInterrupt as in a terminal, even when this process inherited SIGINT ignored (a test run
+# started in the background by a non-interactive shell: Python then installs no SIGINT handler)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 model, how = sys.argv[1], sys.argv[2]
 llm = LLM(model, dtype="float32", device="cpu", tensor_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256)
 print("PIDS", *llm.client.engine_core.executor.pids, flush=True)

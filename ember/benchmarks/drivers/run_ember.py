@@ -14,6 +14,8 @@ def load(spec: dict):
 
     cls = AsyncLLM if spec["mode"] == "serving" else LLM
     opts = dict(spec.get("options", {}))
+    global _GUIDE
+    _GUIDE = opts.pop("guided_json", None)  # a sampling setting of the ember-json variant, not an engine argument
     llm = cls(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               num_threads=spec.get("threads"), device=spec.get("device", "auto"), **opts)
     if spec["mode"] != "serving":
@@ -40,10 +42,22 @@ def rank_figures(llm, wall: float) -> dict:
     return out
 
 
+_GUIDE: dict | None = None
+
+
 def _params(r: dict):
     from ember import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
+                          structured_outputs={"json": _GUIDE} if _GUIDE else None)
+
+
+def _guided_figures(llm) -> dict:
+    """Mask work of the run (structured output): seconds computing masks, seconds steps waited for them, per step."""
+    s = llm.client.stats()
+    steps = max(1, s["guided_steps"])
+    return {"mask_ms_per_step": 1e3 * s["guided_mask_seconds"] / steps,
+            "mask_wait_ms_per_step": 1e3 * s["guided_mask_wait_seconds"] / steps, "guided_steps": s["guided_steps"]}
 
 
 def throughput(llm, spec: dict) -> dict:
@@ -57,6 +71,8 @@ def throughput(llm, spec: dict) -> dict:
                                           for r, o in zip(reqs, outs)]}
     if _split(llm):
         result["ranks"] = rank_figures(llm, wall)
+    if _GUIDE:
+        result["guided"] = _guided_figures(llm)
     return result
 
 

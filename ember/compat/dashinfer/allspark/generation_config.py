@@ -7,7 +7,9 @@ Semantics, as DashInfer defines them:
 - ``early_stopping=True`` stops at ``eos_token_id``; False generates past it up to max_length;
 - ``stop_words_ids`` are token sequences that end generation and stay in the output;
 - ``suppress_repetition_in_generation`` applies repetition_penalty to generated tokens only;
-- ``logprobs`` + ``top_logprobs``: the chosen token's logprob and the top ones at each step.
+- ``logprobs`` + ``top_logprobs``: the chosen token's logprob and the top ones at each step;
+- ``response_format``: ``{"type": "json_object"}`` for any JSON object, with ``"json_schema": schema`` (the schema
+  as JSON text or a dict) for one that follows the schema (DashInfer's guided decoding: JSON only).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("ember")
 
@@ -52,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "uuid": None,
 }
 # features that land in later issues: a non-default value fails instead of being ignored
-NOT_YET = {"lora_name": "LoRA adapters", "mm_info": "multimedia inputs", "response_format": "guided decoding"}
+NOT_YET = {"lora_name": "LoRA adapters", "mm_info": "multimedia inputs"}
 
 
 def _check_key(key: str, value: Any) -> None:
@@ -158,6 +160,19 @@ for _key in DEFAULTS:
         setattr(ASGenerationConfigBuilder, _key, _setter(_key))
 
 
+def response_format(value: Any) -> StructuredOutputsParams | None:
+    """DashInfer's ``response_format`` as ember's structured output (None: free text)."""
+    if value in (None, {}):
+        return None
+    if not isinstance(value, Mapping) or value.get("type") != "json_object" \
+            or not set(value) <= {"type", "json_schema"}:
+        raise ValueError(f"response_format={value!r} is not supported: DashInfer's guided decoding takes "
+                         '{"type": "json_object"}, optionally with "json_schema": a JSON schema (text or dict)')
+    schema = value.get("json_schema")
+    return StructuredOutputsParams(json_object=True) if schema in (None, "", {}) \
+        else StructuredOutputsParams(json=schema)
+
+
 def to_sampling_params(gen: Mapping[str, Any], prompt_len: int, max_model_len: int) -> SamplingParams:
     """The native SamplingParams of a DashInfer generation config, for a prompt of prompt_len tokens.
     Out-of-range values fail here, naming DashInfer's key, before the request reaches the engine."""
@@ -201,4 +216,5 @@ def to_sampling_params(gen: Mapping[str, Any], prompt_len: int, max_model_len: i
         eos_token_ids=eos_ids,
         ignore_eos=not cfg["early_stopping"],
         logprobs=int(cfg["top_logprobs"] or 0) if cfg["logprobs"] else None,
+        structured_outputs=response_format(cfg["response_format"]),
     )
