@@ -1,0 +1,136 @@
+"""Reading a PEFT LoRA adapter: ``adapter_config.json`` + ``adapter_model.safetensors`` -> per-layer, per-projection
+A [r, in] and B [out, r] matrices and their scaling (lora_alpha / r, or / sqrt(r) with rsLoRA), checked against the
+model before any of it is used.
+
+What ember takes (what PEFT writes for a Llama-family model): ``peft_type`` LORA; target modules among q/k/v/o and
+gate/up/down projections; any rank up to ``max_lora_rank``; per-module ``rank_pattern`` / ``alpha_pattern``. What it
+refuses, by name: DoRA, trained biases, ``modules_to_save`` (whole replaced layers), ``fan_in_fan_out``, other
+modules (embeddings, LM head), and weights whose shapes do not match the model (an adapter of another base model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ember.config import ModelShape
+from ember.errors import BadRequestError
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    name: str
+    rank: int  # the largest rank of its modules
+    weights: dict[tuple[int, str], LoRAWeights]  # (layer, projection) -> A, B, scaling
+
+    @property
+    def targets(self) -> set[str]:
+        return {p for _, p in self.weights}
+
+
+def projection_shapes(shape: ModelShape, intermediate_size: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of every projection an adapter may target, for the whole (unsplit) model."""
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, intermediate_size), "up_proj": (h, intermediate_size), "down_proj": (intermediate_size, h)}
+
+
+def _bad(path: str, why: str) -> BadRequestError:
+    return BadRequestError(f"lora adapter {path}: {why}")
+
+
+def _module_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's alpha_pattern: the value of the first key that ends this module's name (keys may be regexes)."""
+    for key, value in pattern.items():
+        if re.search(rf"(^|\.){key}$", module):
+            return value
+    return default
+
+
+def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
+    """The adapter's config, checked: the files exist, it is a LoRA ember can apply, no rank above the limit."""
+    cfg_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isdir(path):
+        raise _bad(path, "no such folder")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise _bad(path, f"{name} is missing (a PEFT adapter folder holds adapter_config.json and "
+                             "adapter_model.safetensors)")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _bad(path, f"adapter_config.json cannot be read: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _bad(path, f"peft_type={cfg.get('peft_type')!r} is not supported: only LORA adapters")
+    for key, off in (("use_dora", False), ("fan_in_fan_out", False), ("modules_to_save", None)):
+        if cfg.get(key) not in (off, None) and cfg.get(key) != []:
+            raise _bad(path, f"{key}={cfg[key]!r} is not supported (ember applies plain LoRA on the projections)")
+    if cfg.get("bias", "none") != "none":
+        raise _bad(path, f"bias={cfg['bias']!r} is not supported: adapters with trained biases are not")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = [t for t in targets if t not in PROJECTIONS]
+    if unknown:
+        raise _bad(path, f"target_modules {unknown} are not supported: the model's LoRA targets are {PROJECTIONS}")
+    ranks = [int(cfg.get("r", 8)), *map(int, (cfg.get("rank_pattern") or {}).values())]
+    if max(ranks) > max_lora_rank:
+        raise _bad(path, f"rank {max(ranks)} is above max_lora_rank={max_lora_rank}: raise max_lora_rank")
+    return cfg
+
+
+def read_adapter(path: str, name: str, shape: ModelShape, intermediate_size: int, max_lora_rank: int,
+                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Every A and B of the adapter, as ``dtype`` on CPU, checked against the model's shapes."""
+    from safetensors.torch import load_file
+
+    cfg = read_adapter_config(path, max_lora_rank)
+    shapes = projection_shapes(shape, intermediate_size)
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    modules: dict[tuple[int, str], str] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in PROJECTIONS:
+            raise _bad(path, f"weight {key} is not a LoRA A/B of a layer projection: it cannot be applied")
+        layer = int(m.group(2))
+        if layer >= shape.num_layers:
+            raise _bad(path, f"weight {key} is for layer {layer}, but the model has {shape.num_layers} layers")
+        parts.setdefault((layer, m.group(3)), {})[m.group(4)] = t
+        modules[(layer, m.group(3))] = m.group(1)
+    alpha_default = float(cfg.get("lora_alpha", 8))
+    weights, top = {}, 0
+    for (layer, proj), ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            raise _bad(path, f"layer {layer} {proj} has lora_{'A' if 'A' in ab else 'B'} but not its pair")
+        a, b = ab["A"], ab["B"]
+        n_in, n_out = shapes[proj]
+        r = a.shape[0]
+        if a.shape != (r, n_in) or b.shape != (n_out, r):
+            raise _bad(path, f"layer {layer} {proj}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit this "
+                             f"model's {n_in} -> {n_out} projection (an adapter of another base model?)")
+        if r > max_lora_rank:
+            raise _bad(path, f"layer {layer} {proj} has rank {r}, above max_lora_rank={max_lora_rank}")
+        alpha = float(_module_value(cfg.get("alpha_pattern") or {}, modules[(layer, proj)], alpha_default))
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r  # r: this module's (rank_pattern)
+        weights[(layer, proj)] = LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scaling)
+        top = max(top, r)
+    if not weights:
+        raise _bad(path, "adapter_model.safetensors holds no LoRA weights")
+    return LoRAAdapter(name, top, weights)
