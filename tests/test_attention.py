@@ -158,3 +158,13 @@ def test_cpu_fused_add_rms_norm_matches_the_torch_path(dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(norm(x), norm._norm(x), rtol=tol, atol=tol)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
+    """torch's extension builder waits forever on a `lock` file a killed build left behind; ember's own flock
+    lets the next process see the file is stale and remove it."""
+    from ember.kernels import _build_lock
+
+    (tmp_path / "lock").write_text("")
+    with _build_lock(str(tmp_path)):
+        assert not (tmp_path / "lock").exists()

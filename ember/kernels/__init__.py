@@ -10,6 +10,7 @@ are an optimisation, never a requirement.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -71,6 +72,27 @@ def _build() -> ModuleType:
     name = f"ember_cpu_{digest.hexdigest()[:12]}"
     build = cache_dir("kernels", name)
     os.makedirs(build, exist_ok=True)
-    logger.info("building ember CPU kernels in %s (once)", build)
-    return load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"])
+    with _build_lock(build):
+        logger.info("building ember CPU kernels in %s (once)", build)
+        return load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"])
+
+
+@contextlib.contextmanager
+def _build_lock(build: str):
+    """One process at a time builds or loads the kernels of a build folder, under an flock that the kernel drops
+    when its holder dies. torch's own lock is a file that only exists while a build runs: a process killed
+    mid-build leaves it behind and every later ``load`` waits on it forever, so under our lock it can only be
+    stale and is removed."""
+    import fcntl
+
+    with open(os.path.join(build, "ember.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build, "lock")
+            if os.path.exists(stale):
+                logger.warning("removing a stale kernel build lock %s (a build was killed)", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
