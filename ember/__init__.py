@@ -3,10 +3,11 @@
 from ember.entrypoints.async_llm import AsyncLLM
 from ember.entrypoints.llm import LLM
 from ember.errors import BadRequestError, ConfigError, DoesNotFitError, EmberError, EngineDeadError
+from ember.lora.request import LoRARequest
 from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.sampling_params import GuidedDecodingParams, OutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "OutputKind",
-           "RequestOutput", "CompletionOutput", "Logprob", "EmberError", "BadRequestError", "ConfigError",
+           "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "EmberError", "BadRequestError", "ConfigError",
            "DoesNotFitError", "EngineDeadError"]
 __version__ = "0.1.0"

@@ -149,6 +149,12 @@ class EngineConfig:
     # rank started by torchrun / mpirun / srun), "ray"; None: "uni" for one rank, "launched" under a launcher whose
     # world size is T x P, else "mp"
     distributed_executor_backend: str | None = None
+    # LoRA (vLLM's names): adapters a request may name with a LoRARequest; max_loras of them are resident at once
+    # (the least recently used one not running is swapped out for a new one), each of rank <= max_lora_rank. The
+    # resident slots cost every projection a matmul over max_loras x max_lora_rank columns (docs/lora.md)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -164,7 +170,8 @@ class EngineConfig:
             raise ConfigError(f"dtype={self.dtype!r} is not supported: use 'auto', 'float32', 'bfloat16' or "
                               "'float16'")
         for name, low in (("max_num_seqs", 1), ("block_size", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1),
-                          ("max_num_prefill_seqs", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1)):
+                          ("max_num_prefill_seqs", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1),
+                          ("max_loras", 1), ("max_lora_rank", 1)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name}={value!r} is out of range: {name} must be an integer >= {low}")
@@ -212,6 +219,8 @@ class EngineConfig:
         if w is None and sink:
             raise ConfigError(f"sink_token_length={sink} needs max_attention_window_size: sink tokens are kept when "
                               "a window drops the others")
+        if not isinstance(self.enable_lora, bool):
+            raise ConfigError(f"enable_lora={self.enable_lora!r} is out of range: it must be True or False")
         b = self.distributed_executor_backend
         if b is not None and b not in EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend={b!r} is not supported: use one of "
@@ -271,14 +280,24 @@ class ModelConfig:
     seed: int
     num_threads: int | None
     calibration_data: str | None = None  # the text file awq / smoothquant calibrate on (None: the shipped text)
+    lora: "LoRAConfig | None" = None  # adapter slots the worker holds; None: LoRA off
 
     @classmethod
     def resolve(cls, c: EngineConfig) -> "ModelConfig":
         device = c.device if c.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = os.path.expanduser(str(c.tokenizer)) if c.tokenizer is not None else None
         calibration = os.path.abspath(os.path.expanduser(str(c.calibration_data))) if c.calibration_data else None
+        lora = LoRAConfig(c.max_loras, c.max_lora_rank) if c.enable_lora else None
         return cls(_model_path(c.model), tokenizer, c.dtype, device, c.quantization, c.quant_group_size,
-                   c.quantize_embeddings, c.seed, c.num_threads, calibration)
+                   c.quantize_embeddings, c.seed, c.num_threads, calibration, lora)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """The worker's adapter slots: ``max_loras`` resident adapters of rank up to ``max_rank``."""
+
+    max_loras: int
+    max_rank: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,6 +423,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     max_position: int
+    intermediate_size: int = 0  # the MLP's width (0: the config does not say)
 
     @classmethod
     def of(cls, hf_config: Any) -> "ModelShape":
@@ -411,4 +431,5 @@ class ModelShape:
         return cls(hf_config.num_hidden_layers, hf_config.hidden_size, heads,
                    getattr(hf_config, "num_key_value_heads", None) or heads,
                    getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-                   hf_config.vocab_size, int(getattr(hf_config, "max_position_embeddings", 0) or 8192))
+                   hf_config.vocab_size, int(getattr(hf_config, "max_position_embeddings", 0) or 8192),
+                   int(getattr(hf_config, "intermediate_size", 0) or 0))

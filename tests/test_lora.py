@@ -1,5 +1,5 @@
-"""LoRA adapters as PEFT writes them: the reader gives back PEFT's own A / B and scaling, and refuses by name what
-ember cannot apply (the engine's use of adapters comes with the LoRA layers)."""
+"""LoRA adapters as PEFT writes them: the reader gives back PEFT's own A / B and scaling and refuses by name what
+ember cannot apply; the engine's greedy tokens with adapters mixed in one batch equal transformers + peft."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from conftest import default_gguf, hf_float32, hf_greedy, random_prompts
+from ember import LLM, SamplingParams
 from ember.config import ModelShape
 from ember.errors import BadRequestError
 from ember.lora import LoRARequest, read_adapter, read_adapter_config
@@ -28,18 +30,17 @@ def _peft_adapter(model_dir: str, out: str, seed: int = 0, **lora) -> dict[str, 
     return {k: v.detach().clone() for k, v in peft_model.state_dict().items() if "lora_" in k}
 
 
-def _shape(model_dir: str) -> tuple[ModelShape, int]:
+def _shape(model_dir: str) -> ModelShape:
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model_dir)
-    return ModelShape.of(cfg), cfg.intermediate_size
+    return ModelShape.of(AutoConfig.from_pretrained(model_dir))
 
 
 def test_reads_peft_weights_and_scaling(llama_dir, tmp_path):
     state = _peft_adapter(llama_dir, str(tmp_path / "a"), rank_pattern={"down_proj": 4},
                           alpha_pattern={"layers.1.self_attn.q_proj": 4})
-    shape, inter = _shape(llama_dir)
-    adapter = read_adapter(str(tmp_path / "a"), "a", shape, inter, max_lora_rank=8)
+    shape = _shape(llama_dir)
+    adapter = read_adapter(str(tmp_path / "a"), "a", shape, max_lora_rank=8)
     assert len(adapter.weights) == 7 * shape.num_layers and adapter.rank == 8
     for (layer, proj), w in adapter.weights.items():
         part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
@@ -52,12 +53,12 @@ def test_reads_peft_weights_and_scaling(llama_dir, tmp_path):
 
 
 def test_bad_adapters_fail_by_name(llama_dir, tiny_models, tmp_path):
-    shape, inter = _shape(llama_dir)
+    shape = _shape(llama_dir)
     good = str(tmp_path / "good")
     _peft_adapter(llama_dir, good, target_modules=["q_proj", "v_proj"])
 
     def read(path, max_rank=8):
-        return read_adapter(path, "x", shape, inter, max_rank)
+        return read_adapter(path, "x", shape, max_rank)
 
     with pytest.raises(BadRequestError, match="no such folder"):
         read(str(tmp_path / "missing"))
@@ -92,3 +93,167 @@ def test_lora_request_fields():
                         (("a", True, "/x"), "lora_int_id"), (("a", 1, None), "lora_path")):
         with pytest.raises(BadRequestError, match=f"{field}=.* is out of range"):
             LoRARequest(*args)
+
+
+# ----- the engine with adapters: greedy tokens against transformers + peft, float32 -----
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], n: int, gguf_file: str | None = None,
+                 prepare=None) -> list[list[int]]:
+    """transformers (+ peft when adapter is given) greedy tokens of each prompt, float32."""
+    from peft import PeftModel
+
+    model = hf_float32(model_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
+    if prepare is not None:
+        prepare(model)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    return [hf_greedy(model, p, n) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def three_adapters(llama_dir, tmp_path_factory) -> list[str]:
+    """Three adapters of the tiny Llama: different ranks, targets and scalings."""
+    out = tmp_path_factory.mktemp("adapters")
+    shapes = [dict(r=8, lora_alpha=16), dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+              dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])]
+    paths = []
+    for i, kw in enumerate(shapes):
+        paths.append(str(out / f"a{i}"))
+        _peft_adapter(llama_dir, paths[-1], seed=10 + i, **kw)
+    return paths
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_matches_peft_and_survives_swaps(llama_dir, three_adapters):
+    """Two slots for three adapters: requests wait for a slot, adapters are swapped out and back in, and each
+    request's tokens equal transformers + peft with its adapter. The same prompt under the base model and an
+    adapter runs twice: the prefix cache, keyed by adapter, never hands one the other's KV."""
+    prompts = random_prompts(6, 20, 40, 49152, seed=61)
+    prompts[4] = prompts[0]  # the base model's prompt again, under adapter 1
+    which = [None, 0, 1, 2, 0, None]
+    want = [None] * len(prompts)
+    for a in (None, 0, 1, 2):
+        idx = [i for i, w in enumerate(which) if w == a]
+        for i, tokens in zip(idx, _peft_greedy(llama_dir, None if a is None else three_adapters[a],
+                                               [prompts[i] for i in idx], GREEDY.max_tokens)):
+            want[i] = tokens
+    assert want[4] != want[0]  # the adapter changes the answer
+    requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(three_adapters)]
+    loras = [None if w is None else requests[w] for w in which]
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        for _ in range(2):  # the second round finds some adapters resident and swaps the others back in
+            out = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in out] == want
+        stats = llm.stats()
+        assert stats["lora_swaps"] >= 2 and stats["prefix_cache_hit_tokens"] > 0
+        assert llm.list_loras() == {1, 2, 3}
+    finally:
+        llm.shutdown()
+
+
+def test_adapters_on_a_split_model_and_on_int8_weights(llama_dir, three_adapters):
+    """Tensor parallelism (A / B sliced as their layers) and pipeline stages give one rank's tokens; on int8 base
+    weights the adapters apply to the quantized projections, matching peft over the same rounded weights."""
+    from ember.quantization import quantize_int8
+
+    prompts = random_prompts(4, 10, 30, 49152, seed=62)
+    requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(three_adapters)]
+    loras = [requests[0], None, requests[1], requests[2]]
+    settings = dict(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=3, max_lora_rank=16)
+    one = LLM(llama_dir, **settings)
+    try:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    split = LLM(llama_dir, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp",
+                **settings)
+    try:
+        assert [o.outputs[0].token_ids for o in split.generate(prompts, GREEDY, lora_request=loras,
+                                                               use_tqdm=False)] == want
+    finally:
+        split.shutdown()
+
+    # int8 weights: the packed op runs bf16 activations, so the check is on the prompt's logprobs (0.3 nats, a
+    # few % of their size) against peft over the same rounded weights, where the adapter moves them by several nats
+    from peft import PeftModel
+
+    int8 = LLM(llama_dir, quantization="int8", **settings)
+    try:
+        scored = int8.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), lora_request=requests[0],
+                               use_tqdm=False)
+    finally:
+        int8.shutdown()
+    model = hf_float32(llama_dir)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):  # the int8 weights ember computes with, as float32
+                p.copy_(quantize_int8(p.data).dequantize(torch.float32))
+    model = PeftModel.from_pretrained(model, three_adapters[0]).eval()
+    for out, prompt in zip(scored, prompts):
+        targets = torch.tensor(prompt[1:])[:, None]
+        got = torch.tensor([pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1).gather(1, targets)[:, 0]
+            with model.disable_adapter():
+                base = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1).gather(1, targets)[:, 0]
+        assert (got - want).abs().max() < 0.3 and (base - want).abs().max() > 2
+
+
+@pytest.mark.slow
+def test_default_model_adapter_matches_peft(tmp_path):
+    """An adapter made with peft on the default model (the GGUF in float32): ember's tokens equal transformers +
+    peft, with and without the adapter in one batch."""
+    from transformers import AutoModelForCausalLM
+    from peft import LoraConfig, get_peft_model
+
+    path = default_gguf()
+    folder, name = os.path.split(path)
+    torch.manual_seed(5)
+    base = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                      init_lora_weights=False)
+    adapter = str(tmp_path / "smol-adapter")
+    get_peft_model(base, lora).save_pretrained(adapter)
+    llm = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory="64MiB", enable_lora=True)
+    try:
+        prompts = [llm.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+        out = llm.generate(prompts * 2, GREEDY, lora_request=[LoRARequest("smol", 1, adapter)] * 2 + [None] * 2,
+                           use_tqdm=False)
+    finally:
+        llm.shutdown()
+    want = _peft_greedy(folder, adapter, prompts, GREEDY.max_tokens, gguf_file=name)
+    want += _peft_greedy(folder, None, prompts, GREEDY.max_tokens, gguf_file=name)
+    assert [o.outputs[0].token_ids for o in out] == want
+    assert want[0] != want[2]
+
+
+def test_bad_adapters_are_refused_before_any_work_and_the_engine_keeps_serving(llama_dir, three_adapters, tmp_path):
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=1, max_lora_rank=8)
+    try:
+        prompt = random_prompts(1, 5, 10, 49152, seed=63)
+        for lora, message in ((LoRARequest("gone", 1, str(tmp_path / "gone")), "no such folder"),
+                              (LoRARequest("big", 2, three_adapters[2]), "rank 16 is above max_lora_rank=8"),
+                              ("a0", "lora_request of type str is not supported")):
+            with pytest.raises(BadRequestError, match=message):
+                llm.generate(prompt, GREEDY, lora_request=lora, use_tqdm=False)
+        assert llm.add_lora(LoRARequest("a0", 3, three_adapters[0]))
+        with pytest.raises(BadRequestError, match="lora_int_id=3 is already the adapter 'a0'"):
+            llm.generate(prompt, GREEDY, lora_request=LoRARequest("a1", 3, three_adapters[1]), use_tqdm=False)
+        with pytest.raises(BadRequestError, match="lora_request has 2 entries for 1 prompts"):
+            llm.generate(prompt, GREEDY, lora_request=[None, None], use_tqdm=False)
+        assert llm.stats()["lora_slots"] == [3]  # add_lora loaded it at once
+        out = llm.generate(prompt, GREEDY, lora_request=LoRARequest("a0", 3, three_adapters[0]), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == _peft_greedy(llama_dir, three_adapters[0], prompt, 10)[0]
+        assert llm.remove_lora(3) and not llm.remove_lora(3) and llm.list_loras() == set()
+        assert llm.stats()["lora_slots"] == [None]
+    finally:
+        llm.shutdown()
+    plain = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    try:
+        with pytest.raises(BadRequestError, match="needs an engine started with enable_lora=True"):
+            plain.generate(prompt, GREEDY, lora_request=LoRARequest("a0", 1, three_adapters[0]), use_tqdm=False)
+    finally:
+        plain.shutdown()

@@ -3,6 +3,7 @@ decode rows first, then prefill chunks; which rows are sampled and which score p
 
 from __future__ import annotations
 
+from ember.core.lora_slots import LoRASlots
 from ember.core.scheduler import ScheduledBatch
 from ember.core.sequence import Sequence
 from ember.core.window import KVWindow
@@ -10,18 +11,24 @@ from ember.layers.logits_processors import SamplingRow
 from ember.worker.batch import BatchDescription, PrefillChunk, PromptLogprobsRows
 
 
-def describe(batch: ScheduledBatch, block_size: int, released: list[int],
-             window: KVWindow | None = None) -> tuple[BatchDescription, list[Sequence]]:
+def describe(batch: ScheduledBatch, block_size: int, released: list[int], window: KVWindow | None = None,
+             loras: LoRASlots | None = None) -> tuple[BatchDescription, list[Sequence]]:
     """The description, and the sequences that sample a token (aligned with its sampling rows). Under a KV window
-    positions map to ring slots and a decode reads the filled slots only."""
+    positions map to ring slots and a decode reads the filled slots only. With LoRA every row names its adapter's
+    slot (-1: the base model), and adapters the scheduler just made resident are loaded first."""
     d = BatchDescription(copies=batch.copies, released=released)
     ids, positions, slots, bs = d.input_ids, d.positions, d.slots, block_size
+    adapted = loras is not None and any(s.request.lora_id for s in batch.seqs)
+    if adapted:
+        d.lora_slots, d.lora_loads = [], loras.take_loads()
     sampled: list[Sequence] = []
     for i in sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1):  # decodes first
         seq, n = batch.seqs[i], batch.num_tokens[i]
         start, c = len(ids), seq.num_computed_tokens
         ids.extend(seq.token_ids[c:c + n])
         positions.extend(range(c, c + n))
+        if adapted:
+            d.lora_slots.extend([loras.slot_of(seq.request.lora_id) if seq.request.lora_id else -1] * n)
         table = seq.block_table
         where = range(c, c + n) if window is None else [window.slot(p) for p in range(c, c + n)]
         slots.extend(table[p // bs] * bs + p % bs for p in where)

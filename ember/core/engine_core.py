@@ -14,12 +14,14 @@ from ember.core.batching import describe
 from ember.core.block_manager import BlockManager
 from ember.core.decoding import Decoding
 from ember.core.guided import GrammarSource, Guides
+from ember.core.lora_slots import LoRASlots
 from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.core.window import KVWindow
 from ember.dtypes import name_of
 from ember.executor import make_executor
+from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, read_shape
 from ember.worker.batch import BatchDescription
 
@@ -41,8 +43,11 @@ class EngineCore:
         window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                           plan.num_host_blocks, cache.prefix_cache_ttl, window)
+        lora = resolved.model.lora
+        self.loras = LoRASlots(lora.max_loras) if lora is not None else None
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs)
+                                   sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs,
+                                   self.loras)
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
         self.guides = Guides(grammars)
         self.requests: dict[str, CoreRequest] = {}
@@ -54,12 +59,26 @@ class EngineCore:
             block_size=cache.block_size, num_kv_blocks=plan.num_blocks, scheduling_policy=sched.policy,
             kv_cache_dtype=cache.kv_cache_dtype, quantization=loaded.quant.describe() if loaded.quant else None,
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
-            executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens)
+            executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens,
+            max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0)
 
     def add(self, record: EngineRequest) -> None:
         req = CoreRequest(record)
         self.requests[record.request_id] = req
         self.scheduler.add(req.seqs[0])
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter now, rather than at its first request, when a slot is free or idle."""
+        in_use = {s.request.lora_id for s in self.scheduler.running}
+        if self.loras.can_take(lora.lora_int_id, in_use):
+            self.loras.take(lora, in_use)
+            self.executor.execute(BatchDescription(lora_loads=self.loras.take_loads()))
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Free an adapter's slot, unless running requests use it (they finish with it; the slot is then the first
+        to be reused)."""
+        if lora_id not in {s.request.lora_id for s in self.scheduler.running}:
+            self.loras.forget(lora_id)
 
     def abort(self, request_id: str) -> EngineOutput | None:
         req = self.requests.pop(request_id, None)
@@ -96,7 +115,7 @@ class EngineCore:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
             bm = self.block_manager
-            description, sampled = describe(batch, bm.block_size, released, bm.window)
+            description, sampled = describe(batch, bm.block_size, released, bm.window, self.loras)
             description.token_masks = self.guides.masks(sampled)  # computed while the model runs
             result = self.executor.execute(description)
             self.guides.advance(sampled, result.token_ids, description.token_masks)
@@ -141,5 +160,6 @@ class EngineCore:
             "kv_budget_source": worker.plan.budget_source,
             "attention_backend": worker.attention_backend.name,
             **self.guides.stats(),
+            **({"lora_slots": list(self.loras.resident), "lora_swaps": self.loras.swaps} if self.loras else {}),
             **worker.memory_report(),
         }

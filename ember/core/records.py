@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.layers.sampler import TokenLogprobs
+from ember.lora.request import LoRARequest
 from ember.sampling_params import SamplingParams
 
 
@@ -19,8 +20,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # validated, eos_token_ids filled in
     max_num_tokens: int  # prompt + max_tokens, capped by max_model_len
-    cache_salt: str | None = None  # extra prefix-cache key (an adapter name)
+    cache_salt: str | None = None  # extra prefix-cache key (the adapter's id)
     grammar: str | None = None  # structured output: the llguidance grammar text the front end compiled
+    lora: LoRARequest | None = None  # the adapter the request runs with (checked by the front end); None: base
 
 
 @dataclass(slots=True)
@@ -77,3 +79,5 @@ class ModelInfo:
     executor: str = "uni"  # how the ranks run (EngineConfig.distributed_executor_backend, resolved)
     attention_window: int | None = None  # StreamingLLM: KV tokens a sequence keeps (sinks included); None: all
     sink_tokens: int = 0
+    max_loras: int = 0  # adapters resident at once (0: LoRA off)
+    max_lora_rank: int = 0

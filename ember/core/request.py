@@ -32,6 +32,11 @@ class CoreRequest:
         return self.record.params
 
     @property
+    def lora_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.record.lora.lora_int_id if self.record.lora is not None else 0
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.record.prompt_token_ids
 

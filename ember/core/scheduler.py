@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ember.config import SCHEDULING_POLICIES
 from ember.core.block_manager import BlockManager
+from ember.core.lora_slots import LoRASlots
 from ember.core.sequence import Sequence, SequenceStatus
 from ember.errors import ConfigError
 
@@ -45,7 +46,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True, policy: str = "max_utilization",
-                 max_num_prefill_seqs: int | None = None) -> None:
+                 max_num_prefill_seqs: int | None = None, loras: LoRASlots | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy={policy!r} is not supported: use one of "
                               f"{', '.join(SCHEDULING_POLICIES)}")
@@ -55,6 +56,7 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.policy = policy
         self.max_num_prefill_seqs = max_num_prefill_seqs  # None: no limit beyond the token budget and the seats
+        self.loras = loras  # LoRA: the adapter slots; a prompt waits while its adapter cannot get one
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -146,6 +148,9 @@ class Scheduler:
             n = self._chunk(seq, budget, start)
             if n == 0 or seats + seq.seats() > self.max_num_seqs or not self._may_prefill(batch):
                 break
+            lora_id = seq.request.lora_id
+            if lora_id and not self.loras.can_take(lora_id, in_use := {s.request.lora_id for s in self.running}):
+                break  # every slot holds an adapter that running sequences use: first come, first served
             taken = self.bm.blocks_to_take(hit) if hit else 0
             if self.policy == "guaranteed_no_evict":  # the free blocks it takes now plus all it may take later
                 need = taken + self._reserve(seq) - (hit.num_blocks if hit else 0)
@@ -164,6 +169,8 @@ class Scheduler:
             elif seq.index == 0 and seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = 0
             self.bm.allocate(seq, start + n)
+            if lora_id:
+                self.loras.take(seq.request.record.lora, in_use)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

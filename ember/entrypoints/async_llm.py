@@ -9,6 +9,7 @@ from typing import Any
 from ember.config import EngineConfig
 from ember.frontend.client import EngineClient, ModelInfo
 from ember.frontend.processor import PromptType
+from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 
@@ -27,9 +28,11 @@ class AsyncLLM:
         return self.client.model_info
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs in the request's output_kind: cumulative snapshots (default), deltas, or the final one only."""
-        outputs = self.client.stream(prompt, sampling_params, request_id, asynchronous=True).__aiter__()
+        outputs = self.client.stream(prompt, sampling_params, request_id, asynchronous=True,
+                                     lora=lora_request).__aiter__()
         try:
             async for out in outputs:
                 yield out
@@ -38,6 +41,15 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self.client.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.client.add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.client.remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.client.list_loras()}
 
     def stats(self) -> dict[str, Any]:
         return self.client.stats()

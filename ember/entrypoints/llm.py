@@ -13,6 +13,7 @@ from ember.config import EngineConfig
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient, ModelInfo
 from ember.frontend.processor import PromptType, prompt_list
+from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message
@@ -45,12 +46,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. lora_request: one adapter for every
+        prompt or one per prompt (None: the base model; needs ``enable_lora=True``)."""
         prompts = prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request", LoRARequest)
         results: queue.Queue = queue.Queue()
-        ids = self.client.submit(prompts, params, results.put)
+        ids = self.client.submit(prompts, params, results.put, loras=loras)
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated, done = time.perf_counter(), 0, 0
@@ -78,19 +82,33 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
         if not isinstance(messages, list) or not messages:
             raise BadRequestError(f"messages={messages!r} is not supported: pass a conversation (a list of "
                                   "{'role', 'content'} dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.client.chat_prompt(c, add_generation_prompt, **template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Yield deltas (new text and token ids) as they are generated; the last one has finished=True. The request
         is submitted at the first ``next``; closing the iterator early aborts it."""
-        yield from self.client.stream(prompt, sampling_params, kind=OutputKind.DELTA)
+        yield from self.client.stream(prompt, sampling_params, kind=OutputKind.DELTA, lora=lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and load it now rather than at its first request."""
+        return self.client.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.client.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters accepted so far (vLLM's shape)."""
+        return {r.lora_int_id for r in self.client.list_loras()}
 
     def stats(self) -> dict[str, Any]:
         return self.client.stats()
@@ -107,11 +125,14 @@ class LLM:
 
 
 
-def _as_params_list(params: Any, n: int) -> list[SamplingParams | None]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise BadRequestError(f"sampling_params has {len(params)} entries for {n} prompts: pass one, or one per "
-                              "prompt")
-    return params
+def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    """One value for every prompt, or a list of one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise BadRequestError(f"{name} of type {type(value).__name__} is not supported: pass a {kind.__name__}, "
+                              "a list of one per prompt, or None")
+    value = list(value)
+    if len(value) != n:
+        raise BadRequestError(f"{name} has {len(value)} entries for {n} prompts: pass one, or one per prompt")
+    return value

@@ -15,11 +15,13 @@ from ember.config import EngineConfig
 from ember.core.loop import EngineLoop
 from ember.core.records import ModelInfo  # noqa: F401  (re-exported: what clients know of the engine)
 from ember.executor import serve_launched
+from ember.frontend.adapters import Adapters
 from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
 from ember.frontend.output_stream import OutputStream
 from ember.frontend.processor import InputProcessor, PromptType
 from ember.frontend.structured_output import Grammars
-from ember.model_loader import load_tokenizer
+from ember.lora.request import LoRARequest
+from ember.model_loader import load_tokenizer, read_shape
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message, Tokenizer
 
@@ -38,7 +40,9 @@ class EngineClient:
         self._loop = EngineLoop(config, resolved, self._outputs, grammars)  # the core takes matchers from it
         self.model_info: ModelInfo = self._loop.model_info
         defaults = SamplingParams.from_generation_config(tok.generation_config)
-        self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults, grammars)
+        self.adapters = Adapters(self.model_info, lambda: read_shape(resolved.model.path))
+        self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults, grammars,
+                                      self.adapters)
         self.eos_token_ids: tuple[int, ...] = tok.eos_token_ids  # the model's EOS ids, filled into requests
 
     def default_params(self) -> SamplingParams:
@@ -54,13 +58,16 @@ class EngineClient:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def submit(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | None], sink: OutputSink,
-               request_ids: Sequence[str | None] | None = None) -> list[str]:
+               request_ids: Sequence[str | None] | None = None,
+               loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Validate every request (raising before any is queued), then queue them together; their outputs go to
-        sink as RequestOutput deltas (an exception if the engine stops). Returns the request ids."""
+        sink as RequestOutput deltas (an exception if the engine stops). Returns the request ids. loras: the
+        adapter of each request (None: the base model)."""
         request_ids = request_ids or [None] * len(prompts)
+        loras = loras or [None] * len(prompts)
         states, records = [], []
-        for prompt, sp, rid in zip(prompts, params, request_ids):
-            text, record = self._inputs.process(prompt, sp, rid)
+        for prompt, sp, rid, lora in zip(prompts, params, request_ids, loras):
+            text, record = self._inputs.process(prompt, sp, rid, lora)
             states.append(RequestState(record.request_id, text, record.prompt_token_ids, record.params, sink))
             records.append(record)
         self._outputs.register(states)
@@ -72,20 +79,38 @@ class EngineClient:
         return [r.request_id for r in records]
 
     def stream(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-               kind: OutputKind | None = None, asynchronous: bool = False) -> OutputStream:
+               kind: OutputKind | None = None, asynchronous: bool = False,
+               lora: LoRARequest | None = None) -> OutputStream:
         """Submit one request and return its stream: iterate it (``async for`` when asynchronous) for its
         outputs in ``kind`` (default: the request's output_kind)."""
         loop = asyncio.get_running_loop() if asynchronous else None
         if kind is None:
             kind = (params if isinstance(params, SamplingParams) else self._inputs.default_params).output_kind
         stream = OutputStream(loop, kind)
-        stream.request_id = self.submit([prompt], [params], stream.put, [request_id])[0]
+        stream.request_id = self.submit([prompt], [params], stream.put, [request_id], [lora])[0]
         stream.on_close = self.abort
         return stream
 
     def abort(self, request_id: str) -> None:
         """End the request (its samples finish with finish_reason "abort"); unknown ids are ignored."""
         self._loop.abort(str(request_id))
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Check an adapter and load it now (into a free or idle slot) rather than at its first request."""
+        lora = self.adapters.check(lora)
+        self._loop.call(lambda core: core.add_lora(lora))
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (requests running with it finish with it); False if the id is unknown."""
+        if not self.adapters.remove(lora_id):
+            return False
+        self._loop.call(lambda core: core.remove_lora(lora_id))
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters accepted so far, by id."""
+        return self.adapters.list()
 
     def stats(self) -> dict[str, Any]:
         return self._loop.stats()

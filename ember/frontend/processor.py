@@ -12,7 +12,9 @@ from ember.core.block_manager import blocks_for, request_blocks
 from ember.core.records import EngineRequest, ModelInfo
 from ember.core.window import KVWindow
 from ember.errors import BadRequestError, DoesNotFitError
+from ember.frontend.adapters import Adapters
 from ember.frontend.structured_output import Grammars
+from ember.lora.request import LoRARequest
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -36,9 +38,11 @@ def prompt_list(prompts: Any) -> list[PromptType]:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo, eos_token_ids: tuple[int, ...],
-                 default_params: SamplingParams, grammars: Grammars | None = None) -> None:
+                 default_params: SamplingParams, grammars: Grammars | None = None,
+                 adapters: Adapters | None = None) -> None:
         self.tokenizer = tokenizer
         self.grammars = grammars
+        self.adapters = adapters
         self.info = info
         self.eos_token_ids = eos_token_ids
         self.default_params = default_params
@@ -55,8 +59,8 @@ class InputProcessor:
         raise BadRequestError(f"prompt of type {type(prompt).__name__} is not supported: pass a string or a list "
                               "of token ids")
 
-    def process(self, prompt: Any, params: SamplingParams | None, request_id: str | None = None) -> tuple[
-            str | None, EngineRequest]:
+    def process(self, prompt: Any, params: SamplingParams | None, request_id: str | None = None,
+                lora: LoRARequest | None = None) -> tuple[str | None, EngineRequest]:
         """(prompt text or None, the request record); raises BadRequestError / DoesNotFitError."""
         if params is not None and not isinstance(params, SamplingParams):
             raise BadRequestError(f"sampling_params of type {type(params).__name__} is not supported: pass a "
@@ -93,12 +97,18 @@ class InputProcessor:
             rid = str(request_id)
         else:
             raise BadRequestError(f"request_id={request_id!r} is not supported: pass a string, an int or None")
+        salt = None
+        if lora is not None:
+            if self.adapters is None:
+                raise BadRequestError("lora_request is not supported by this engine client")
+            lora = self.adapters.check(lora)
+            salt = f"lora-{lora.lora_int_id}"  # an adapter's KV differs from the base model's for the same tokens
         grammar = None
         if params.structured_outputs is not None:  # compiled last: every cheaper check has passed
             if self.grammars is None:
                 raise BadRequestError("structured_outputs is not supported by this engine client")
             grammar = self.grammars.compile(params.structured_outputs)
-        return text, EngineRequest(rid, ids, params, max_num_tokens, grammar=grammar)
+        return text, EngineRequest(rid, ids, params, max_num_tokens, salt, grammar, lora)
 
     def _check_fits(self, prompt_len: int, params: SamplingParams, max_num_tokens: int) -> None:
         """Refuse a request the KV pool can never hold (under guaranteed_no_evict: never reserve for)."""

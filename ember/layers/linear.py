@@ -15,6 +15,7 @@ from torch import nn
 from ember import envs
 from ember.distributed import ParallelContext
 from ember.distributed.comm import all_reduce
+from ember.layers.lora import LoRABatch, LoRAStack
 from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
 
@@ -72,6 +73,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.prepacked: PrepackedWeight | None = None
         self.qmm: QuantizedMatmul | None = None
+        self.lora: LoRAStack | None = None  # resident adapters (``enable_lora``); None: no LoRA on this projection
         self._parts: list[tuple[int, QuantizedTensor]] = []  # quantized row blocks as loaded, until finalize
 
     def load_weight(self, value: torch.Tensor | QuantizedTensor, offset: int = 0, name: str = "weight") -> None:
@@ -93,11 +95,22 @@ class Linear(nn.Module):
         elif prepack:
             self.prepacked = PrepackedWeight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def lora_parts(self) -> list[tuple[int, int]]:
+        """(offset, size) in the output of each part an adapter module maps to: the whole output here."""
+        return [(0, self.out_features)]
+
+    def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.lora = LoRAStack(self.in_features, self.lora_parts, max_loras, max_rank, dtype, device)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if self.qmm is not None:
             y = self.qmm(x)
-            return y if self.bias is None else y + self.bias
-        return linear(x, self.weight, self.bias, self.prepacked)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = linear(x, self.weight, self.bias, self.prepacked)
+        return y if lora is None or self.lora is None else self.lora.apply(x, y, lora)
 
 
 def row_parallel_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -118,8 +131,10 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias, dtype, quant, layout_features=full_in_features)
         self.parallel = parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         y = self.qmm(x) if self.qmm is not None else linear(x, self.weight, None, self.prepacked)
+        if lora is not None and self.lora is not None:  # x holds this rank's inputs, A its columns: a partial sum
+            y = self.lora.apply(x, y, lora)
         y = all_reduce(y, self.parallel)
         return y if self.bias is None else y + self.bias
 
@@ -135,6 +150,10 @@ class MergedLinear(Linear):
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
+
+    @property
+    def lora_parts(self) -> list[tuple[int, int]]:
+        return list(self.shard_offsets.values())  # one adapter module a shard (q / k / v, gate / up)
 
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor | QuantizedTensor) -> None:
         offset, size = self.shard_offsets[shard]

@@ -44,11 +44,12 @@ class LoRAAdapter:
         return {p for _, p in self.weights}
 
 
-def projection_shapes(shape: ModelShape, intermediate_size: int) -> dict[str, tuple[int, int]]:
+def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(in, out) of every projection an adapter may target, for the whole (unsplit) model."""
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    inter = shape.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, intermediate_size), "up_proj": (h, intermediate_size), "down_proj": (intermediate_size, h)}
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
 
 def _bad(path: str, why: str) -> BadRequestError:
@@ -95,42 +96,69 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
     return cfg
 
 
-def read_adapter(path: str, name: str, shape: ModelShape, intermediate_size: int, max_lora_rank: int,
-                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """Every A and B of the adapter, as ``dtype`` on CPU, checked against the model's shapes."""
-    from safetensors.torch import load_file
+@dataclass(frozen=True, slots=True)
+class AdapterLayout:
+    """What an adapter holds, checked against the model without reading its weights: the safetensors key of each
+    module's A and B, and each module's scaling."""
+
+    rank: int  # the largest rank of its modules
+    keys: dict[tuple[int, str], tuple[str, str]]  # (layer, projection) -> keys of A and B
+    scalings: dict[tuple[int, str], float]
+
+
+def inspect_adapter(path: str, shape: ModelShape, max_lora_rank: int) -> AdapterLayout:
+    """The adapter's layout from its config and the safetensors header alone; refuses by name what ember cannot
+    apply or what does not fit this model."""
+    from safetensors import safe_open
 
     cfg = read_adapter_config(path, max_lora_rank)
-    shapes = projection_shapes(shape, intermediate_size)
-    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    shapes = projection_shapes(shape)
+    parts: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
     modules: dict[tuple[int, str], str] = {}
-    for key, t in tensors.items():
+    try:
+        with safe_open(os.path.join(path, "adapter_model.safetensors"), framework="pt") as f:
+            header = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for a damaged file)
+        raise _bad(path, f"adapter_model.safetensors cannot be read: {e}") from None
+    for key, dims in header.items():
         m = _KEY.match(key)
         if m is None or m.group(3) not in PROJECTIONS:
             raise _bad(path, f"weight {key} is not a LoRA A/B of a layer projection: it cannot be applied")
         layer = int(m.group(2))
         if layer >= shape.num_layers:
             raise _bad(path, f"weight {key} is for layer {layer}, but the model has {shape.num_layers} layers")
-        parts.setdefault((layer, m.group(3)), {})[m.group(4)] = t
+        parts.setdefault((layer, m.group(3)), {})[m.group(4)] = (key, dims)
         modules[(layer, m.group(3))] = m.group(1)
     alpha_default = float(cfg.get("lora_alpha", 8))
-    weights, top = {}, 0
+    keys, scalings, top = {}, {}, 0
     for (layer, proj), ab in sorted(parts.items()):
         if set(ab) != {"A", "B"}:
             raise _bad(path, f"layer {layer} {proj} has lora_{'A' if 'A' in ab else 'B'} but not its pair")
-        a, b = ab["A"], ab["B"]
+        (key_a, a), (key_b, b) = ab["A"], ab["B"]
         n_in, n_out = shapes[proj]
-        r = a.shape[0]
-        if a.shape != (r, n_in) or b.shape != (n_out, r):
-            raise _bad(path, f"layer {layer} {proj}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit this "
-                             f"model's {n_in} -> {n_out} projection (an adapter of another base model?)")
+        r = a[0] if len(a) == 2 else -1
+        if a != (r, n_in) or b != (n_out, r):
+            raise _bad(path, f"layer {layer} {proj}: A {a} and B {b} do not fit this model's {n_in} -> {n_out} "
+                             "projection (an adapter of another base model?)")
         if r > max_lora_rank:
             raise _bad(path, f"layer {layer} {proj} has rank {r}, above max_lora_rank={max_lora_rank}")
         alpha = float(_module_value(cfg.get("alpha_pattern") or {}, modules[(layer, proj)], alpha_default))
-        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r  # r: this module's (rank_pattern)
-        weights[(layer, proj)] = LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scaling)
+        scalings[(layer, proj)] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r  # r: this module's
+        keys[(layer, proj)] = (key_a, key_b)
         top = max(top, r)
-    if not weights:
+    if not keys:
         raise _bad(path, "adapter_model.safetensors holds no LoRA weights")
-    return LoRAAdapter(name, top, weights)
+    return AdapterLayout(top, keys, scalings)
+
+
+def read_adapter(path: str, name: str, shape: ModelShape, max_lora_rank: int,
+                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Every A and B of the adapter, as ``dtype`` on CPU, checked against the model's shapes."""
+    from safetensors.torch import load_file
+
+    layout = inspect_adapter(path, shape, max_lora_rank)
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    weights = {module: LoRAWeights(tensors[ka].to(dtype).contiguous(), tensors[kb].to(dtype).contiguous(),
+                                   layout.scalings[module])
+               for module, (ka, kb) in layout.keys.items()}
+    return LoRAAdapter(name, layout.rank, weights)

@@ -25,6 +25,7 @@ from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.embedding import LMHead, VocabEmbedding, vocab_range
 from ember.layers.linear import MergedLinear, load_float, row_parallel_linear
+from ember.layers.lora import LoRABatch, LoRAStack
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary, rotate_in_place
 from ember.quantization import QuantConfig, QuantizedTensor
@@ -99,9 +100,10 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, window)
         self.split = (q, kv, kv)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
+                lora: LoRABatch | None = None) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, lora)
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, (nq + nkv) * d:].view(T, nkv, d)
         if self.q_norm is None:  # Q and K are adjacent: one rotation for both
@@ -110,7 +112,7 @@ class Attention(nn.Module):
         else:
             q = apply_rotary(self.q_norm(qkv[:, :nq * d].reshape(T, nq, d)), *rope)
             k = apply_rotary(self.k_norm(qkv[:, nq * d:(nq + nkv) * d].reshape(T, nkv, d)), *rope)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta), lora)
 
 
 class MLP(nn.Module):
@@ -122,8 +124,8 @@ class MLP(nn.Module):
         self.down_proj = row_parallel_linear(inter, config.hidden_size, bias, dtype, quant, parallel,
                                              config.intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -136,15 +138,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous sublayer's output, residual the stream before it (None in the first layer)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = self.self_attn(rope, x, meta, lora)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class MissingLayer(nn.Module):
@@ -172,17 +174,18 @@ class LlamaModel(nn.Module):
         self.local_layers = [self.layers[i] for i in range(self.start, self.stop)]  # a plain list: no lookup a step
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoRABatch | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers. The first stage embeds ``ids``; later stages continue from ``intermediate``, the
-        previous stage's (x, residual). The last stage returns the normed hidden states, the others (x, residual)."""
+        previous stage's (x, residual). The last stage returns the normed hidden states, the others (x, residual).
+        lora: which adapter slot each row uses (None: every row runs the base model)."""
         if intermediate is None:
             x, residual = self.embed_tokens(ids), None
         else:
             x, residual = intermediate
         rope = self.rope.cos_sin(positions, x.dtype)  # once a step, shared by every layer
         for layer in self.local_layers:
-            x, residual = layer(rope, x, residual, meta)
+            x, residual = layer(rope, x, residual, meta, lora)
         if self.norm is None:
             return x, residual
         return self.norm(x, residual)[0]
@@ -212,9 +215,9 @@ class LlamaForCausalLM(nn.Module):
                               parallel=parallel) if parallel.is_last_stage else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoRABatch | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.model(ids, positions, meta, intermediate)
+        return self.model(ids, positions, meta, intermediate, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits; None on TP ranks other than 0 (they only lend their vocabulary slice)."""
@@ -223,6 +226,24 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         """This stage's attention layers, in order (the KV pool holds these and no others)."""
         return [layer.self_attn.attn for layer in self.model.local_layers]
+
+    def enable_lora(self, max_loras: int, max_rank: int, device: torch.device) -> None:
+        """Adapter slots on every projection of this stage's layers (zeros until an adapter is loaded)."""
+        for layer in self.model.local_layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                         layer.mlp.down_proj):
+                proj.enable_lora(max_loras, max_rank, self.model.dtype, device)
+
+    def lora_target(self, layer: int, proj: str) -> tuple[LoRAStack, int] | None:
+        """The stack holding an adapter's module ``proj`` (Hugging Face name) of ``layer`` and its part there; None
+        when another stage holds the layer."""
+        if not self.model.start <= layer < self.model.stop:
+            return None
+        decoder = self.model.layers[layer]
+        fused, shard = _STACKED.get(proj, (proj, None))
+        module = getattr(decoder.self_attn if fused in ("qkv_proj", "o_proj") else decoder.mlp, fused)
+        part = 0 if shard is None else list(module.shard_offsets).index(shard)
+        return module.lora, part
 
     def weight_slice(self, name: str) -> WeightSlice | None:
         """The part of checkpoint tensor ``name`` (Hugging Face naming) this rank holds: None when it holds none of

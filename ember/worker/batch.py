@@ -62,6 +62,14 @@ class TokenMasks:
         return TokenMasks, (self.rows, self.get())
 
 
+@dataclass(frozen=True, slots=True)
+class LoRALoad:
+    """Read the PEFT adapter at ``path`` into slot ``slot`` of every projection (replacing what was there)."""
+
+    slot: int
+    path: str
+
+
 @dataclass(slots=True)
 class BatchDescription:
     input_ids: list[int] = field(default_factory=list)
@@ -75,7 +83,8 @@ class BatchDescription:
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
     copies: list[tuple[str, int, int]] = field(default_factory=list)  # host-tier block copies, run first
     released: list[int] = field(default_factory=list)  # handles whose sampling state the worker may drop
-    adapter_ids: list[int] | None = None  # one per row once adapters exist; None: the base model
+    lora_slots: list[int] | None = None  # LoRA: the adapter slot of each row, -1 for the base model; None: no adapter
+    lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters to read into their slots before the step
     token_masks: TokenMasks | None = None  # structured output: the guided sampling rows' allowed tokens
 
     @property

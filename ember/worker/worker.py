@@ -19,10 +19,12 @@ from ember.layers.attention import AttentionMetadata, PrefillSpan, bind_attentio
 from ember.layers.embedding import VocabEmbedding
 from ember.layers.linear import Linear
 from ember.layers.logits_processors import RowState
+from ember.layers.lora import LoRABatch
+from ember.lora.adapter import PROJECTIONS, read_adapter
 from ember.layers.sampler import Sampler, rank_logprobs
 from ember.model_loader import load_model
 from ember.worker import startup
-from ember.worker.batch import COPY, SWAP_OUT, BatchDescription, WorkerOutput
+from ember.worker.batch import COPY, SWAP_OUT, BatchDescription, LoRALoad, WorkerOutput
 from ember.worker.memory import memory_now
 
 
@@ -55,6 +57,9 @@ class Worker:
         first = self.layers[0]
         self._kv_shape = (len(self.layers), cache.block_size, first.num_kv_heads, fmt.entry)
         kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
+        self.lora = model_config.lora
+        if self.lora is not None:
+            self.model.enable_lora(self.lora.max_loras, self.lora.max_rank, self.device)
         self.attention_backend = bind_attention_backend(self.layers, self.device, fmt)
         self.kv_cache = torch.empty(0)
         self.host_cache: torch.Tensor | None = None
@@ -113,6 +118,31 @@ class Worker:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.parallel.control_group)
         return int(t.item())
 
+    def load_lora(self, load: LoRALoad) -> None:
+        """Read an adapter into a slot: this rank's slice of each of its modules (a column-parallel projection's
+        B rows, a row-parallel one's A columns, as ``weight_slice`` cuts the base weight), zeros elsewhere."""
+        shape = self.loaded.shape
+        adapter = read_adapter(load.path, load.path, shape, self.lora.max_rank, self.loaded.dtype)
+        stacks = {id(t[0]): t[0] for t in (self.model.lora_target(layer, proj) for layer in range(shape.num_layers)
+                                           for proj in PROJECTIONS) if t is not None}
+        for stack in stacks.values():
+            stack.clear(load.slot)
+        for (layer, proj), w in adapter.weights.items():
+            target = self.model.lora_target(layer, proj)
+            if target is None:
+                continue
+            part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            cut = self.model.weight_slice(f"model.layers.{layer}.{part}.{proj}.weight")
+            a = cut.apply(w.a) if cut.dim == 1 else w.a
+            b = cut.apply(w.b) if cut.dim == 0 else w.b
+            target[0].set(load.slot, target[1], a.to(self.device), b.to(self.device), w.scaling)
+
+    def _lora_batch(self, b: BatchDescription, r0: int, r1: int) -> LoRABatch | None:
+        if b.lora_slots is None or self.lora is None:
+            return None
+        return LoRABatch.of(b.lora_slots[r0:r1], self.lora.max_loras, self.lora.max_rank, self.loaded.dtype,
+                            self.device)
+
     def _inputs(self, b: BatchDescription, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Tensors of rows [r0, r1) of the batch (all of it, or one micro-batch)."""
         dev = self.device
@@ -153,7 +183,7 @@ class Worker:
         """The whole batch through this rank's stage; the last stage's hidden states, None on other stages."""
         p = self.parallel
         if p.pp_size == 1:
-            return self.model(*self._inputs(b, 0, b.num_tokens))
+            return self.model(*self._inputs(b, 0, b.num_tokens), None, self._lora_batch(b, 0, b.num_tokens))
         outs, sends = [], []
         hidden = self.loaded.shape.hidden_size
         for r0, r1 in micro_batches(b.num_tokens, p.pp_size):
@@ -162,7 +192,7 @@ class Worker:
             if not p.is_first_stage:
                 buf = comm.recv((2, r1 - r0, hidden), self.loaded.dtype, self.device, p.stage_peer(-1))
                 intermediate = (buf[0], buf[1])
-            out = self.model(ids, positions, meta, intermediate)
+            out = self.model(ids, positions, meta, intermediate, self._lora_batch(b, r0, r1))
             if p.is_last_stage:
                 outs.append(out)
             else:  # (x, residual) to the same TP rank of the next stage; on to the next micro-batch meanwhile
@@ -179,6 +209,8 @@ class Worker:
             self.states.pop(handle, None)
         if batch.copies:
             self.copy_blocks(batch.copies)
+        for load in batch.lora_loads:
+            self.load_lora(load)
         if not batch.input_ids:
             return WorkerOutput([], [], {}) if self.parallel.is_sampler else None
         hidden = self._forward(batch)
