@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -257,3 +259,49 @@ def test_bad_adapters_are_refused_before_any_work_and_the_engine_keeps_serving(l
             plain.generate(prompt, GREEDY, lora_request=LoRARequest("a0", 1, three_adapters[0]), use_tqdm=False)
     finally:
         plain.shutdown()
+
+
+# ----- the APIs: the server (--lora-modules, `model` = adapter name) and the CLI (--lora) -----
+
+def test_server_serves_adapters_as_models(llama_dir, three_adapters):
+    """`ember serve --lora-modules`: /v1/models lists each adapter with its folder and base model; a request whose
+    `model` names an adapter gets transformers + peft's greedy tokens with it, the base name gets the base model."""
+    import openai
+    from server_utils import running_server
+
+    from ember.tokenizer import Tokenizer
+
+    prompts = random_prompts(2, 8, 16, 49152, seed=64)
+    want = {name: _peft_greedy(llama_dir, path, prompts, 8)
+            for name, path in (("a0", three_adapters[0]), ("a1", three_adapters[1]), ("tiny", None))}
+    decode = Tokenizer.load(llama_dir).decode
+    modules = ["a0=" + three_adapters[0], json.dumps({"name": "a1", "path": three_adapters[1]})]
+    with running_server(llama_dir, "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "256",
+                        "--served-model-name", "tiny", "--lora-modules", *modules, "--max-loras", "1") as srv:
+        api = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        cards = {m.id: m for m in api.models.list().data}
+        assert list(cards) == ["tiny", "a0", "a1"]
+        assert cards["a0"].root == three_adapters[0] and cards["a0"].parent == "tiny"
+        for name in ("a0", "a1", "tiny", "a0"):  # one slot: a1 swaps a0 out, a0 comes back
+            r = api.completions.create(model=name, prompt=prompts, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+            assert r.model == name and [c.text for c in r.choices] == [decode(t) for t in want[name]]
+        with pytest.raises(openai.NotFoundError):
+            api.completions.create(model="a9", prompt=prompts[0], max_tokens=2)
+    proc = subprocess.run([sys.executable, "-m", "ember", "serve", llama_dir, "--lora-modules", "x=/no/such/dir"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "lora adapter /no/such/dir: no such folder" in proc.stderr
+
+
+def test_cli_generates_with_an_adapter(llama_dir, three_adapters, capsys):
+    from ember.entrypoints import cli
+    from ember.tokenizer import Tokenizer
+
+    prompt = "The capital of France is"
+    ids = Tokenizer.load(llama_dir).encode(prompt)
+    want = Tokenizer.load(llama_dir).decode(_peft_greedy(llama_dir, three_adapters[1], [ids], 6)[0])
+    assert cli.main(["generate", prompt, "--model", llama_dir, "--no-chat", "--dtype", "float32", "--temperature",
+                     "0", "--max-tokens", "6", "--lora", three_adapters[1], "--kv-cache-memory", "16MiB"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == want
+    assert cli.main(["generate", prompt, "--model", llama_dir, "--lora", "/no/such/dir"]) == 2
+    assert "lora adapter /no/such/dir: no such folder" in capsys.readouterr().err

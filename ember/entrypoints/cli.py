@@ -67,6 +67,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (default on)")
     e.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="PEFT adapters served as models of their own: NAME=PATH, or JSON {\"name\": ..., "
+                         "\"path\": ...}; a request's `model` picks one (listed in /v1/models)")
+    lo.add_argument("--max-loras", type=int, default=None,
+                    help="adapters resident at once (default: all of --lora-modules); others wait for a slot")
+    lo.add_argument("--max-lora-rank", type=int, default=None,
+                    help="largest adapter rank (default: the largest of --lora-modules, at least 16)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +92,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     so.add_argument("--regex", default=None, help="the whole reply matches this regular expression")
     so.add_argument("--grammar", default=None, metavar="FILE",
                     help="the reply follows the Lark or GBNF grammar in FILE")
+    g.add_argument("--lora", default=None, metavar="PATH",
+                   help="generate with this PEFT LoRA adapter (a folder with adapter_config.json and "
+                        "adapter_model.safetensors)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,14 +154,25 @@ CLI_PREFILL_TOKENS = 512
 
 def _load(args: argparse.Namespace):
     from ember import LLM
+    from ember.lora.adapter import lora_settings
 
+    lora = lora_settings([args.lora]) if args.lora else {}  # the adapter's config is checked before the model loads
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                kv_cache_memory=args.kv_cache_memory, max_num_seqs=CLI_MAX_NUM_SEQS,
                max_num_batched_tokens=CLI_PREFILL_TOKENS, quantization=args.quantization,
                calibration_data=args.calibration,
                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,
-               distributed_executor_backend=args.distributed_executor_backend)
+               distributed_executor_backend=args.distributed_executor_backend, **lora)
+
+
+def _lora(args: argparse.Namespace):
+    """The request's adapter from --lora (named after its folder), or None."""
+    import os
+
+    from ember.lora.request import LoRARequest
+
+    return LoRARequest(os.path.basename(os.path.normpath(args.lora)), 1, args.lora) if args.lora else None
 
 
 def _structured(args: argparse.Namespace) -> StructuredOutputsParams | None:
@@ -191,10 +213,10 @@ def _params(llm, args: argparse.Namespace, structured: StructuredOutputsParams |
     return params.clone(**changes)
 
 
-def _stream_reply(llm, prompt, params: SamplingParams) -> str:
+def _stream_reply(llm, prompt, params: SamplingParams, lora=None) -> str:
     start = time.perf_counter()
     text, n = "", 0
-    for delta in llm.stream(prompt, params):
+    for delta in llm.stream(prompt, params, lora):
         for out in delta.outputs:
             sys.stdout.write(out.text)
             sys.stdout.flush()
@@ -219,7 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = args.prompt
         else:
             prompt = llm.client.chat_prompt(_messages(args.system) + [{"role": "user", "content": args.prompt}])
-        _stream_reply(llm, prompt, params)
+        _stream_reply(llm, prompt, params, _lora(args))
     finally:
         llm.shutdown()
     return 0
@@ -245,7 +267,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        reply = _stream_reply(llm, llm.client.chat_prompt(history), params)
+        reply = _stream_reply(llm, llm.client.chat_prompt(history), params, _lora(args))
         history.append({"role": "assistant", "content": reply})
     llm.shutdown()
     return 0

@@ -90,10 +90,24 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
     unknown = [t for t in targets if t not in PROJECTIONS]
     if unknown:
         raise _bad(path, f"target_modules {unknown} are not supported: the model's LoRA targets are {PROJECTIONS}")
-    ranks = [int(cfg.get("r", 8)), *map(int, (cfg.get("rank_pattern") or {}).values())]
-    if max(ranks) > max_lora_rank:
-        raise _bad(path, f"rank {max(ranks)} is above max_lora_rank={max_lora_rank}: raise max_lora_rank")
+    if config_rank(cfg) > max_lora_rank:
+        raise _bad(path, f"rank {config_rank(cfg)} is above max_lora_rank={max_lora_rank}: raise max_lora_rank")
     return cfg
+
+
+def config_rank(cfg: dict[str, Any]) -> int:
+    """The largest rank an adapter config names (r, and its rank_pattern)."""
+    return max([int(cfg.get("r", 8)), *map(int, (cfg.get("rank_pattern") or {}).values())])
+
+
+def lora_settings(paths: list[str], max_loras: int | None = None, max_lora_rank: int | None = None
+                  ) -> dict[str, Any]:
+    """The engine settings that hold these adapters: all resident at once unless max_loras says otherwise, and a
+    rank limit of at least 16 (vLLM's default) that fits the largest of them (what `--lora` and `--lora-modules`
+    start an engine with)."""
+    rank = max((config_rank(read_adapter_config(p, 1 << 30)) for p in paths), default=16)
+    return dict(enable_lora=True, max_loras=max_loras or max(1, len(paths)),
+                max_lora_rank=max_lora_rank or max(16, rank))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.frontend.client import EngineClient
+from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
 from ember.server import responses as R
 from ember.server.admission import Admission
@@ -38,10 +39,12 @@ STATIC = Path(__file__).parent / "static"
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """One engine and the names it answers to as ``model`` (the first is the name in responses)."""
+    """One engine and the names it answers to as ``model`` (the first is the name in responses); ``loras``: its
+    adapters, each answering to its ``lora_name`` as ``model`` (vLLM's ``--lora-modules``)."""
 
     names: tuple[str, ...]
     client: EngineClient
+    loras: tuple[LoRARequest, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +79,13 @@ class ServerState:
         self.settings = settings
         self.engines = [_Engine(m, settings.max_queue) for m in models]
         self.by_name: dict[str, _Engine] = {}
-        for e in self.engines:
-            for name in e.names:
+        self.adapters: dict[str, LoRARequest] = {}  # adapter name -> its request (its engine is in by_name)
+        for e, m in zip(self.engines, models):
+            for name in (*e.names, *(lora.lora_name for lora in m.loras)):
                 if name in self.by_name:
                     raise ValueError(f"served model name {name!r} is given twice: every name must be unique")
                 self.by_name[name] = e
+            self.adapters.update((lora.lora_name, lora) for lora in m.loras)
         self.metrics = ServerMetrics([EngineSource(e.name, e.client.stats, _admitted(e.admission))
                                       for e in self.engines])
         self.in_flight: dict[str, RequestGroup] = {}
@@ -97,6 +102,12 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(self.names)}",
                            param="model", code="model_not_found")
         return self.by_name[model]
+
+    def route(self, model: str | None) -> tuple[_Engine, LoRARequest | None, str]:
+        """The engine serving ``model``, the adapter it names (None: the base model) and the name to answer with."""
+        engine = self.engine(model)
+        lora = self.adapters.get(model) if model is not None else None
+        return engine, lora, model if lora is not None else engine.name
 
     def group(self, engine: _Engine, prefix: str) -> RequestGroup:
         return RequestGroup(engine.name, engine.client, engine.admission, self.metrics, self.in_flight,
@@ -216,9 +227,15 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> dict:
         created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "ember",
-             "max_model_len": e.client.model_info.max_model_len} for name, e in state.by_name.items()]}
+        data = []
+        for name, e in state.by_name.items():
+            card = {"id": name, "object": "model", "created": created, "owned_by": "ember",
+                    "max_model_len": e.client.model_info.max_model_len}
+            lora = state.adapters.get(name)
+            if lora is not None:  # vLLM's adapter card: its folder and the model it adapts
+                card.update(root=lora.lora_path, parent=e.name)
+            data.append(card)
+        return {"object": "list", "data": data}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
@@ -244,13 +261,13 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        engine = state.engine(req.model)
-        client, model = engine.client, engine.name
+        engine, lora, model = state.route(req.model)
+        client = engine.client
         _check_stream_options(req)
         group = state.group(engine, "chatcmpl")
         with engine_errors("messages"):
             prompt, params = chat_request(client, req)
-            group.submit([prompt], params)
+            group.submit([prompt], params, lora)
         top = params.logprobs
         created = int(time.time())
         if req.stream:
@@ -266,13 +283,13 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        engine = state.engine(req.model)
-        client, model = engine.client, engine.name
+        engine, lora, model = state.route(req.model)
+        client = engine.client
         _check_stream_options(req)
         group = state.group(engine, "cmpl")
         with engine_errors("prompt"):
             prompts, params = completion_request(client, req)
-            group.submit(prompts, params)
+            group.submit(prompts, params, lora)
         created = int(time.time())
         if req.stream:
             return _EventStream(completion_stream(group, created, model, params.n, req.logprobs, req.echo,

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from ember.frontend.client import EngineClient
 from ember.frontend.inbox import Inbox
+from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.admission import Admission
@@ -33,8 +34,10 @@ class RequestGroup:
         self._inbox = Inbox(asyncio.get_running_loop())
         self._admitted = 0
 
-    def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> None:
-        """Admit (503 when full) and submit every prompt; a bad one raises before any is queued."""
+    def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams,
+               lora: LoRARequest | None = None) -> None:
+        """Admit (503 when full) and submit every prompt (with the adapter ``lora`` when the request named one); a
+        bad one raises before any is queued."""
         try:
             self.admission.enter(len(prompts))
         except APIError as e:
@@ -44,7 +47,7 @@ class RequestGroup:
         ids = [f"{self.request_id}-{i}" for i in range(len(prompts))]
         start = time.monotonic()
         try:
-            self.client.submit(prompts, [params] * len(prompts), self._inbox.put, ids)
+            self.client.submit(prompts, [params] * len(prompts), self._inbox.put, ids, [lora] * len(prompts))
         except BaseException:
             self.close()
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -16,6 +17,8 @@ from ember import envs
 from ember.config import EngineConfig, default_model_path
 from ember.errors import ConfigError
 from ember.frontend.client import EngineClient
+from ember.lora.adapter import lora_settings
+from ember.lora.request import LoRARequest
 from ember.server.app import ServedModel, ServerSettings, build_app
 
 
@@ -40,10 +43,29 @@ def _settings(args: argparse.Namespace, model: str | None) -> ServerSettings:
                           max_request_bytes=args.max_request_bytes, allowed_origins=origins)
 
 
+def lora_modules(specs: list[str] | None) -> tuple[LoRARequest, ...]:
+    """--lora-modules as vLLM reads it: NAME=PATH, or a JSON object with "name" and "path"; ids 1, 2, ..."""
+    loras = []
+    for spec in specs or []:
+        if "=" in spec and not spec.lstrip().startswith("{"):
+            name, _, path = spec.partition("=")
+        else:
+            try:
+                entry = json.loads(spec)
+                name, path = entry["name"], entry["path"]
+            except (ValueError, TypeError, KeyError):
+                raise ConfigError(f"--lora-modules {spec!r} is not NAME=PATH or a JSON object with \"name\" and "
+                                  "\"path\"") from None
+        loras.append(LoRARequest(name.strip(), len(loras) + 1, os.path.expanduser(path.strip())))
+    return tuple(loras)
+
+
 def serve(args: argparse.Namespace) -> int:
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"MODEL={args.model_arg!r} and --model={args.model!r} differ: give one")
     model = args.model_arg or args.model
+    loras = lora_modules(args.lora_modules)
+    lora = lora_settings([r.lora_path for r in loras], args.max_loras, args.max_lora_rank) if loras else {}
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
                           calibration_data=args.calibration, kv_cache_dtype=args.kv_cache_dtype,
@@ -52,13 +74,15 @@ def serve(args: argparse.Namespace) -> int:
                           distributed_executor_backend=args.distributed_executor_backend,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_prefill_seqs=args.max_num_prefill_seqs,
-                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, **lora)
     settings, names = _settings(args, model), _names(args, model)  # checked before the model loads
     _raise_open_files()
     print(f"[ember] loading {model or default_model_path()} ...", file=sys.stderr, flush=True)
     client = EngineClient(config)
     try:
-        run_app([ServedModel(names, client)], settings, args.host, args.port, access_log=args.access_log)
+        for r in loras:  # checked against the model now; the first max_loras are loaded before serving
+            client.add_lora(r)
+        run_app([ServedModel(names, client, loras)], settings, args.host, args.port, access_log=args.access_log)
     finally:
         client.shutdown()
     print("[ember] server stopped", file=sys.stderr, flush=True)
