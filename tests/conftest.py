@@ -117,3 +117,28 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             tokens.append(int(out.logits[0, -1].argmax()))
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+def peft_adapter(model_dir: str, out: str, seed: int = 0, **lora) -> dict[str, torch.Tensor]:
+    """A random (non-zero B) PEFT adapter of the model in model_dir, saved to out; PEFT's state dict."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    settings = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(base, LoraConfig(**{**settings, **lora}))
+    peft_model.save_pretrained(out)
+    return {k: v.detach().clone() for k, v in peft_model.state_dict().items() if "lora_" in k}
+
+
+def peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], n: int,
+                gguf_file: str | None = None) -> list[list[int]]:
+    """transformers' greedy tokens of each prompt, float32, with the PEFT adapter at ``adapter`` (None: without)."""
+    from peft import PeftModel
+
+    model = hf_float32(model_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    return [hf_greedy(model, p, n) for p in prompts]

@@ -26,7 +26,7 @@ LAYERS = [
 ]
 # small shared modules any layer may use: records, settings and helpers that import no layer above their own
 SHARED = {"envs", "errors", "dtypes", "cache", "config", "sampling_params", "outputs", "tokenizer",
-          "quantization.config", "layers.kv_cache"}
+          "quantization.config", "layers.kv_cache", "lora"}
 # what the clients (entrypoints, facades, server) may use of the engine: the front end's client, the shared
 # records, and the model files' own tools (conversion, serialization)
 CLIENT_MAY_USE = {"frontend", "model_loader"}

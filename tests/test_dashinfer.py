@@ -393,9 +393,10 @@ def test_generation_config_keys_and_translation(running):
     assert gen["max_length"] == 256 and gen["top_k"] == 50 and gen["do_sample"] is True
     with pytest.raises(ValueError, match="'top_q' is unknown"):
         gen.update({"top_q": 0.5})
-    for key, value in (("lora_name", "adapter"), ("mm_info", object())):
-        with pytest.raises(ValueError, match=f"{key}=.* is not supported yet"):
-            gen.update({key: value})
+    with pytest.raises(ValueError, match="mm_info=.* is not supported yet"):
+        gen.update({"mm_info": object()})
+    with pytest.raises(ValueError, match="lora_name=5 is out of range"):
+        gen.update({"lora_name": 5})
     gen.update({"max_length": 3})
     with pytest.raises(ValueError, match="max_length=3 is out of range"):
         engine.start_request_ids("m", loader, [1, 2, 3], gen)
@@ -576,3 +577,60 @@ def test_runtime_builder_checks_and_unsupported_modes(tiny, caplog):
     stats = engine.get_as_engine_stat("d")
     assert stats["kv_blocks_total"] > 0
     engine.stop_model("d")
+
+
+# ----- LoRA: DashInfer's flow (serialize with lora_cfg, load_lora, lora_name, unload_lora) -----
+
+def test_lora_adapters_as_dashinfer_serves_them(tiny_models, tmp_path):
+    """Two PEFT adapters (one in PEFT's older .bin form) serialized with lora_cfg into NAME.aslora beside the model,
+    loaded with load_lora and named per request with lora_name: each request's tokens equal transformers + peft;
+    the status codes say not found, already loaded, too many, in use, as DashInfer's do."""
+    from conftest import peft_adapter, peft_greedy, random_prompts
+    from safetensors.torch import load_file
+
+    src = tiny_models["llama"]
+    loras = tmp_path / "loras"
+    peft_adapter(src, str(loras / "lora-1"), seed=1, r=8)
+    peft_adapter(src, str(loras / "lora-2"), seed=2, r=4, target_modules=["q_proj", "v_proj", "up_proj"])
+    old = loras / "lora-2"  # PEFT's older format: the weights as adapter_model.bin
+    torch.save(load_file(old / "adapter_model.safetensors"), old / "adapter_model.bin")
+    (old / "adapter_model.safetensors").unlink()
+    out = tmp_path / "out"
+    loader = HuggingFaceModel(src, "tiny", user_set_data_type="float32")
+    loader.load_model().serialize_to_path(None, str(out), lora_cfg={"input_base_dir": str(loras),
+                                                                    "lora_names": ["lora-1", "lora-2"]})
+    assert sorted(os.listdir(out)) == ["lora-1.aslora", "lora-2.aslora", "tiny.asmodel", "tiny.asparam"]
+    prompts = random_prompts(3, 8, 20, 49152, seed=71)
+    engine = allspark.Engine()
+    cfg = loader.create_reference_runtime_config_builder("m", TargetDevice.CPU, [0], max_batch=8) \
+        .max_length(128).lora_max_num(2).lora_max_rank(8).build()
+    engine.install_model(cfg)
+    engine.start_model("m")
+
+    def start(prompt: list[int], name: str | None, new_tokens: int = 8):
+        gen = _greedy(loader, cfg, new_tokens, lora_name=name)
+        gen["max_length"] = len(prompt) + new_tokens
+        return engine.start_request_ids("m", loader, prompt, gen)
+
+    try:
+        assert start(prompts[0], "lora-1")[0] == AsStatus.ALLSPARK_LORA_NOT_FOUND  # not loaded yet
+        assert engine.unload_lora("m", "lora-1") == AsStatus.ALLSPARK_LORA_NOT_FOUND
+        assert engine.load_lora("m", "lora-3") == AsStatus.ALLSPARK_LORA_NOT_FOUND  # no lora-3.aslora
+        for name in ("lora-1", "lora-2"):
+            assert engine.load_lora("m", name) == AsStatus.ALLSPARK_SUCCESS
+        assert engine.load_lora("m", "lora-1") == AsStatus.ALLSPARK_LORA_ALREADY_LOADED
+        assert engine.load_lora("m", str(out / "lora-1.aslora")) == AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR
+        for name in ("lora-1", "lora-2", None):  # the requests of one adapter run together
+            started = [start(p, name) for p in prompts]
+            got = [_ids_of(queue) for _, _, queue in started]
+            for _, handle, _ in started:
+                engine.release_request("m", handle)
+            assert got == peft_greedy(src, str(loras / name) if name else None, prompts, 8), name
+        status, handle, _ = start(prompts[0], "lora-2", 100)
+        assert engine.unload_lora("m", "lora-2") == AsStatus.ALLSPARK_LORA_IN_USE  # its request is unfinished
+        engine.sync_request("m", handle)
+        assert engine.unload_lora("m", "lora-2") == AsStatus.ALLSPARK_SUCCESS
+        assert engine.load_lora("m", str(out / "lora-2.aslora")) == AsStatus.ALLSPARK_SUCCESS  # an absolute path
+        engine.release_request("m", handle)
+    finally:
+        engine.stop_model("m")

@@ -11,25 +11,11 @@ import sys
 import pytest
 import torch
 
-from conftest import default_gguf, hf_float32, hf_greedy, random_prompts
+from conftest import default_gguf, hf_float32, peft_adapter, peft_greedy, random_prompts
 from ember import LLM, SamplingParams
 from ember.config import ModelShape
 from ember.errors import BadRequestError
 from ember.lora import LoRARequest, read_adapter, read_adapter_config
-
-
-def _peft_adapter(model_dir: str, out: str, seed: int = 0, **lora) -> dict[str, torch.Tensor]:
-    """A random (non-zero B) PEFT adapter of the model in model_dir, saved to out; PEFT's state dict."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    settings = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                         "up_proj", "down_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(base, LoraConfig(**{**settings, **lora}))
-    peft_model.save_pretrained(out)
-    return {k: v.detach().clone() for k, v in peft_model.state_dict().items() if "lora_" in k}
 
 
 def _shape(model_dir: str) -> ModelShape:
@@ -39,7 +25,7 @@ def _shape(model_dir: str) -> ModelShape:
 
 
 def test_reads_peft_weights_and_scaling(llama_dir, tmp_path):
-    state = _peft_adapter(llama_dir, str(tmp_path / "a"), rank_pattern={"down_proj": 4},
+    state = peft_adapter(llama_dir, str(tmp_path / "a"), rank_pattern={"down_proj": 4},
                           alpha_pattern={"layers.1.self_attn.q_proj": 4})
     shape = _shape(llama_dir)
     adapter = read_adapter(str(tmp_path / "a"), "a", shape, max_lora_rank=8)
@@ -57,7 +43,7 @@ def test_reads_peft_weights_and_scaling(llama_dir, tmp_path):
 def test_bad_adapters_fail_by_name(llama_dir, tiny_models, tmp_path):
     shape = _shape(llama_dir)
     good = str(tmp_path / "good")
-    _peft_adapter(llama_dir, good, target_modules=["q_proj", "v_proj"])
+    peft_adapter(llama_dir, good, target_modules=["q_proj", "v_proj"])
 
     def read(path, max_rank=8):
         return read_adapter(path, "x", shape, max_rank)
@@ -84,7 +70,7 @@ def test_bad_adapters_fail_by_name(llama_dir, tiny_models, tmp_path):
         with pytest.raises(BadRequestError, match=message):
             read_adapter_config(str(bad), 8)
     other = str(tmp_path / "other")  # an adapter of another base model: its q_proj has 128 outputs, not 64
-    _peft_adapter(tiny_models["qwen3"], other, target_modules=["q_proj"])
+    peft_adapter(tiny_models["qwen3"], other, target_modules=["q_proj"])
     with pytest.raises(BadRequestError, match=r"q_proj: A .* do not fit this model's 64 -> \d+ projection"):
         read(other)
 
@@ -102,19 +88,6 @@ def test_lora_request_fields():
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def _peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], n: int, gguf_file: str | None = None,
-                 prepare=None) -> list[list[int]]:
-    """transformers (+ peft when adapter is given) greedy tokens of each prompt, float32."""
-    from peft import PeftModel
-
-    model = hf_float32(model_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
-    if prepare is not None:
-        prepare(model)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    return [hf_greedy(model, p, n) for p in prompts]
-
-
 @pytest.fixture(scope="module")
 def three_adapters(llama_dir, tmp_path_factory) -> list[str]:
     """Three adapters of the tiny Llama: different ranks, targets and scalings."""
@@ -124,7 +97,7 @@ def three_adapters(llama_dir, tmp_path_factory) -> list[str]:
     paths = []
     for i, kw in enumerate(shapes):
         paths.append(str(out / f"a{i}"))
-        _peft_adapter(llama_dir, paths[-1], seed=10 + i, **kw)
+        peft_adapter(llama_dir, paths[-1], seed=10 + i, **kw)
     return paths
 
 
@@ -138,7 +111,7 @@ def test_a_batch_mixing_three_adapters_and_the_base_matches_peft_and_survives_sw
     want = [None] * len(prompts)
     for a in (None, 0, 1, 2):
         idx = [i for i, w in enumerate(which) if w == a]
-        for i, tokens in zip(idx, _peft_greedy(llama_dir, None if a is None else three_adapters[a],
+        for i, tokens in zip(idx, peft_greedy(llama_dir, None if a is None else three_adapters[a],
                                                [prompts[i] for i in idx], GREEDY.max_tokens)):
             want[i] = tokens
     assert want[4] != want[0]  # the adapter changes the answer
@@ -226,8 +199,8 @@ def test_default_model_adapter_matches_peft(tmp_path):
                            use_tqdm=False)
     finally:
         llm.shutdown()
-    want = _peft_greedy(folder, adapter, prompts, GREEDY.max_tokens, gguf_file=name)
-    want += _peft_greedy(folder, None, prompts, GREEDY.max_tokens, gguf_file=name)
+    want = peft_greedy(folder, adapter, prompts, GREEDY.max_tokens, gguf_file=name)
+    want += peft_greedy(folder, None, prompts, GREEDY.max_tokens, gguf_file=name)
     assert [o.outputs[0].token_ids for o in out] == want
     assert want[0] != want[2]
 
@@ -248,7 +221,7 @@ def test_bad_adapters_are_refused_before_any_work_and_the_engine_keeps_serving(l
             llm.generate(prompt, GREEDY, lora_request=[None, None], use_tqdm=False)
         assert llm.stats()["lora_slots"] == [3]  # add_lora loaded it at once
         out = llm.generate(prompt, GREEDY, lora_request=LoRARequest("a0", 3, three_adapters[0]), use_tqdm=False)
-        assert out[0].outputs[0].token_ids == _peft_greedy(llama_dir, three_adapters[0], prompt, 10)[0]
+        assert out[0].outputs[0].token_ids == peft_greedy(llama_dir, three_adapters[0], prompt, 10)[0]
         assert llm.remove_lora(3) and not llm.remove_lora(3) and llm.list_loras() == set()
         assert llm.stats()["lora_slots"] == [None]
     finally:
@@ -272,7 +245,7 @@ def test_server_serves_adapters_as_models(llama_dir, three_adapters):
     from ember.tokenizer import Tokenizer
 
     prompts = random_prompts(2, 8, 16, 49152, seed=64)
-    want = {name: _peft_greedy(llama_dir, path, prompts, 8)
+    want = {name: peft_greedy(llama_dir, path, prompts, 8)
             for name, path in (("a0", three_adapters[0]), ("a1", three_adapters[1]), ("tiny", None))}
     decode = Tokenizer.load(llama_dir).decode
     modules = ["a0=" + three_adapters[0], json.dumps({"name": "a1", "path": three_adapters[1]})]
@@ -299,7 +272,7 @@ def test_cli_generates_with_an_adapter(llama_dir, three_adapters, capsys):
 
     prompt = "The capital of France is"
     ids = Tokenizer.load(llama_dir).encode(prompt)
-    want = Tokenizer.load(llama_dir).decode(_peft_greedy(llama_dir, three_adapters[1], [ids], 6)[0])
+    want = Tokenizer.load(llama_dir).decode(peft_greedy(llama_dir, three_adapters[1], [ids], 6)[0])
     assert cli.main(["generate", prompt, "--model", llama_dir, "--no-chat", "--dtype", "float32", "--temperature",
                      "0", "--max-tokens", "6", "--lora", three_adapters[1], "--kv-cache-memory", "16MiB"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == want

@@ -1,6 +1,7 @@
 """Reading a PEFT LoRA adapter: ``adapter_config.json`` + ``adapter_model.safetensors`` -> per-layer, per-projection
 A [r, in] and B [out, r] matrices and their scaling (lora_alpha / r, or / sqrt(r) with rsLoRA), checked against the
-model before any of it is used.
+model before any of it is used. The same adapter may come as one file (``write_adapter_file``: the safetensors with
+the config in its metadata), which is how the DashInfer facade stores ``NAME.aslora``.
 
 What ember takes (what PEFT writes for a Llama-family model): ``peft_type`` LORA; target modules among q/k/v/o and
 gate/up/down projections; any rank up to ``max_lora_rank``; per-module ``rank_pattern`` / ``alpha_pattern``. What it
@@ -22,6 +23,7 @@ import torch
 from ember.config import ModelShape
 from ember.errors import BadRequestError
 
+CONFIG_KEY = "adapter_config"  # an adapter file's metadata entry holding its adapter_config.json
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 
@@ -64,20 +66,65 @@ def _module_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def weights_file(path: str) -> str:
+    """The safetensors file of an adapter: the folder's adapter_model.safetensors, or the single file itself."""
+    return path if os.path.isfile(path) else os.path.join(path, "adapter_model.safetensors")
+
+
+def _config(path: str) -> dict[str, Any]:
+    """The adapter_config.json of a PEFT folder, or the one an adapter file carries in its metadata."""
+    if os.path.isfile(path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                text = (f.metadata() or {}).get(CONFIG_KEY)
+        except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for a damaged file)
+            raise _bad(path, f"not an adapter file (a safetensors file with its config): {e}") from None
+        if text is None:
+            raise _bad(path, f"the file carries no adapter config (metadata {CONFIG_KEY!r})")
+    else:
+        if not os.path.isdir(path):
+            raise _bad(path, "no such folder")
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise _bad(path, f"{name} is missing (a PEFT adapter folder holds adapter_config.json and "
+                                 "adapter_model.safetensors)")
+        try:
+            with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise _bad(path, f"adapter_config.json cannot be read: {e}") from None
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise _bad(path, f"adapter_config.json is not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise _bad(path, "adapter_config.json is not a JSON object")
+    return cfg
+
+
+def write_adapter_file(folder: str, out: str) -> str:
+    """One file holding a PEFT adapter folder: its weights (adapter_model.safetensors, or PEFT's older .bin) as
+    safetensors, its adapter_config.json in the metadata. DashInfer's serialize writes adapters as such NAME.aslora
+    files; ember reads one wherever it reads a folder."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg, st, binary = (os.path.join(folder, n) for n in ("adapter_config.json", "adapter_model.safetensors",
+                                                          "adapter_model.bin"))
+    if not os.path.isfile(cfg) or not (os.path.isfile(st) or os.path.isfile(binary)):
+        raise _bad(folder, "a PEFT adapter folder needs adapter_config.json and adapter_model.safetensors (or .bin)")
+    with open(cfg, encoding="utf-8") as f:
+        text = f.read()
+    tensors = load_file(st) if os.path.isfile(st) else torch.load(binary, map_location="cpu", weights_only=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out, metadata={CONFIG_KEY: text})
+    return out
+
+
 def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
     """The adapter's config, checked: the files exist, it is a LoRA ember can apply, no rank above the limit."""
-    cfg_path = os.path.join(path, "adapter_config.json")
-    if not os.path.isdir(path):
-        raise _bad(path, "no such folder")
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise _bad(path, f"{name} is missing (a PEFT adapter folder holds adapter_config.json and "
-                             "adapter_model.safetensors)")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise _bad(path, f"adapter_config.json cannot be read: {e}") from None
+    cfg = _config(path)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise _bad(path, f"peft_type={cfg.get('peft_type')!r} is not supported: only LORA adapters")
     for key, off in (("use_dora", False), ("fan_in_fan_out", False), ("modules_to_save", None)):
@@ -130,7 +177,7 @@ def inspect_adapter(path: str, shape: ModelShape, max_lora_rank: int) -> Adapter
     parts: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
     modules: dict[tuple[int, str], str] = {}
     try:
-        with safe_open(os.path.join(path, "adapter_model.safetensors"), framework="pt") as f:
+        with safe_open(weights_file(path), framework="pt") as f:
             header = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for a damaged file)
         raise _bad(path, f"adapter_model.safetensors cannot be read: {e}") from None
@@ -171,7 +218,7 @@ def read_adapter(path: str, name: str, shape: ModelShape, max_lora_rank: int,
     from safetensors.torch import load_file
 
     layout = inspect_adapter(path, shape, max_lora_rank)
-    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    tensors = load_file(weights_file(path))
     weights = {module: LoRAWeights(tensors[ka].to(dtype).contiguous(), tensors[kb].to(dtype).contiguous(),
                                    layout.scalings[module])
                for module, (ka, kb) in layout.keys.items()}

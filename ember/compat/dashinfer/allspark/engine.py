@@ -16,12 +16,14 @@ import torch
 
 from ember import envs
 from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfigBuilder, to_sampling_params
+from ember.compat.dashinfer.allspark.lora import SUFFIX, adapter_path
 from ember.compat.dashinfer.allspark.model_loader import (DashInferModel, HuggingFaceModel, LLM, pin_model_files,
                                                           unpin_model_files)
 from ember.compat.dashinfer.allspark.result_queue import GeneratedElements, RequestHandle, ResultQueue
 from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig, AsModelRuntimeConfigBuilder
 from ember.compat.dashinfer.allspark.status import (AsCacheMode, AsException, AsStatus, GenerateRequestStatus,
                                                     ModelState, RoPEScaleMethod, TargetDevice)
+from ember.lora.request import LoRARequest
 from ember.model_loader import asmodel
 
 logger = logging.getLogger("ember")
@@ -34,6 +36,8 @@ class _Model:
     state: ModelState = ModelState.Initial
     engine: Any = None  # an ember EngineClient while Running
     queues: dict[str, ResultQueue] = field(default_factory=dict)  # request id -> queue, until release_request
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters loaded by load_lora, by name
+    lora_of: dict[str, str] = field(default_factory=dict)  # request id -> the adapter it runs with
 
 
 def engine_config(cfg: AsModelConfig, warn: bool = True):
@@ -70,6 +74,10 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
         fraction = cfg.memory_ratio
         if fraction is None:
             fraction = envs.ratio_from("BFC_MEM_RATIO", os.environ.get("BFC_MEM_RATIO"))
+    # a model serialized with lora_cfg gets lora_max_num adapter slots of lora_max_rank (DashInfer builds its LoRA
+    # ops only into such a model)
+    lora = dict(enable_lora=True, max_loras=cfg.lora_max_num, max_lora_rank=cfg.lora_max_rank) \
+        if (meta.get("extra") or {}).get("dashinfer", {}).get("lora") and cfg.lora_max_num > 0 else {}
     return EngineConfig(model=cfg.model_path, dtype=meta["dtype"], device=device, max_num_seqs=cfg.engine_max_batch,
                         max_model_len=cfg.engine_max_length,
                         max_num_batched_tokens=cfg.engine_max_prefill_length or None,
@@ -77,7 +85,7 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
                         prefix_cache_ttl=cfg.prefix_cache_ttl or None,
                         num_threads=cfg.num_threads if device == "cpu" and cfg.num_threads else None,
                         kv_cache_dtype=_KV_CACHE_DTYPES[cfg.cache_mode], kv_cache_memory_fraction=fraction,
-                        tensor_parallel_size=tp)
+                        tensor_parallel_size=tp, **lora)
 
 
 _KV_CACHE_DTYPES = {AsCacheMode.AsCacheDefault: "auto", AsCacheMode.AsCacheQuantI8: "int8",
@@ -163,6 +171,7 @@ class Engine:
             self._interrupt_all(m)
             m.engine.shutdown()
             m.engine = None
+            m.loras.clear()  # adapters lived in the stopped engine: load_lora again after start_model
             m.state = ModelState.Stopped
         return _OK
 
@@ -188,6 +197,50 @@ class Engine:
 
     def get_model_state(self, model_name: str) -> ModelState:
         return self._model(model_name).state
+
+    # ----- LoRA adapters -----
+
+    def load_lora(self, model_name: str, lora_name: str) -> AsStatus:
+        """Load NAME.aslora (written beside the model by serialize's lora_cfg), or an absolute path to one, so that
+        requests may name it in lora_name. The status says why not: not found, too many or too big, loaded."""
+        with self._lock:
+            m = self._model(model_name, ModelState.Running)
+            if not isinstance(lora_name, str) or not lora_name:
+                return AsStatus.ALLSPARK_PARAM_ERROR
+            if lora_name in m.loras:
+                return AsStatus.ALLSPARK_LORA_ALREADY_LOADED
+            info = m.engine.model_info
+            if len(m.loras) >= info.max_loras:  # 0: the model was not serialized with lora_cfg
+                logger.warning("model %s: load_lora(%r) refused: %s", model_name, lora_name,
+                               f"{len(m.loras)} adapters are loaded, lora_max_num is {info.max_loras}"
+                               if info.max_loras else "the model was not serialized with lora_cfg")
+                return AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR
+            path = adapter_path(m.config.model_path, lora_name)
+            if not os.path.isfile(path):
+                logger.warning("model %s: load_lora(%r): %s does not exist", model_name, lora_name, path)
+                return AsStatus.ALLSPARK_LORA_NOT_FOUND
+            request = LoRARequest(os.path.basename(lora_name).removesuffix(SUFFIX), next(self._ids) + 1, path)
+            try:
+                m.engine.add_lora(request)
+            except ValueError as e:  # the adapter does not fit the model or the rank limit: the reader says which
+                logger.warning("model %s: load_lora(%r) refused: %s", model_name, lora_name, e)
+                return (AsStatus.ALLSPARK_LORA_RANK_EXCEED_LIMIT_ERROR if "max_lora_rank" in str(e)
+                        else AsStatus.ALLSPARK_PARAM_ERROR)
+            m.loras[lora_name] = request
+        return _OK
+
+    def unload_lora(self, model_name: str, lora_name: str) -> AsStatus:
+        """Forget a loaded adapter; refused (LORA_IN_USE) while a request that names it is unfinished."""
+        with self._lock:
+            m = self._model(model_name, ModelState.Running)
+            request = m.loras.get(lora_name)
+            if request is None:
+                return AsStatus.ALLSPARK_LORA_NOT_FOUND
+            if any(m.lora_of.get(rid) == lora_name and not q._status.is_terminal for rid, q in m.queues.items()):
+                return AsStatus.ALLSPARK_LORA_IN_USE
+            m.engine.remove_lora(request.lora_int_id)
+            del m.loras[lora_name]
+        return _OK
 
     def get_as_engine_stat(self, model_name: str) -> dict[str, Any]:
         """The native engine's counters (KV blocks, queues, prefix-cache hits, memory) of a running model."""
@@ -232,9 +285,16 @@ class Engine:
             rid = str(cfg.get("uuid") or f"{model_name}-{next(self._ids)}")
             if rid in m.queues:
                 raise ValueError(f"uuid={rid!r} is already in use by a request of model {model_name!r}")
+            lora_name = cfg.get("lora_name") or None
+            if lora_name is not None and lora_name not in m.loras:
+                logger.warning("model %s: lora_name=%r is not loaded (load_lora first); loaded: %s", model_name,
+                               lora_name, sorted(m.loras))
+                return AsStatus.ALLSPARK_LORA_NOT_FOUND, None, None
             queue = ResultQueue(rid, len(ids), params.logprobs or 0)
-            m.engine.submit([ids], [params], queue._put, [rid])
+            m.engine.submit([ids], [params], queue._put, [rid], [m.loras[lora_name] if lora_name else None])
             m.queues[rid] = queue
+            if lora_name is not None:
+                m.lora_of[rid] = lora_name
         return _OK, RequestHandle(model_name, rid), queue
 
     def _queue(self, model_name: str, handle: RequestHandle, *allowed: ModelState) -> tuple[_Model, ResultQueue]:
@@ -264,6 +324,7 @@ class Engine:
         q._wait_finished()
         with self._lock:
             m.queues.pop(q.request_id, None)
+            m.lora_of.pop(q.request_id, None)
         q._release()
         return _OK
 

@@ -54,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "uuid": None,
 }
 # features that land in later issues: a non-default value fails instead of being ignored
-NOT_YET = {"lora_name": "LoRA adapters", "mm_info": "multimedia inputs"}
+NOT_YET = {"mm_info": "multimedia inputs"}
 
 
 def _check_key(key: str, value: Any) -> None:
@@ -63,6 +63,8 @@ def _check_key(key: str, value: Any) -> None:
     if key in NOT_YET and value not in (None, "", {}):
         raise ValueError(f"{key}={value!r} is not supported yet: ember does not implement {NOT_YET[key]} yet; "
                          f"leave {key} unset")
+    if key == "lora_name" and value is not None and not isinstance(value, str):
+        raise ValueError(f"lora_name={value!r} is out of range: it must be the name of a loaded adapter (a string)")
     if key in ("num_beams", "num_return_sequences") and value != 1:
         raise ValueError(f"{key}={value!r} is not supported: beam search and several returned sequences are not "
                          f"implemented (DashInfer does not implement them either); use {key}=1")

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfigBuilder
+from ember.compat.dashinfer.allspark.lora import LoraRecipe
 from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig, AsModelRuntimeConfigBuilder
 from ember.compat.dashinfer.allspark.status import ModelSerializerException, TargetDevice
+from ember.config import ModelShape
 from ember.model_loader import asmodel, open_checkpoint
 from ember.quantization.config import QuantConfig
 
@@ -281,47 +283,62 @@ class HuggingFaceModel(LLM):
         return self
 
     def _write(self, out_dir: str, enable_quant: bool, weight_only_quant: bool,
-               customized_quant_config: dict | None) -> str:
+               customized_quant_config: dict | None, lora: LoraRecipe | None = None) -> str:
+        """Write the pair (unless lora_only) and the adapters of lora_cfg beside it; the model's path."""
+        if lora is not None:  # adapters first: one that does not fit the model fails before the model is written
+            lora.write(out_dir, ModelShape.of(self.read_model_config().hf_model_config))
+            if lora.lora_only:
+                return asmodel.pair_paths(out_dir, self.serialize_model_name)[0]
         if self.contents is None:
             self.load_model()
         self.contents.extra["dashinfer"] = {
-            "serialize": QuantRecipe(enable_quant, weight_only_quant, customized_quant_config).to_dict()}
+            "serialize": QuantRecipe(enable_quant, weight_only_quant, customized_quant_config).to_dict(),
+            "lora": lora is not None}  # serialized for LoRA: the engine gets adapter slots (lora_max_num)
         self.contents.quant_config = quant_config_from_recipe(enable_quant, weight_only_quant, customized_quant_config)
         return asmodel.write(self.contents, out_dir, self.serialize_model_name)[0]
 
     def serialize(self, engine: Any = None, model_output_dir: str = "", enable_quant: bool = False,
                   weight_only_quant: bool = False, customized_quant_config: dict | None = None,
-                  skip_if_exists: bool = False, **kwargs: Any) -> "HuggingFaceModel":
+                  skip_if_exists: bool = False, lora_cfg: dict | None = None, **kwargs: Any) -> "HuggingFaceModel":
         """serialize_to_memory when the loader was made with in_memory_serialize=True, else serialize_to_path."""
         if self.in_memory_serialize:
             return self.serialize_to_memory(engine, enable_quant, weight_only_quant,
-                                            customized_quant_config=customized_quant_config)
+                                            customized_quant_config=customized_quant_config, lora_cfg=lora_cfg)
         if not model_output_dir:
             raise ValueError("model_output_dir='' is empty: serializing to files needs an output folder")
         return self.serialize_to_path(engine, model_output_dir, enable_quant, weight_only_quant,
-                                      customized_quant_config=customized_quant_config, skip_if_exists=skip_if_exists)
+                                      customized_quant_config=customized_quant_config, skip_if_exists=skip_if_exists,
+                                      lora_cfg=lora_cfg)
 
     def serialize_to_path(self, engine: Any = None, model_output_dir: str = "", enable_quant: bool = False,
                           weight_only_quant: bool = False, skip_if_exists: bool = False,
-                          customized_quant_config: dict | None = None, **kwargs: Any) -> "HuggingFaceModel":
-        """Write model_output_dir/NAME.asmodel + NAME.asparam; skip_if_exists keeps a pair that validates."""
+                          customized_quant_config: dict | None = None, lora_cfg: dict | None = None,
+                          **kwargs: Any) -> "HuggingFaceModel":
+        """Write model_output_dir/NAME.asmodel + NAME.asparam (and NAME.aslora for each adapter of lora_cfg);
+        skip_if_exists keeps a pair that validates."""
         if not model_output_dir:
             raise ValueError("model_output_dir='' is empty: serialize_to_path needs an output folder")
+        lora = LoraRecipe.of(lora_cfg)
         model_path, _ = asmodel.pair_paths(model_output_dir, self.serialize_model_name)
         if skip_if_exists and asmodel.validate(model_path) is None:
             logger.info("%s exists and validates: serialization skipped", model_path)
+            if lora is not None:
+                lora.write(model_output_dir, ModelShape.of(self.read_model_config().hf_model_config))
         else:
-            self._write(model_output_dir, enable_quant, weight_only_quant, customized_quant_config)
+            self._write(model_output_dir, enable_quant, weight_only_quant, customized_quant_config, lora)
         self.model_output_dir, self.model_path = model_output_dir, model_path
         return self
 
     def serialize_to_memory(self, engine: Any = None, enable_quant: bool = False, weight_only_quant: bool = False,
-                            customized_quant_config: dict | None = None, **kwargs: Any) -> "HuggingFaceModel":
+                            customized_quant_config: dict | None = None, lora_cfg: dict | None = None,
+                            **kwargs: Any) -> "HuggingFaceModel":
         """Serialize into temporary files, removed by free_memory_serialize_file() or at process exit."""
+        lora = LoraRecipe.of(lora_cfg)
         self.free_memory_serialize_file()
         self.in_memory_serialize = True
         self._temp = _TempPair()
-        self.model_path = self._write(self._temp.folder, enable_quant, weight_only_quant, customized_quant_config)
+        self.model_path = self._write(self._temp.folder, enable_quant, weight_only_quant, customized_quant_config,
+                                      lora)
         self.model_output_dir = self._temp.folder
         self._temp.register(self.model_path)
         return self
