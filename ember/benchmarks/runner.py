@@ -13,16 +13,18 @@ from dataclasses import dataclass
 
 from ember import envs
 
-BACKENDS = ("ember", "ember-float", "ember-json", "hf", "vllm", "llamacpp")
+BACKENDS = ("ember", "ember-float", "ember-json", "ember-lora", "hf", "vllm", "llamacpp")
 BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-json": "ember (JSON-schema guided)",
-                 "hf": "transformers", "vllm": "vLLM-CPU",
+                 "ember-lora": "ember (4 LoRA adapters mixed)", "hf": "transformers", "vllm": "vLLM-CPU",
                  "llamacpp": "llama.cpp"}
 # variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
-# ("guided_json": every request's reply follows that JSON schema: structured output's cost on the same workload)
+# ("guided_json": every request's reply follows that JSON schema: structured output's cost on the same workload;
+# "lora_adapters": that many random rank-16 adapters on every projection, the requests spread over them in turn)
 GUIDED_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
                                                   "tags": {"type": "array", "items": {"type": "string"}}},
                  "required": ["title", "year", "tags"]}
-EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-json": {"guided_json": GUIDED_SCHEMA}}
+EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-json": {"guided_json": GUIDED_SCHEMA},
+                  "ember-lora": {"lora_adapters": 4}}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
 DEFAULT_VENVS = envs.bench_venvs()
 

@@ -14,8 +14,12 @@ def load(spec: dict):
 
     cls = AsyncLLM if spec["mode"] == "serving" else LLM
     opts = dict(spec.get("options", {}))
-    global _GUIDE
+    global _GUIDE, _LORAS
     _GUIDE = opts.pop("guided_json", None)  # a sampling setting of the ember-json variant, not an engine argument
+    adapters = int(opts.pop("lora_adapters", 0))  # the ember-lora variant's adapters, made here
+    if adapters:
+        _LORAS = random_adapters(spec["model"], adapters, LORA_RANK)
+        opts.update(enable_lora=True, max_loras=adapters, max_lora_rank=LORA_RANK)
     llm = cls(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               num_threads=spec.get("threads"), device=spec.get("device", "auto"), **opts)
     if spec["mode"] != "serving":
@@ -43,6 +47,48 @@ def rank_figures(llm, wall: float) -> dict:
 
 
 _GUIDE: dict | None = None
+_LORAS: list = []  # the ember-lora variant's LoRARequests; request i runs with _LORAS[i % len(_LORAS)]
+LORA_RANK = 16  # vLLM's default max_lora_rank
+
+
+def random_adapters(model: str, n: int, rank: int) -> list:
+    """n PEFT-shaped adapters of rank ``rank`` on all seven projections, random (A ~ N(0, 1/in), B small), written
+    to a temporary folder: LoRA's cost without depending on peft or a download."""
+    import json
+    import os
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ember import LoRARequest
+    from ember.lora.adapter import projection_shapes
+    from ember.model_loader import read_shape
+
+    shape = read_shape(model)
+    folder = tempfile.mkdtemp(prefix="ember-bench-lora-")
+    g = torch.Generator().manual_seed(0)
+    requests = []
+    for i in range(n):
+        tensors = {}
+        for layer in range(shape.num_layers):
+            for proj, (n_in, n_out) in projection_shapes(shape).items():
+                part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 1e-3
+        path = os.path.join(folder, f"adapter{i}")
+        os.makedirs(path)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                       "target_modules": list(projection_shapes(shape))}, f)
+        requests.append(LoRARequest(f"adapter{i}", i + 1, path))
+    return requests
+
+
+def _loras(n: int) -> list | None:
+    return [_LORAS[i % len(_LORAS)] for i in range(n)] if _LORAS else None
 
 
 def _params(r: dict):
@@ -65,7 +111,8 @@ def throughput(llm, spec: dict) -> dict:
     if _split(llm):
         llm.client.rank_reports(reset=True)  # count the timed run only
     start = time.perf_counter()
-    outs = llm.generate([r["prompt_token_ids"] for r in reqs], [_params(r) for r in reqs], use_tqdm=False)
+    outs = llm.generate([r["prompt_token_ids"] for r in reqs], [_params(r) for r in reqs], use_tqdm=False,
+                        lora_request=_loras(len(reqs)))
     wall = time.perf_counter() - start
     result = {"wall_s": wall, "outputs": [output_record(len(r["prompt_token_ids"]), len(o.outputs[0].token_ids))
                                           for r, o in zip(reqs, outs)]}
