@@ -8,6 +8,6 @@ from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.sampling_params import GuidedDecodingParams, OutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "OutputKind",
-           "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "EmberError", "BadRequestError", "ConfigError",
-           "DoesNotFitError", "EngineDeadError"]
+           "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "EmberError", "BadRequestError",
+           "ConfigError", "DoesNotFitError", "EngineDeadError"]
 __version__ = "0.1.0"

@@ -68,9 +68,9 @@ def _bench(tmp_path, *args: str) -> dict:
 
 
 def test_throughput_runs_every_backend_on_the_same_requests(llama_dir, tmp_path):
-    record = _bench(tmp_path, "throughput", "--model", llama_dir, "--backends", "ember,ember-float,ember-json,ember-lora,hf",
-                    "--python", f"hf={sys.executable}", "--dtype", "float32", "--num-requests", "5",
-                    "--output-cap", "6", "--prompt-cap", "40", "--repeats", "2")
+    record = _bench(tmp_path, "throughput", "--model", llama_dir, "--backends",
+                    "ember,ember-float,ember-json,ember-lora,hf", "--python", f"hf={sys.executable}", "--dtype",
+                    "float32", "--num-requests", "5", "--output-cap", "6", "--prompt-cap", "40", "--repeats", "2")
     expected = sum(r.max_tokens for r in build_requests(WORKLOADS["W1"], _vocab(llama_dir), num_requests=5,
                                                         output_cap=6, prompt_cap=40))
     for backend in ("ember", "ember-float", "ember-json", "ember-lora", "hf"):

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import runpy
+import shutil
 import subprocess
 import sys
 import threading
@@ -619,7 +620,9 @@ def test_lora_adapters_as_dashinfer_serves_them(tiny_models, tmp_path):
         for name in ("lora-1", "lora-2"):
             assert engine.load_lora("m", name) == AsStatus.ALLSPARK_SUCCESS
         assert engine.load_lora("m", "lora-1") == AsStatus.ALLSPARK_LORA_ALREADY_LOADED
-        assert engine.load_lora("m", str(out / "lora-1.aslora")) == AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR
+        assert engine.load_lora("m", str(out / "lora-1.aslora")) == AsStatus.ALLSPARK_LORA_ALREADY_LOADED  # by file
+        shutil.copy(out / "lora-1.aslora", out / "lora-3.aslora")
+        assert engine.load_lora("m", "lora-3") == AsStatus.ALLSPARK_LORA_NUM_EXCEED_LIMIT_ERROR  # lora_max_num is 2
         for name in ("lora-1", "lora-2", None):  # the requests of one adapter run together
             started = [start(p, name) for p in prompts]
             got = [_ids_of(queue) for _, _, queue in started]

@@ -75,8 +75,8 @@ class EngineCore:
             self.executor.execute(BatchDescription(lora_loads=self.loras.take_loads()))
 
     def remove_lora(self, lora_id: int) -> None:
-        """Free an adapter's slot, unless running requests use it (they finish with it; the slot is then the first
-        to be reused)."""
+        """Free an adapter's slot, unless running requests use it (they finish with it, and the slot is reused
+        once it is idle, as any other)."""
         if lora_id not in {s.request.lora_id for s in self.scheduler.running}:
             self.loras.forget(lora_id)
 

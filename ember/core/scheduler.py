@@ -148,8 +148,9 @@ class Scheduler:
             n = self._chunk(seq, budget, start)
             if n == 0 or seats + seq.seats() > self.max_num_seqs or not self._may_prefill(batch):
                 break
-            lora_id = seq.request.lora_id
-            if lora_id and not self.loras.can_take(lora_id, in_use := {s.request.lora_id for s in self.running}):
+            lora_id = seq.request.lora_id if self.loras is not None else 0
+            in_use = {s.request.lora_id for s in self.running} if lora_id else set()
+            if lora_id and not self.loras.can_take(lora_id, in_use):
                 break  # every slot holds an adapter that running sequences use: first come, first served
             taken = self.bm.blocks_to_take(hit) if hit else 0
             if self.policy == "guaranteed_no_evict":  # the free blocks it takes now plus all it may take later

@@ -123,8 +123,6 @@ class LLM:
         self.shutdown()
 
 
-
-
 def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:
     """One value for every prompt, or a list of one per prompt."""
     if value is None or isinstance(value, kind):

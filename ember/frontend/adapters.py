@@ -17,7 +17,8 @@ from ember.lora.request import LoRARequest
 class Adapters:
     def __init__(self, info: ModelInfo, shape: Callable[[], ModelShape]) -> None:
         self.info = info
-        self._shape = shape  # read from the checkpoint's config when the first adapter is checked
+        self._read_shape = shape  # read from the checkpoint's config when the first adapter is checked
+        self._shape: ModelShape | None = None
         self._known: dict[int, LoRARequest] = {}
         self._lock = threading.Lock()
 
@@ -36,7 +37,9 @@ class Adapters:
                     raise BadRequestError(f"lora_int_id={lora.lora_int_id} is already the adapter "
                                           f"{known.lora_name!r} at {known.lora_path}: each adapter needs its own id")
                 return known
-            inspect_adapter(lora.lora_path, self._shape(), self.info.max_lora_rank)
+            if self._shape is None:
+                self._shape = self._read_shape()
+            inspect_adapter(lora.lora_path, self._shape, self.info.max_lora_rank)
             self._known[lora.lora_int_id] = lora
             return lora
 

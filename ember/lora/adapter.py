@@ -28,6 +28,11 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 _KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 
 
+def module_name(layer: int, proj: str) -> str:
+    """The checkpoint name of a projection, as PEFT's keys and the base weights spell it."""
+    return f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
+
+
 @dataclass(frozen=True, slots=True)
 class LoRAWeights:
     a: torch.Tensor  # [r, in]

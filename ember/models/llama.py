@@ -24,7 +24,7 @@ from ember.distributed import ParallelContext, WeightSlice, layer_range
 from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionMetadata, PagedAttention
 from ember.layers.embedding import LMHead, VocabEmbedding, vocab_range
-from ember.layers.linear import MergedLinear, load_float, row_parallel_linear
+from ember.layers.linear import Linear, MergedLinear, load_float, row_parallel_linear
 from ember.layers.lora import LoRABatch, LoRAStack
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary, rotate_in_place
@@ -227,12 +227,17 @@ class LlamaForCausalLM(nn.Module):
         """This stage's attention layers, in order (the KV pool holds these and no others)."""
         return [layer.self_attn.attn for layer in self.model.local_layers]
 
+    def _projections(self) -> Iterable[Linear]:
+        for layer in self.model.local_layers:
+            yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
     def enable_lora(self, max_loras: int, max_rank: int, device: torch.device) -> None:
         """Adapter slots on every projection of this stage's layers (zeros until an adapter is loaded)."""
-        for layer in self.model.local_layers:
-            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                         layer.mlp.down_proj):
-                proj.enable_lora(max_loras, max_rank, self.model.dtype, device)
+        for proj in self._projections():
+            proj.enable_lora(max_loras, max_rank, self.model.dtype, device)
+
+    def lora_stacks(self) -> list[LoRAStack]:
+        return [proj.lora for proj in self._projections()]
 
     def lora_target(self, layer: int, proj: str) -> tuple[LoRAStack, int] | None:
         """The stack holding an adapter's module ``proj`` (Hugging Face name) of ``layer`` and its part there; None

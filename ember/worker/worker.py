@@ -20,8 +20,8 @@ from ember.layers.embedding import VocabEmbedding
 from ember.layers.linear import Linear
 from ember.layers.logits_processors import RowState
 from ember.layers.lora import LoRABatch
-from ember.lora.adapter import PROJECTIONS, read_adapter
 from ember.layers.sampler import Sampler, rank_logprobs
+from ember.lora.adapter import module_name, read_adapter
 from ember.model_loader import load_model
 from ember.worker import startup
 from ember.worker.batch import COPY, SWAP_OUT, BatchDescription, LoRALoad, WorkerOutput
@@ -121,18 +121,15 @@ class Worker:
     def load_lora(self, load: LoRALoad) -> None:
         """Read an adapter into a slot: this rank's slice of each of its modules (a column-parallel projection's
         B rows, a row-parallel one's A columns, as ``weight_slice`` cuts the base weight), zeros elsewhere."""
-        shape = self.loaded.shape
-        adapter = read_adapter(load.path, load.path, shape, self.lora.max_rank, self.loaded.dtype)
-        stacks = {id(t[0]): t[0] for t in (self.model.lora_target(layer, proj) for layer in range(shape.num_layers)
-                                           for proj in PROJECTIONS) if t is not None}
-        for stack in stacks.values():
+        # read in float32: the scaling is folded into B before the one rounding to the model's dtype
+        adapter = read_adapter(load.path, load.path, self.loaded.shape, self.lora.max_rank)
+        for stack in self.model.lora_stacks():
             stack.clear(load.slot)
         for (layer, proj), w in adapter.weights.items():
             target = self.model.lora_target(layer, proj)
             if target is None:
                 continue
-            part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            cut = self.model.weight_slice(f"model.layers.{layer}.{part}.{proj}.weight")
+            cut = self.model.weight_slice(module_name(layer, proj) + ".weight")
             a = cut.apply(w.a) if cut.dim == 1 else w.a
             b = cut.apply(w.b) if cut.dim == 0 else w.b
             target[0].set(load.slot, target[1], a.to(self.device), b.to(self.device), w.scaling)

@@ -62,7 +62,7 @@ def random_adapters(model: str, n: int, rank: int) -> list:
     from safetensors.torch import save_file
 
     from ember import LoRARequest
-    from ember.lora.adapter import projection_shapes
+    from ember.lora.adapter import module_name, projection_shapes
     from ember.model_loader import read_shape
 
     shape = read_shape(model)
@@ -73,8 +73,7 @@ def random_adapters(model: str, n: int, rank: int) -> list:
         tensors = {}
         for layer in range(shape.num_layers):
             for proj, (n_in, n_out) in projection_shapes(shape).items():
-                part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+                key = f"base_model.model.{module_name(layer, proj)}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
                 tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 1e-3
         path = os.path.join(folder, f"adapter{i}")

@@ -201,13 +201,15 @@ class Engine:
     # ----- LoRA adapters -----
 
     def load_lora(self, model_name: str, lora_name: str) -> AsStatus:
-        """Load NAME.aslora (written beside the model by serialize's lora_cfg), or an absolute path to one, so that
-        requests may name it in lora_name. The status says why not: not found, too many or too big, loaded."""
+        """Load NAME.aslora (written beside the model by serialize's lora_cfg), or an absolute path to one (named
+        after its file), so that requests may name it in lora_name. The status says why not: not found, too many or
+        too big, loaded."""
         with self._lock:
             m = self._model(model_name, ModelState.Running)
             if not isinstance(lora_name, str) or not lora_name:
                 return AsStatus.ALLSPARK_PARAM_ERROR
-            if lora_name in m.loras:
+            name = os.path.basename(lora_name).removesuffix(SUFFIX) if os.path.isabs(lora_name) else lora_name
+            if name in m.loras:
                 return AsStatus.ALLSPARK_LORA_ALREADY_LOADED
             info = m.engine.model_info
             if len(m.loras) >= info.max_loras:  # 0: the model was not serialized with lora_cfg
@@ -219,14 +221,14 @@ class Engine:
             if not os.path.isfile(path):
                 logger.warning("model %s: load_lora(%r): %s does not exist", model_name, lora_name, path)
                 return AsStatus.ALLSPARK_LORA_NOT_FOUND
-            request = LoRARequest(os.path.basename(lora_name).removesuffix(SUFFIX), next(self._ids) + 1, path)
+            request = LoRARequest(name, next(self._ids) + 1, path)
             try:
                 m.engine.add_lora(request)
             except ValueError as e:  # the adapter does not fit the model or the rank limit: the reader says which
                 logger.warning("model %s: load_lora(%r) refused: %s", model_name, lora_name, e)
                 return (AsStatus.ALLSPARK_LORA_RANK_EXCEED_LIMIT_ERROR if "max_lora_rank" in str(e)
                         else AsStatus.ALLSPARK_PARAM_ERROR)
-            m.loras[lora_name] = request
+            m.loras[name] = request
         return _OK
 
     def unload_lora(self, model_name: str, lora_name: str) -> AsStatus:
