@@ -14,9 +14,10 @@ One *path* a weight, chosen at load by ``select_path`` and run by its class in `
 On CPUs with AVX512-BF16, ember's own kernels (``ember/kernels/quant_gemm.cpp``) take over the int4 path from
 4 rows and the int8 path from 16 rows: they read the same packed weight, unpack 64 output columns at a time into the
 thread's cache as exact integers and run register-blocked bf16 dot products (scales applied to float32 sums),
-so the cost per row falls with the batch (3072x576 int4, bf16 activations, 2 threads, first version: 48 rows
-0.42 ms against torch's packed op 1.06 ms and oneDNN bf16 0.46 ms; 512 rows 4.4 ms against 12.3 and 4.8). Below those rows torch's packed ops are faster (no panel to fill), except int8 at
-up to 4 rows, where ember dots the weight rows directly (the LM head at one row: 1.0 ms against 2.3-3.7 ms).
+so the cost per row falls with the batch (3072x576 int4, bf16 activations, 2 threads, 2026-11-25: 48 rows 0.25 ms
+against oneDNN bf16 0.20 ms, 2048 rows 10.5 ms against 8.0; docs/benchmarks.md has the other shapes). Below those
+rows torch's packed ops are faster (no panel to fill), except int8 at up to 4 rows, where ember dots the weight rows
+directly (the LM head at one row: 1.0 ms against 2.3-3.7 ms).
 The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
 process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
 and that path is not used again in the process (its weights run the portable path).
