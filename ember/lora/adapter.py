@@ -113,7 +113,6 @@ def write_adapter_file(folder: str, out: str) -> str:
     """One file holding a PEFT adapter folder: its weights (adapter_model.safetensors, or PEFT's older .bin) as
     safetensors, its adapter_config.json in the metadata. DashInfer's serialize writes adapters as such NAME.aslora
     files; ember reads one wherever it reads a folder."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     cfg, st, binary = (os.path.join(folder, n) for n in ("adapter_config.json", "adapter_model.safetensors",
@@ -142,8 +141,9 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
     unknown = [t for t in targets if t not in PROJECTIONS]
     if unknown:
         raise _bad(path, f"target_modules {unknown} are not supported: the model's LoRA targets are {PROJECTIONS}")
-    if config_rank(cfg) > max_lora_rank:
-        raise _bad(path, f"rank {config_rank(cfg)} is above max_lora_rank={max_lora_rank}: raise max_lora_rank")
+    rank = config_rank(cfg)
+    if rank > max_lora_rank:
+        raise _bad(path, f"rank {rank} is above max_lora_rank={max_lora_rank}: raise max_lora_rank")
     return cfg
 
 

@@ -282,11 +282,15 @@ class HuggingFaceModel(LLM):
         self.quant = QuantRecipe(enable, self.quant.weight_only_quant, customized_quant_config)
         return self
 
+    def _shape(self) -> ModelShape:
+        """The model's shape, which lora_cfg's adapters are checked against."""
+        return ModelShape.of(self.read_model_config().hf_model_config)
+
     def _write(self, out_dir: str, enable_quant: bool, weight_only_quant: bool,
                customized_quant_config: dict | None, lora: LoraRecipe | None = None) -> str:
         """Write the pair (unless lora_only) and the adapters of lora_cfg beside it; the model's path."""
         if lora is not None:  # adapters first: one that does not fit the model fails before the model is written
-            lora.write(out_dir, ModelShape.of(self.read_model_config().hf_model_config))
+            lora.write(out_dir, self._shape())
             if lora.lora_only:
                 return asmodel.pair_paths(out_dir, self.serialize_model_name)[0]
         if self.contents is None:
@@ -323,7 +327,7 @@ class HuggingFaceModel(LLM):
         if skip_if_exists and asmodel.validate(model_path) is None:
             logger.info("%s exists and validates: serialization skipped", model_path)
             if lora is not None:
-                lora.write(model_output_dir, ModelShape.of(self.read_model_config().hf_model_config))
+                lora.write(model_output_dir, self._shape())
         else:
             self._write(model_output_dir, enable_quant, weight_only_quant, customized_quant_config, lora)
         self.model_output_dir, self.model_path = model_output_dir, model_path
