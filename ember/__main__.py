@@ -1,7 +1,5 @@
 """``python -m ember`` is the ``ember`` command."""
 
-import sys
+from ember.entrypoints.cli import run
 
-from ember.entrypoints.cli import main
-
-sys.exit(main())
+run()

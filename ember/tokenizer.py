@@ -1,86 +1,178 @@
 """The model's tokenizer and chat template, through Hugging Face's fast tokenizers.
 
 A Hugging Face folder brings tokenizer.json / tokenizer_config.json; a GGUF file carries its vocabulary, merges and
-chat template in its metadata, which transformers turns into the same fast tokenizer.
+chat template in its metadata, which transformers turns into the same fast tokenizer (converted once, then cached).
+
+Encoding and decoding run on the `tokenizers` library directly when the folder holds a tokenizer of transformers'
+generic class (``TokenizersBackend``: what transformers writes for a converted GGUF, an .asmodel and ember's own
+caches), whose encode and decode are the library's calls unchanged. Importing transformers costs 0.4-0.8 s on this
+machine, most of ``ember generate``'s start-up budget, so transformers' tokenizer (``.hf``) is built only when
+something needs it: a chat template, llguidance, save_pretrained. Any other class loads through transformers at once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import threading
 from typing import Any
 
 from ember.cache import cache_dir, file_key
 
 Message = dict[str, Any]
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class Tokenizer:
     """Thin wrapper that fixes the few calls the engine needs."""
 
-    __slots__ = ("hf", "eos_token_id", "bos_token_id", "vocab_size")
+    __slots__ = ("_hf", "_fast", "_folder", "_lock", "_template", "_special_tokens", "eos_token_id", "bos_token_id",
+                 "vocab_size", "has_chat_template")
 
-    def __init__(self, hf_tokenizer: Any) -> None:
-        self.hf = hf_tokenizer
-        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
-        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
-        self.vocab_size: int = len(hf_tokenizer)
+    def __init__(self, hf_tokenizer: Any = None, *, fast: Any = None, folder: str | None = None,
+                 eos_token_id: int | None = None, bos_token_id: int | None = None,
+                 has_chat_template: bool = False, template: str | None = None,
+                 special_tokens: dict[str, str] | None = None) -> None:
+        """Either a transformers tokenizer, or a `tokenizers.Tokenizer` with the folder transformers can load the
+        same tokenizer from (on first use of ``.hf``); template: its one chat template, rendered by
+        ember.chat_template (None: transformers renders), special_tokens: the template's token variables."""
+        self._hf, self._fast, self._folder = hf_tokenizer, fast, folder
+        self._template, self._special_tokens = template, special_tokens or {}
+        self._lock = threading.Lock()
+        if hf_tokenizer is not None:
+            self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+            self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+            self.vocab_size: int = len(hf_tokenizer)
+            self.has_chat_template: bool = bool(getattr(hf_tokenizer, "chat_template", None))
+        else:
+            self.eos_token_id, self.bos_token_id = eos_token_id, bos_token_id
+            self.vocab_size = fast.get_vocab_size(with_added_tokens=True)
+            self.has_chat_template = has_chat_template
 
     @classmethod
     def load(cls, path: str, gguf_file: str | None = None) -> "Tokenizer":
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        if gguf_file is not None:
+            path = _gguf_tokenizer_folder(gguf_file)
+        return cls._from_folder(path) or cls(_auto_tokenizer(path))
 
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # GGUF conversion logs every unparsed key
+    @classmethod
+    def _from_folder(cls, folder: str) -> "Tokenizer | None":
+        """The fast path for a folder of transformers' generic class; None when the folder needs transformers."""
         try:
-            if gguf_file is not None:
-                hf = _load_gguf_tokenizer(gguf_file)
-            else:
-                hf = AutoTokenizer.from_pretrained(path)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        return cls(hf)
+            with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if (config.get("tokenizer_class") not in _GENERIC_CLASSES or config.get("clean_up_tokenization_spaces")
+                or config.get("split_special_tokens") or not os.path.isfile(os.path.join(folder, "tokenizer.json"))):
+            return None
+        from tokenizers import Tokenizer as FastTokenizer
+
+        fast = FastTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+
+        special = {}
+        for name in _SPECIAL_TOKENS:
+            token = config.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            if token is not None:
+                special[name] = str(token)
+        template, named = config.get("chat_template"), os.path.isdir(os.path.join(folder, "additional_chat_templates"))
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        plain = template if isinstance(template, str) and not named else None  # named templates: transformers
+        return cls(fast=fast, folder=folder, eos_token_id=_token_id(fast, special.get("eos_token")),
+                   bos_token_id=_token_id(fast, special.get("bos_token")), has_chat_template=bool(template),
+                   template=plain, special_tokens=special)
 
     @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+    def hf(self) -> Any:
+        """transformers' tokenizer for the same files (built on first use)."""
+        if self._hf is None:
+            with self._lock:
+                if self._hf is None:
+                    self._hf = _auto_tokenizer(self._folder)
+        return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_id(self, token_id: int) -> str:
-        return self.hf.convert_ids_to_tokens(token_id)
+        if self._fast is not None:
+            return self._fast.id_to_token(token_id)
+        return self._hf.convert_ids_to_tokens(token_id)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render a conversation to the prompt text with the model's jinja2 chat template."""
+        """Render a conversation to the prompt text with the model's jinja2 chat template: by ember.chat_template
+        (transformers' environment) where it covers the call, else by transformers itself."""
         if not self.has_chat_template:
             raise ValueError("messages: this model's tokenizer has no chat template; pass a plain prompt instead")
+        if self._template is not None:
+            from ember import chat_template
+
+            try:
+                return chat_template.render(self._template, messages, self._special_tokens, add_generation_prompt,
+                                            **kwargs)
+            except chat_template.Unsupported:
+                pass
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+
+def _token_id(fast: Any, token: str | None) -> int | None:
+    return fast.token_to_id(token) if token is not None else None
+
+
+def _auto_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _cache_dir(gguf_file: str) -> str:
     return cache_dir("tokenizers", file_key(gguf_file))
 
 
-def _load_gguf_tokenizer(gguf_file: str) -> Any:
-    """Converting a GGUF vocabulary to a fast tokenizer takes seconds; keep the result in a cache folder."""
-    from transformers import AutoTokenizer
-
+def _gguf_tokenizer_folder(gguf_file: str) -> str:
+    """A folder holding the GGUF file's tokenizer as transformers converts it. The conversion takes seconds, so it is
+    done once into ember's cache; a cache that cannot be written gets a temporary folder (converted again next time)."""
     cached = _cache_dir(gguf_file)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+        return cached
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # GGUF conversion logs every unparsed key
+    try:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    finally:
+        hf_logging.set_verbosity(verbosity)
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
-        hf.save_pretrained(tmp)
-        os.replace(tmp, cached)
     except OSError:
-        pass  # a read-only home only costs the conversion next time
-    return hf
+        tmp = tempfile.mkdtemp(prefix="ember-tokenizer-")
+    hf.save_pretrained(tmp)
+    try:
+        os.replace(tmp, cached)
+    except OSError:  # a read-only cache, or another process stored it first
+        return cached if os.path.isfile(os.path.join(cached, "tokenizer.json")) else tmp
+    return cached

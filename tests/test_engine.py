@@ -148,6 +148,23 @@ def test_token_prompts_and_text_prompts_agree(tiny_llm):
     assert a.metrics.first_token_time >= a.metrics.arrival_time
 
 
+def test_vllm_prompt_dicts(tiny_llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, run as the string or ids they hold; a dict with
+    another key (multi_modal_data) or no prompt is refused before anything runs."""
+    text = "The quick brown fox"
+    ids = tiny_llm.tokenizer.encode(text)
+    want = tiny_llm.generate(text, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    outs = tiny_llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert outs[0].prompt == text and outs[1].prompt is None and outs[1].prompt_token_ids == ids
+    assert [o.outputs[0].token_ids for o in outs] == [want, want]
+    assert tiny_llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    for bad, match in [({"prompt": text, "multi_modal_data": {}}, "multi_modal_data"), ({}, "exactly one"),
+                       ({"prompt": None}, r"prompt\['prompt'\]"), ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+                       ({"prompt": text, "prompt_token_ids": ids}, "exactly one")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.generate([bad], GREEDY, use_tqdm=False)
+
+
 def test_engine_failure_reaches_every_consumer(llama_dir):
     """A crash in the model ends every request with an error instead of a hang; later calls fail fast."""
     from ember.errors import EngineDeadError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -145,11 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# generate and chat run one stream: one seat, and 512-token prefill steps (llama.cpp's micro-batch). The engine warms
-# up at its worst case (every seat at max_model_len, a full prefill step); at the serving defaults (64 seats, 2048
-# tokens) that warm-up is most of the command's start-up.
+# generate and chat run one stream: one seat, and 256-token prefill steps. The engine warms up at its worst case (every
+# seat at max_model_len, a full prefill step, twice: once to measure, once beside the KV pool); at the serving defaults
+# (64 seats, 2048 tokens) that warm-up is most of the command's start-up. Measured on the default model: 256-token
+# steps start 0.22 s sooner than 512 (0.97 vs 1.19 s to a ready engine) and take a 500-token prompt's first token
+# 4% longer (218 vs 210 ms).
 CLI_MAX_NUM_SEQS = 1
-CLI_PREFILL_TOKENS = 512
+CLI_PREFILL_TOKENS = 256
 
 
 def _load(args: argparse.Namespace):
@@ -168,8 +171,6 @@ def _load(args: argparse.Namespace):
 
 def _lora(args: argparse.Namespace):
     """The request's adapter from --lora (named after its folder), or None."""
-    import os
-
     from ember.lora.request import LoRARequest
 
     return LoRARequest(os.path.basename(os.path.normpath(args.lora)), 1, args.lora) if args.lora else None
@@ -274,8 +275,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    import os
-
     from ember.model_loader.asmodel import MODEL_SUFFIX, convert
 
     if not os.path.exists(args.src):
@@ -323,5 +322,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The console script. After a one-shot command (generate, chat) the process leaves without the interpreter's
+    teardown: unloading torch's modules takes ~0.4 s on this machine, a fifth of ``ember generate``'s start-up
+    budget, and by then the engine is shut down and every output flushed."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if argv and argv[0] in ("generate", "chat"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -5,6 +5,7 @@ field, the value and the allowed range before anything is queued."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -18,12 +19,14 @@ from ember.lora.request import LoRARequest
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 
-PromptType = str | Seq[int]
+PromptType = str | Seq[int] | Mapping[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt, text-only
 
 
 def prompt_list(prompts: Any) -> list[PromptType]:
-    """One prompt or a list of them as a list: a string, a list of token ids (one prompt), or a list of those."""
-    if isinstance(prompts, str):
+    """One prompt or a list of them as a list: a string, a list of token ids (one prompt), a vLLM-style dict
+    ({"prompt": text} or {"prompt_token_ids": ids}), or a list of those."""
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if prompts is None or not hasattr(prompts, "__iter__"):
         raise BadRequestError(f"prompts={prompts!r} is not supported: pass a string, a list of token ids, or a list "
@@ -50,14 +53,36 @@ class InputProcessor:
         self._counter = itertools.count()
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            return self._tokenize_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise BadRequestError("prompt='' is empty: a prompt needs at least one character or token")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise BadRequestError(f"prompt of type {type(prompt).__name__} is not supported: pass a string or a list "
-                              "of token ids")
+        raise BadRequestError(f"prompt of type {type(prompt).__name__} is not supported: pass a string, a list "
+                              "of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _tokenize_dict(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+        """vLLM's TextPrompt / TokensPrompt: exactly one of the two keys; others (multi_modal_data...) refused."""
+        other = [k for k in prompt if k not in _PROMPT_KEYS]
+        if other:
+            raise BadRequestError(f"prompt[{other[0]!r}] is not supported: ember serves text-only models; a prompt "
+                                  f"dict holds one of {list(_PROMPT_KEYS)}")
+        if len(prompt) != 1:
+            raise BadRequestError(f"prompt dict with keys {list(prompt)} is not supported: give exactly one of "
+                                  f"{list(_PROMPT_KEYS)}")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise BadRequestError(f"prompt['prompt'] of type {type(prompt['prompt']).__name__} is not supported: "
+                                      "pass a string")
+            return self.tokenize(prompt["prompt"])
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str) or not isinstance(ids, Seq) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequestError("prompt['prompt_token_ids'] is not supported: pass a list of token ids")
+        return None, list(ids)
 
     def process(self, prompt: Any, params: SamplingParams | None, request_id: str | None = None,
                 lora: LoRARequest | None = None) -> tuple[str | None, EngineRequest]:

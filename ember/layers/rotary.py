@@ -37,7 +37,8 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            hf_config = config.to_transformers() if hasattr(config, "to_transformers") else config  # a GGUFConfig
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)

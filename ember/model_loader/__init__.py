@@ -87,10 +87,16 @@ def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFCheckpoint:
     return GGUFCheckpoint(path)
 
 
+def model_config(ckpt: Checkpoint) -> Any:
+    """The config the engine builds from: a GGUF file's comes from its metadata alone (transformers' config classes
+    take ~0.8 s to import, most of a CLI start-up), every other kind's is transformers' own."""
+    return ckpt.model_config() if isinstance(ckpt, GGUFCheckpoint) else ckpt.hf_config()
+
+
 def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext()) -> LoadedModel:
     """Build this rank's part of the model and read only its part of each weight."""
     ckpt = open_checkpoint(config.path)
-    hf_config = ckpt.hf_config()
+    hf_config = model_config(ckpt)
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
     dtype, quant = weight_layout(config, ckpt, hf_config)
     shape = ModelShape.of(hf_config)
@@ -137,7 +143,7 @@ def check_parallel(config: ModelConfig, tp: int, pp: int, ranks_here: int | None
     if tp * pp == 1:
         return
     ckpt = open_checkpoint(config.path)
-    hf_config = ckpt.hf_config()
+    hf_config = model_config(ckpt)
     s = ModelShape.of(hf_config)
     ok_tp = [t for t in _divisors(s.num_heads) if (s.num_kv_heads % t == 0 or t % s.num_kv_heads == 0)
              and hf_config.intermediate_size % t == 0]
@@ -176,7 +182,7 @@ def check_parallel(config: ModelConfig, tp: int, pp: int, ranks_here: int | None
 
 def read_shape(path: str) -> ModelShape:
     """The model's shape from its checkpoint's config alone, without reading any weight."""
-    return ModelShape.of(open_checkpoint(path).hf_config())
+    return ModelShape.of(model_config(open_checkpoint(path)))
 
 
 def load_tokenizer(config: ModelConfig) -> TokenizerInfo:
@@ -185,7 +191,7 @@ def load_tokenizer(config: ModelConfig) -> TokenizerInfo:
     ckpt = open_checkpoint(config.path)
     tokenizer = (open_checkpoint(config.tokenizer) if config.tokenizer else ckpt).tokenizer()
     generation_config = ckpt.generation_config()
-    eos = _eos_ids(tokenizer, ckpt.hf_config(), generation_config)
+    eos = _eos_ids(tokenizer, model_config(ckpt), generation_config)
     return TokenizerInfo(tokenizer, generation_config, eos)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ember.distributed import WeightSlice
+from ember.model_loader.gguf_config import GGUFConfig
 from ember.model_loader.gguf_file import GGUFFile
 from ember.model_loader.hf import Select, read_all
 from ember.quantization import GGUF_DIRECT_TYPES, QuantConfig, QuantizedTensor, from_gguf
@@ -55,7 +56,7 @@ _LAYER_NAMES = {
 
 
 class GGUFCheckpoint:
-    """One GGUF file: its metadata as a transformers config and its tensors under Hugging Face names."""
+    """One GGUF file: its metadata as a config under transformers' names and its tensors under Hugging Face names."""
 
     kind = "gguf"
 
@@ -72,10 +73,19 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF general.architecture={self.gguf_arch!r} is not supported: "
                              f"ember supports {sorted(GGUF_ARCHITECTURES)}")
         self.architecture, self.model_type = GGUF_ARCHITECTURES[self.gguf_arch]
+        self._config: GGUFConfig | None = None
 
     def hf_config(self) -> Any:
-        from transformers import AutoConfig
+        """The transformers config (imports transformers: the engine itself reads ``model_config()``)."""
+        return self.model_config().to_transformers()
 
+    def model_config(self) -> GGUFConfig:
+        """The config under transformers' names and defaults, from the metadata alone (no transformers import)."""
+        if self._config is None:
+            self._config = GGUFConfig.of(self.model_type, self.architecture, self._config_kwargs())
+        return self._config
+
+    def _config_kwargs(self) -> dict[str, Any]:
         prefix = self.gguf_arch + "."
         kwargs: dict[str, Any] = {}
         for key, name in _CONFIG_KEYS.items():
@@ -96,9 +106,7 @@ class GGUFCheckpoint:
             value = self.file.value("tokenizer.ggml." + key)
             if value is not None:
                 kwargs[name] = int(value)
-        config = AutoConfig.for_model(self.model_type, **kwargs)
-        config.architectures = [self.architecture]
-        return config
+        return kwargs
 
     def generation_config(self) -> dict[str, Any]:
         return {}  # GGUF carries no sampling defaults

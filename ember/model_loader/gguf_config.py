@@ -1,0 +1,78 @@
+"""A GGUF model's config as the engine reads it, built from the file's metadata without transformers.
+
+Importing transformers' config classes costs ~0.8 s on this machine (LlamaConfig pulls in torch.distributed.tensor),
+a third of ``ember generate``'s start-up. The engine reads a handful of attributes; this object holds them under
+transformers' names, with the values transformers' config class of the same model_type gives (its defaults for what
+the metadata leaves out: tests/test_gguf_config.py checks every attribute against AutoConfig). ``to_transformers``
+builds the real config for what needs one (export, .asmodel, scaled RoPE's init functions, the facades).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# transformers' defaults (5.x) for the attributes the engine reads that a GGUF file may leave out, per model_type
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "sliding_window": None},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": None},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": None},
+}
+_WINDOWED_BY_FLAG = ("qwen2", "qwen3")  # sliding_window counts only with use_sliding_window, which GGUF never sets
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFConfig:
+    model_type: str
+    architectures: list[str]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    rms_norm_eps: float = 1e-6
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    use_sliding_window: bool = False
+    dtype: Any = None
+    kwargs: dict[str, Any] = field(default_factory=dict, repr=False)  # what to_transformers passes
+
+    @classmethod
+    def of(cls, model_type: str, architecture: str, kwargs: dict[str, Any]) -> "GGUFConfig":
+        """kwargs: transformers config arguments read from the metadata (hidden_size, rope_theta, rope_scaling...)."""
+        defaults = _DEFAULTS[model_type]
+        rope = dict(kwargs.get("rope_scaling") or {"rope_type": "default"})
+        rope["rope_theta"] = float(kwargs.get("rope_theta", 10000.0))
+        window = kwargs.get("sliding_window", defaults["sliding_window"])
+        return cls(
+            model_type=model_type, architectures=[architecture], vocab_size=int(kwargs["vocab_size"]),
+            hidden_size=int(kwargs["hidden_size"]), intermediate_size=int(kwargs["intermediate_size"]),
+            num_hidden_layers=int(kwargs["num_hidden_layers"]), num_attention_heads=int(kwargs["num_attention_heads"]),
+            num_key_value_heads=int(kwargs.get("num_key_value_heads", kwargs["num_attention_heads"])),
+            head_dim=int(kwargs["head_dim"]),
+            max_position_embeddings=int(kwargs.get("max_position_embeddings", defaults["max_position_embeddings"])),
+            rope_parameters=rope, tie_word_embeddings=bool(kwargs.get("tie_word_embeddings", False)),
+            sliding_window=None if model_type in _WINDOWED_BY_FLAG else window,
+            rms_norm_eps=float(kwargs.get("rms_norm_eps", 1e-6)), bos_token_id=kwargs.get("bos_token_id"),
+            eos_token_id=kwargs.get("eos_token_id"), kwargs=dict(kwargs))
+
+    @property
+    def rope_scaling(self) -> dict[str, Any]:
+        """transformers 5 keeps the 4.x name as an alias of rope_parameters."""
+        return self.rope_parameters
+
+    def to_transformers(self) -> Any:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(self.model_type, **self.kwargs)
+        config.architectures = list(self.architectures)
+        return config
