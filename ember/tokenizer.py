@@ -23,6 +23,10 @@ from ember.cache import cache_dir, file_key
 Message = dict[str, Any]
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# tokenizer_config.json settings with which transformers changes the tokenizer it loads (add_bos_token / add_eos_token
+# whenever present): such folders load through it
+_CHANGED_ON_LOAD = ("clean_up_tokenization_spaces", "split_special_tokens", "added_tokens_decoder",
+                    "extra_special_tokens", "additional_special_tokens")
 
 
 class Tokenizer:
@@ -59,25 +63,30 @@ class Tokenizer:
 
     @classmethod
     def _from_folder(cls, folder: str) -> "Tokenizer | None":
-        """The fast path for a folder of transformers' generic class; None when the folder needs transformers."""
+        """The fast path for a folder of transformers' generic class whose encode and decode are the library's
+        unchanged (tests/test_chat_template.py compares them); None when the folder needs transformers."""
         try:
             with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError):
             return None
-        if (config.get("tokenizer_class") not in _GENERIC_CLASSES or config.get("clean_up_tokenization_spaces")
-                or config.get("split_special_tokens") or not os.path.isfile(os.path.join(folder, "tokenizer.json"))):
+        changed = any(k in config for k in ("add_bos_token", "add_eos_token")) or any(
+            config.get(k) for k in _CHANGED_ON_LOAD)
+        if (changed or config.get("tokenizer_class") not in _GENERIC_CLASSES
+                or not os.path.isfile(os.path.join(folder, "tokenizer.json"))):
             return None
         from tokenizers import Tokenizer as FastTokenizer
 
         fast = FastTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-
         special = {}
         for name in _SPECIAL_TOKENS:
             token = config.get(name)
             token = token.get("content") if isinstance(token, dict) else token
             if token is not None:
                 special[name] = str(token)
+        if (fast.post_processor is None or fast.padding is not None or fast.truncation is not None
+                or any(fast.token_to_id(t) is None for t in special.values())):
+            return None  # transformers would rebuild the post-processor, add the tokens, or pad / truncate otherwise
         template, named = config.get("chat_template"), os.path.isdir(os.path.join(folder, "additional_chat_templates"))
         jinja = os.path.join(folder, "chat_template.jinja")
         if os.path.isfile(jinja):

@@ -55,6 +55,23 @@ def test_folder_tokenizer_takes_the_fast_path(tokenizer_dir):
     assert ours.encode("Hello world") == ours.hf.encode("Hello world")
 
 
+def test_folder_transformers_would_change_loads_through_transformers(tokenizer_dir, tmp_path):
+    """add_bos_token in tokenizer_config.json can make transformers rebuild the post-processor: such a folder is not
+    read by the fast path, and encodes as transformers does."""
+    import json
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    ours = Tokenizer.load(str(folder))
+    assert ours._fast is None
+    from transformers import AutoTokenizer
+
+    assert ours.encode("Hello") == AutoTokenizer.from_pretrained(str(folder)).encode("Hello")
+
+
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_model_chat_template_matches_transformers(tokenizers, conversation, generation_prompt):

@@ -143,6 +143,17 @@ def test_lazy_gguf_header_reads_what_the_gguf_package_reads(tiny_models, tmp_pat
             assert ours.array_len("tokenizer.ggml.tokens") == len(ref.fields["tokenizer.ggml.tokens"].data)
 
 
+def test_ggml_types_named_by_ember_match_the_gguf_package():
+    """The type ids and block sizes ember names itself (to skip importing the gguf package's tables) are ggml's."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ember.model_loader.gguf_file import BLOCK_SIZES, GGMLType
+
+    for kind in GGMLType:
+        assert GGMLQuantizationType[kind.name] == kind and int(GGMLQuantizationType[kind.name]) == int(kind)
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[kind.name]] == BLOCK_SIZES[kind], kind.name
+
+
 def test_bad_model_files(tiny_models, tmp_path):
     src = tiny_models["llama"]
     # unknown architecture

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from ember.benchmarks import metrics, report
+from ember.benchmarks import report
 from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, EMBER_VARIANTS, BenchError, backend_python,
                                      parse_backends, run_driver)
 from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests, vocabulary
@@ -179,6 +179,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             versions[b] = done.result.get("backend_version", "")
             runs[b].append(_figures(args, done))
             log.info("  %s", _headline(args.mode, runs[b][-1]))
+    from ember.benchmarks import metrics
+
     med = {b: metrics.median_figures(runs[b]) for b in backends}
     record.update(versions=versions, runs=runs, median=med, ember_over=_ratios(args.mode, med))
     base = os.path.join(args.out, tag)
@@ -192,6 +194,8 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _figures(args: argparse.Namespace, done) -> dict:
+    from ember.benchmarks import metrics  # statistics -> fractions: 0.1 s, kept out of every command's parser
+
     if args.mode == "throughput":  # with a split model's per-rank figures and the guided run's mask times
         return metrics.throughput_figures(done.result, done.peak_rss_bytes) | {
             k: done.result[k] for k in ("ranks", "guided") if k in done.result}

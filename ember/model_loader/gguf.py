@@ -16,7 +16,7 @@ import torch
 
 from ember.distributed import WeightSlice
 from ember.model_loader.gguf_config import GGUFConfig
-from ember.model_loader.gguf_file import GGUFFile
+from ember.model_loader.gguf_file import GGUFFile, GGUFTensor
 from ember.model_loader.hf import Select, read_all
 from ember.quantization import GGUF_DIRECT_TYPES, QuantConfig, QuantizedTensor, from_gguf
 
@@ -143,8 +143,6 @@ class GGUFCheckpoint:
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """keep_quantized: Q8_0 / Q4_0 / Q4_1 weights come as QuantizedTensor (never expanded to float).
         select: the part of each tensor to read (rows, or columns on quantization-block boundaries)."""
-        from gguf import dequantize
-
         permute = self.gguf_arch in ("llama", "mistral")
         for t in self.file.tensors:
             kind = t.tensor_type.name
@@ -162,7 +160,7 @@ class GGUFCheckpoint:
             keep = keep_quantized and kind in GGUF_DIRECT_TYPES
             trim = None
             if not sl.whole:
-                raw, rows, cols, trim = _slice_raw(raw, t.tensor_type, sl, rows, cols, t.name, keep)
+                raw, rows, cols, trim = _slice_raw(raw, t, sl, rows, cols, keep)
             heads = None
             if permute and (".q_proj." in name or ".k_proj." in name):
                 total = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
@@ -173,7 +171,7 @@ class GGUFCheckpoint:
                     qt = qt.rows(torch.from_numpy(_unpermute(np.arange(qt.shape[0]), heads)))
                 yield name, qt
                 continue
-            w = dequantize(raw, t.tensor_type)
+            w = _dequantize(raw, t.tensor_type)
             w = np.array(w if trim is None else w[:, trim[0]:trim[1]], copy=True)  # the file is mapped read-only
             if heads is not None:
                 w = _unpermute(w, heads)
@@ -190,21 +188,28 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _slice_raw(raw: np.ndarray, tensor_type: Any, sl: WeightSlice, rows: int, cols: int, name: str, keep: bool
+def _dequantize(raw: np.ndarray, tensor_type: Any) -> np.ndarray:
+    """float32 values of a tensor's data: F32 / F16 come typed from the map; other types through the gguf package."""
+    if tensor_type.name in ("F32", "F16"):
+        return raw.astype(np.float32)
+    from gguf import dequantize
+
+    return dequantize(raw, tensor_type)
+
+
+def _slice_raw(raw: np.ndarray, t: GGUFTensor, sl: WeightSlice, rows: int, cols: int, keep: bool
                ) -> tuple[np.ndarray, int, int, tuple[int, int] | None]:
     """Rows, or the columns' quantization blocks, of a tensor's raw data ``[rows, bytes a row]``: (raw, rows, cols,
     trim). A column slice that cuts a block reads the blocks that cover it and ``trim`` says which dequantized
     columns to keep; a tensor kept in its blocks (``keep``) must be cut on block boundaries."""
-    from gguf import GGML_QUANT_SIZES
-
     if sl.dim == 0:
         return raw[sl.start:sl.stop], sl.stop - sl.start, cols, None
-    block, size = GGML_QUANT_SIZES[tensor_type]
+    block, size, name = t.block, t.block_bytes, t.name
     if block == 1:  # float types come as [rows, cols] of their own dtype
         return raw[:, sl.start:sl.stop], rows, sl.stop - sl.start, None
     lo, hi = sl.start // block, -(-sl.stop // block)
     if keep and (sl.start % block or sl.stop % block):
-        raise ValueError(f"GGUF tensor {name} ({tensor_type.name}) stays in blocks of {block} values; columns "
+        raise ValueError(f"GGUF tensor {name} ({t.tensor_type.name}) stays in blocks of {block} values; columns "
                          f"{sl.start}..{sl.stop} cut a block: choose a tensor_parallel_size whose slices hold whole "
                          "blocks")
     trim = None if not (sl.start % block or sl.stop % block) else (sl.start - lo * block, sl.stop - lo * block)

@@ -3,11 +3,13 @@
 The `gguf` package's ``GGUFReader`` builds every field of the file at construction, including one numpy view per
 entry of the vocabulary arrays (147k views for the default model's 49k tokens and merges): 2-4 s before the first
 weight is read. Here an array is only walked to find where the next value starts (its strings' lengths), and
-decoded when asked for. Types, block sizes and dequantization still come from the `gguf` package.
+decoded when asked for. The tensor types ember loads are named here (importing the `gguf` package's tables takes
+0.1 s, a twentieth of a CLI start-up); any other type, and dequantization, come from the `gguf` package.
 """
 
 from __future__ import annotations
 
+import enum
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -25,22 +27,57 @@ _TYPED = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8
           "I64": np.int64}
 
 
+class GGMLType(enum.IntEnum):
+    """ggml's tensor type ids that ember loads (the `gguf` package's GGMLQuantizationType: equal ids and names)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+# (values a block, bytes a block) of those types, as ggml defines them (tests check them against the gguf package)
+BLOCK_SIZES = {GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2), GGMLType.Q4_0: (32, 18),
+               GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34),
+               GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
+
+_BY_ID = {int(kind): kind for kind in GGMLType}  # a dict lookup: calling the enum costs ~0.1 ms a tensor
+
+
+def _tensor_type(ttype: int) -> tuple[Any, int, int]:
+    """(type, values a block, bytes a block): ember's GGMLType where it names it, else the gguf package's."""
+    kind = _BY_ID.get(ttype)
+    if kind is not None:
+        return kind, *BLOCK_SIZES[kind]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType(ttype)
+    return kind, *GGML_QUANT_SIZES[kind]
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFTensor:
     """One tensor's entry: ``shape`` innermost dimension first (GGUF's order), ``data`` a read-only map."""
 
     name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
+    tensor_type: Any  # GGMLType, or the gguf package's GGMLQuantizationType for other types (equal ids and names)
     shape: tuple[int, ...]
     data: np.ndarray
+    block: int = 1  # values a block
+    block_bytes: int = 0  # bytes a block
 
 
 class GGUFFile:
     """``fields``: key -> value for scalars and strings; arrays stay (offset, item type, count) until ``value``."""
 
     def __init__(self, path: str) -> None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = path
         self.buf = np.memmap(path, dtype=np.uint8, mode="r")
         mv = memoryview(self.buf)
@@ -69,8 +106,7 @@ class GGUFFile:
         start = -(-pos // align) * align
         self.tensors: list[GGUFTensor] = []
         for name, dims, ttype, offset in infos:
-            kind = GGMLQuantizationType(ttype)
-            block, size = GGML_QUANT_SIZES[kind]
+            kind, block, size = _tensor_type(ttype)
             np_dims = tuple(reversed(dims))
             n = int(np.prod(dims))
             lo = start + offset
@@ -79,7 +115,7 @@ class GGUFFile:
                 data = self.buf[lo:lo + n * dt.itemsize].view(dt).reshape(np_dims)
             else:
                 data = self.buf[lo:lo + n // block * size].reshape(*np_dims[:-1], np_dims[-1] // block * size)
-            self.tensors.append(GGUFTensor(name, kind, dims, data))
+            self.tensors.append(GGUFTensor(name, kind, dims, data, block, size))
 
     @property
     def keys(self) -> list[str]:
