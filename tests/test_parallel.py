@@ -414,15 +414,20 @@ def test_a_gguf_column_slice_that_cuts_a_block_reads_only_the_covering_blocks():
 
     from ember.distributed import WeightSlice
     from ember.model_loader.gguf import _slice_raw
+    from ember.model_loader.gguf_file import GGUFTensor
+
+    def tensor(raw, kind):
+        return GGUFTensor("t", kind, (128, 4), raw, *gguf.GGML_QUANT_SIZES[kind])
 
     x = np.random.default_rng(0).standard_normal((4, 128)).astype(np.float32)
     raw = gguf.quants.quantize(x, Q.Q5_0)
-    part, rows, cols, trim = _slice_raw(raw, Q.Q5_0, WeightSlice(1, 40, 100), 4, 128, "t", keep=False)
+    part, rows, cols, trim = _slice_raw(raw, tensor(raw, Q.Q5_0), WeightSlice(1, 40, 100), 4, 128, keep=False)
     assert part.shape[1] < raw.shape[1] and (rows, cols) == (4, 60)  # blocks 1..3 of 4, not the whole rows
     got = gguf.dequantize(part, Q.Q5_0)[:, trim[0]:trim[1]]
     np.testing.assert_array_equal(got, gguf.dequantize(raw, Q.Q5_0)[:, 40:100])
     with pytest.raises(ValueError, match="cut a block"):
-        _slice_raw(gguf.quants.quantize(x, Q.Q8_0), Q.Q8_0, WeightSlice(1, 40, 100), 4, 128, "t", keep=True)
+        q8 = gguf.quants.quantize(x, Q.Q8_0)
+        _slice_raw(q8, tensor(q8, Q.Q8_0), WeightSlice(1, 40, 100), 4, 128, keep=True)
 
 
 def test_dashinfer_gpu_ids_split_the_model(llama_dir, tmp_path, monkeypatch):
