@@ -143,14 +143,15 @@ def _token_id(fast: Any, token: str | None) -> int | None:
     return fast.token_to_id(token) if token is not None else None
 
 
-def _auto_tokenizer(path: str) -> Any:
+def _auto_tokenizer(path: str, **kwargs: Any) -> Any:
+    """transformers' tokenizer, its warnings muted (a GGUF conversion logs every unparsed key)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -165,15 +166,7 @@ def _gguf_tokenizer_folder(gguf_file: str) -> str:
     cached = _cache_dir(gguf_file)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
         return cached
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # GGUF conversion logs every unparsed key
-    try:
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    hf = _auto_tokenizer(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))

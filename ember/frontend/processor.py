@@ -23,6 +23,12 @@ PromptType = str | Seq[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt, text-only
 
 
+def _is_token_ids(x: Any) -> bool:
+    """A sequence of ints (bools excluded), not a string."""
+    return isinstance(x, Seq) and not isinstance(x, str) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def prompt_list(prompts: Any) -> list[PromptType]:
     """One prompt or a list of them as a list: a string, a list of token ids (one prompt), a vLLM-style dict
     ({"prompt": text} or {"prompt_token_ids": ids}), or a list of those."""
@@ -32,7 +38,7 @@ def prompt_list(prompts: Any) -> list[PromptType]:
         raise BadRequestError(f"prompts={prompts!r} is not supported: pass a string, a list of token ids, or a list "
                               "of those")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and _is_token_ids(prompts):
         return [prompts]  # one prompt given as token ids
     if not prompts:
         raise BadRequestError("prompts=[] is empty: pass at least one prompt")
@@ -59,7 +65,7 @@ class InputProcessor:
             if not prompt:
                 raise BadRequestError("prompt='' is empty: a prompt needs at least one character or token")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Seq) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if _is_token_ids(prompt):
             return None, list(prompt)
         raise BadRequestError(f"prompt of type {type(prompt).__name__} is not supported: pass a string, a list "
                               "of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
@@ -79,8 +85,7 @@ class InputProcessor:
                                       "pass a string")
             return self.tokenize(prompt["prompt"])
         ids = prompt["prompt_token_ids"]
-        if isinstance(ids, str) or not isinstance(ids, Seq) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not _is_token_ids(ids):
             raise BadRequestError("prompt['prompt_token_ids'] is not supported: pass a list of token ids")
         return None, list(ids)
 

@@ -70,8 +70,8 @@ class GGUFTensor:
     tensor_type: Any  # GGMLType, or the gguf package's GGMLQuantizationType for other types (equal ids and names)
     shape: tuple[int, ...]
     data: np.ndarray
-    block: int = 1  # values a block
-    block_bytes: int = 0  # bytes a block
+    block: int  # values a block
+    block_bytes: int  # bytes a block
 
 
 class GGUFFile:
