@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import random_prompts
+from conftest import hf_float32, hf_greedy, random_prompts
 
 from ember import LLM, ConfigError, SamplingParams
 from ember.worker.startup import kv_bytes_per_block
@@ -250,6 +250,24 @@ def test_prefix_caching_hits_and_same_outputs(llama_dir, tiny_llm):
     finally:
         off.shutdown()
         on.shutdown()
+
+
+def test_requests_arriving_together_share_a_prefix_computed_in_the_same_step(llama_dir):
+    """Six requests with one 96-token system prompt in one call, all admitted to the first step: the first computes
+    the prefix and the others take its blocks in that same step (without that, all six compute it); every output
+    is transformers' greedy output."""
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=2048)
+    vocab = llm.model_info.vocab_size
+    system = random_prompts(1, 96, 96, vocab, seed=26)[0]
+    prompts = [system + suffix for suffix in random_prompts(6, 5, 30, vocab, seed=27)]
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 96 for o in outs[1:])  # six whole blocks of 16
+    hf = hf_float32(llama_dir)
+    assert _tokens(outs) == [hf_greedy(hf, p, 8) for p in prompts]
 
 
 def test_prefix_caching_with_preemption_in_a_tiny_pool(llama_dir, tiny_llm):

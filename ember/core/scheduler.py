@@ -128,6 +128,8 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        for seq, n in zip(batch.seqs, batch.num_tokens):  # no preemption from here on (BlockManager.commit)
+            self.bm.commit(seq, seq.num_computed_tokens + n)
         if not batch.preempted:  # else the pool is full: admitting now would only preempt again
             self._admit(batch, budget)
         batch.copies = self.bm.take_copies()
@@ -170,6 +172,7 @@ class Scheduler:
             elif seq.index == 0 and seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = 0
             self.bm.allocate(seq, start + n)
+            self.bm.commit(seq, start + n)  # a later request of this step may take these blocks
             if lora_id:
                 self.loras.take(seq.request.record.lora, in_use)
             seq.status = SequenceStatus.RUNNING
