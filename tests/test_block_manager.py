@@ -69,15 +69,18 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
                 host[dst] = list(device[src])
             else:
                 device[dst] = list(host[src])
+        # the model runner writes each row's K/V before that row attends, rows in batch order (the strictest
+        # order a step may run them in: pipeline micro-batches); a sequence's context may be blocks an earlier
+        # row of the same step writes (a prefix shared within the step)
         for seq, n in zip(batch.seqs, batch.num_tokens):  # every scheduled token has a slot ...
             assert seq.status is SequenceStatus.RUNNING and n >= 1
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                device[seq.block_table[p // block_size]][p % block_size] = hash(tuple(seq.token_ids[:p + 1]))
             for p in range(seq.num_computed_tokens):  # ... and the cached context is this sequence's own KV
                 prefix = tuple(seq.token_ids[:p + 1])
                 assert device[seq.block_table[p // block_size]][p % block_size] == hash(prefix)
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                device[seq.block_table[p // block_size]][p % block_size] = hash(tuple(seq.token_ids[:p + 1]))
             seq.num_computed_tokens += n
             bm.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:

@@ -190,6 +190,8 @@ def test_cut_by_max_tokens_ends_with_length(llm):
     (SO(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}),
      r"(?s)structured_outputs.json cannot be compiled: .*nonsense"),
     (SO(grammar="start: undefined_rule"), r"(?s)structured_outputs.grammar cannot be compiled: .*undefined_rule"),
+    (SO(json={"type": "integer", "maximum": -2 ** 63 - 1}),  # found by the server fuzz test
+     r"structured_outputs.json cannot be used as a schema: .*not JSON serializable"),
 ])
 def test_bad_constraints_fail_before_work_and_the_engine_goes_on(llm, so, message):
     before = llm.client.stats()["guided_rows"]

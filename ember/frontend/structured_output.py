@@ -58,7 +58,10 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             layout = {"whitespace_flexible": False}
         else:
             layout = {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern or JSON_WHITESPACE}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=layout)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=layout)
+        except ValueError as e:  # values llguidance cannot serialize, e.g. integers beyond 64 bits
+            raise BadRequestError(f"structured_outputs.json cannot be used as a schema: {e}") from None
     try:
         return llguidance.grammar_from(kind, getattr(spec, kind))
     except ValueError as e:  # a GBNF grammar the converter cannot read
