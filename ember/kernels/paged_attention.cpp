@@ -123,17 +123,21 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables, 
 // bf16 with AVX512-BF16, D = 64 or 128: the cache is read in tiles of up to 16 tokens of one block; for each query
 // head of a KV head the tile's 16 scores come from vdpbf16ps dot products (one transposing add tree instead of 16
 // horizontal sums), an online softmax keeps a running max and sum, and P.V runs as vdpbf16ps over token pairs with
-// P rounded to bf16 (as FlashAttention does). The tile stays in L1 while every query head of its KV head uses it.
+// P rounded to bf16 (as FlashAttention does). The tile stays in L1 while every query head of its KV head uses it,
+// and P.V runs for up to RB of those heads together, each V token pair loaded and interleaved once for all of them
+// (64 sequences of 450 tokens, 9 query / 3 KV heads, 2 threads: 0.46-0.49 -> 0.42-0.45 ms a layer).
 template <int64_t D>
 void decode_kernel_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
                         const int64_t* tables, const int64_t* lens, c10::BFloat16* out, int64_t nd, int64_t hq,
                         int64_t hkv, int64_t bs, int64_t max_blocks, int64_t window, float scale) {
   using namespace ember_avx512;
   constexpr int64_t NV = D / 32;  // bf16 vectors of 32 in a row, and fp32 accumulators of 16 for each pair half
+  constexpr int64_t RB = 8 / NV;  // query heads whose P.V accumulators stay in registers together (16 of them)
   const int64_t g = hq / hkv;
   const int64_t row_stride = hkv * D;
   at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_store(hq * 2 * NV * 16), m_store(hq), l_store(hq);
+    std::vector<float> acc_store(hq * 2 * NV * 16), m_store(hq), l_store(hq), corr(hq);
+    std::vector<uint32_t> pp(hq * 8);  // each head's tile probabilities as bf16 pairs (token t in pair t / 2)
     for (int64_t s = begin; s < end; ++s) {
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -175,27 +179,43 @@ void decode_kernel_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c
                                            _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale)));
             const float m_old = m_store[r];
             const float m_new = std::max(m_old, _mm512_reduce_max_ps(sc));
-            const float corr = m_old == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m_old - m_new);
+            corr[r] = m_old == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m_old - m_new);
             __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
             m_store[r] = m_new;
-            l_store[r] = l_store[r] * corr + _mm512_reduce_add_ps(p);
-            alignas(64) uint32_t pp[8];
-            _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
-            float* ar = acc_store.data() + r * 2 * NV * 16;
-            __m512 acc[2 * NV];
-            const __m512 cv = _mm512_set1_ps(corr);
-            for (int64_t j = 0; j < 2 * NV; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * j), cv);
+            l_store[r] = l_store[r] * corr[r] + _mm512_reduce_add_ps(p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp.data() + r * 8), (__m256i)_mm512_cvtneps_pbh(p));
+          }
+          // P.V for up to RB query heads of this KV head at once: each V token pair is loaded and interleaved
+          // once for all of them
+          for (int64_t r0 = h * g; r0 < (h + 1) * g; r0 += RB) {
+            const int64_t nr = std::min<int64_t>(RB, (h + 1) * g - r0);
+            __m512 acc[RB][2 * NV];
+            for (int64_t i = 0; i < nr; ++i) {
+              const float* ar = acc_store.data() + (r0 + i) * 2 * NV * 16;
+              const __m512 cv = _mm512_set1_ps(corr[r0 + i]);
+              for (int64_t j = 0; j < 2 * NV; ++j) acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * j), cv);
+            }
             for (int64_t t = 0; t < T; t += 2) {
-              const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t / 2]));
               const c10::BFloat16* va = vt + t * row_stride;
+              __m512bh lo[NV], hi[NV];
               for (int64_t j = 0; j < NV; ++j) {
                 const __m512i x = _mm512_loadu_si512(va + 32 * j);
                 const __m512i y = t + 1 < T ? _mm512_loadu_si512(va + row_stride + 32 * j) : _mm512_setzero_si512();
-                acc[2 * j] = _mm512_dpbf16_ps(acc[2 * j], (__m512bh)_mm512_unpacklo_epi16(x, y), pv);
-                acc[2 * j + 1] = _mm512_dpbf16_ps(acc[2 * j + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), pv);
+                lo[j] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                hi[j] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+              }
+              for (int64_t i = 0; i < nr; ++i) {
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[(r0 + i) * 8 + t / 2]));
+                for (int64_t j = 0; j < NV; ++j) {
+                  acc[i][2 * j] = _mm512_dpbf16_ps(acc[i][2 * j], lo[j], pv);
+                  acc[i][2 * j + 1] = _mm512_dpbf16_ps(acc[i][2 * j + 1], hi[j], pv);
+                }
               }
             }
-            for (int64_t j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(ar + 16 * j, acc[j]);
+            for (int64_t i = 0; i < nr; ++i) {
+              float* ar = acc_store.data() + (r0 + i) * 2 * NV * 16;
+              for (int64_t j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(ar + 16 * j, acc[i][j]);
+            }
           }
         }
         t0 += T;
