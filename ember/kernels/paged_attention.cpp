@@ -125,8 +125,8 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables, 
 // horizontal sums), an online softmax keeps a running max and sum, and P.V runs as vdpbf16ps over token pairs with
 // P rounded to bf16 (as FlashAttention does). The tile stays in L1 while every query head of its KV head uses it,
 // and P.V runs for up to RB of those heads together, each V token pair loaded and interleaved once for all of them
-// (64 sequences of 450 tokens, 9 query / 3 KV heads, 2 threads: 0.46-0.49 -> 0.32-0.37 ms a layer; 30 layers of
-// 48 x 400 tokens from memory: 13.6-15.0 -> 13.1-13.3 ms).
+// (64 sequences of 450 tokens, 9 query / 3 KV heads, 2 threads, one layer's cache reused: 0.46-0.49 -> 0.32-0.37 ms;
+// 30 layers of 48 x 400 tokens read from memory are bandwidth-bound and stay level, 15.1-15.6 vs 15.2-15.9 ms).
 // acc (NR heads' running P.V sums, rescaled by corr first) += P.V over a tile of T tokens of one KV head: each V
 // token pair is loaded and interleaved once for the NR heads. NR is a template parameter so the 2 * NV * NR
 // accumulators stay in registers.
@@ -228,8 +228,8 @@ void decode_kernel_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c
             switch (std::min<int64_t>(RB, (h + 1) * g - r0)) {
               case 1: pv_heads<D, 1>(vt, row_stride, T, pr, cr, ar); break;
               case 2: pv_heads<D, 2>(vt, row_stride, T, pr, cr, ar); break;
-              case 3: pv_heads<D, 3>(vt, row_stride, T, pr, cr, ar); break;
-              default: pv_heads<D, 4>(vt, row_stride, T, pr, cr, ar); break;
+              case 3: if constexpr (RB >= 3) pv_heads<D, 3>(vt, row_stride, T, pr, cr, ar); break;
+              default: if constexpr (RB >= 4) pv_heads<D, 4>(vt, row_stride, T, pr, cr, ar); break;
             }
           }
         }

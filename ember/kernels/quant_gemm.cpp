@@ -23,14 +23,6 @@ constexpr int64_t INT8_ROWS_MAX = 4;  // int8 with at most this many rows: row-w
 // panel[kp * 64 + c] = bf16 pair (W[n0 + c, 2kp], W[n0 + c, 2kp + 1]) as one 32-bit word
 using Panel = std::vector<uint32_t>;
 
-// Two float vectors (k and k+1 for 16 columns) -> 16 bf16 pairs, k in the low half of each 32-bit lane.
-inline __m512i pair_bf16(__m512 wk, __m512 wk1) {
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(wk1, wk);  // [wk as 16 bf16 | wk1 as 16 bf16]
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, both);
-}
-
 // y[m0 : m0+R, n0 : n0+64] = sum over groups of (x . q) * s, then + sum over groups of xsum * z: the integer dot
 // products of a group accumulate apart and are scaled in float32. The offsets go in after the last group, once
 // the group sums' registers are free: added inside the group loop they needed three more live registers, which
@@ -74,8 +66,8 @@ inline void micro_grouped(const c10::BFloat16* x, int64_t K, int64_t group, cons
       _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-// The panel driver for both weight kinds: fill(nb, panel, gs, gz) lays out 64 columns as exact integers with their
-// float scales s and offsets z per group (int8: one group of K, z = 0).
+// The panel driver (int8): fill(nb, panel, gs, gz) lays out 64 columns as exact integers with their float scales s
+// and offsets z per group (int8: one group of K, z = 0).
 template <typename Fill>
 torch::Tensor grouped_panel_gemm(const torch::Tensor& x, int64_t N, int64_t group, Fill fill) {
   constexpr int R = 3;  // 3 x 4 group sums + 3 x 4 totals stay in registers

@@ -13,10 +13,12 @@ One *path* a weight, chosen at load by ``select_path`` and run by its class in `
 - ``portable``: dequantize per call (int8 per channel: cast, matmul, scale). Correct on every device.
 On CPUs with AVX512-BF16, ember's own kernels (``ember/kernels/quant_gemm.cpp``) take over: int4 at every batch
 size, reading torch's pack as it lies with the nibbles made exact bf16 values in registers (3072x576, bf16
-activations, 2 threads, 2026-11-25: 1 row 10 us against torch's packed op 25 us, 64 rows 0.28 against 0.65 ms,
-2048 rows 9.1 against 21 ms); int8 from 16 rows (each thread lays 64 output columns out once as exact integers
+activations, 2 threads, 2026-11-25: 1 row 9 us against torch's packed op 25 us, 64 rows 0.28 against 0.65 ms,
+2048 rows 8.7 against 21 ms); int8 from 16 rows (each thread lays 64 output columns out once as exact integers
 and runs register-blocked bf16 dot products against them) and at up to 4 rows, where it dots the weight rows
-directly (the LM head at one row: 1.0 ms against 2.3-3.7 ms). Scales are applied to float32 sums throughout.
+directly (the 49152x576 LM head at one row: 1.0 ms against torch's 2.3-3.7 ms on 2026-11-24; 0.67 against 0.62 ms
+in isolation on 2026-11-25, and batch-1 decode in the engine 168 against 164 tok/s with torch's op, so kept).
+Scales are applied to float32 sums throughout.
 The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
 process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
 and that path is not used again in the process (its weights run the portable path).
@@ -36,7 +38,7 @@ from ember.quantization.tensor import QuantizedTensor, quantize_int8_symmetric
 logger = logging.getLogger("ember")
 
 DENSE_MIN_ROWS = 128  # from this many rows on, dequantize + one dense matmul beats the packed CPU ops
-EMBER_INT4_MIN_ROWS = 1  # ember's int4 kernel beats torch's packed op at every batch size (1 row: 10 vs 25 us)
+EMBER_INT4_MIN_ROWS = 1  # ember's int4 kernel beats torch's packed op at every batch size (1 row: 9 vs 25 us)
 EMBER_INT8_MIN_ROWS = 16  # the int8 panels gather rows, so they overtake torch's op later (49152x576: 9.0 vs 12.1 ms)
 EMBER_INT8_ROWS_MAX = 4  # up to this many rows the int8 kernel dots weight rows directly (49152x576, 1 row: 1.0 ms
 #                          against torch's 3.7 ms)
