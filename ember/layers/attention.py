@@ -149,8 +149,10 @@ class AttentionBackend:
         T, Hq, D = q.shape
         fmt = _quantized(layer.kv_format)
         self.write(layer, k, v, meta.slot_mapping, fmt)
-        out = q.new_empty(T, Hq, D)
         nd = meta.num_decode
+        if nd and nd == T:  # decode only: the kernel's result is the output, not copied into another buffer
+            return self.decode(layer, q, meta, fmt).reshape(T, Hq * D)
+        out = q.new_empty(T, Hq, D)
         if nd:
             out[:nd] = self.decode(layer, q[:nd], meta, fmt)
         for span in meta.prefills:
