@@ -120,16 +120,9 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables, 
 }
 
 #ifdef EMBER_AVX512_BF16
-// bf16 with AVX512-BF16, D = 64 or 128: the cache is read in tiles of up to 16 tokens of one block; for each query
-// head of a KV head the tile's 16 scores come from vdpbf16ps dot products (one transposing add tree instead of 16
-// horizontal sums), an online softmax keeps a running max and sum, and P.V runs as vdpbf16ps over token pairs with
-// P rounded to bf16 (as FlashAttention does). The tile stays in L1 while every query head of its KV head uses it,
-// and P.V runs for up to RB of those heads together, each V token pair loaded and interleaved once for all of them
-// (64 sequences of 450 tokens, 9 query / 3 KV heads, 2 threads, one layer's cache reused: 0.46-0.49 -> 0.32-0.37 ms;
-// 30 layers of 48 x 400 tokens read from memory are bandwidth-bound and stay level, 15.1-15.6 vs 15.2-15.9 ms).
-// acc (NR heads' running P.V sums, rescaled by corr first) += P.V over a tile of T tokens of one KV head: each V
-// token pair is loaded and interleaved once for the NR heads. NR is a template parameter so the 2 * NV * NR
-// accumulators stay in registers.
+// acc (NR heads' running P.V sums, rescaled by corr first) += P.V over a tile of T tokens of one KV head. NR is a
+// template parameter so the 2 * NV * NR accumulators stay in registers (with a run-time count they lived on the
+// stack: 40% slower over 30 layers read from memory).
 template <int64_t D, int NR>
 inline void pv_heads(const c10::BFloat16* vt, int64_t row_stride, int64_t T, const uint32_t* pp, const float* corr,
                      float* acc_store) {
@@ -160,6 +153,13 @@ inline void pv_heads(const c10::BFloat16* vt, int64_t row_stride, int64_t T, con
     for (int64_t j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(acc_store + (i * 2 * NV + j) * 16, acc[i][j]);
 }
 
+// bf16 with AVX512-BF16, D = 64 or 128: the cache is read in tiles of up to 16 tokens of one block; for each query
+// head of a KV head the tile's 16 scores come from vdpbf16ps dot products (one transposing add tree instead of 16
+// horizontal sums), an online softmax keeps a running max and sum, and P.V runs as vdpbf16ps over token pairs with
+// P rounded to bf16 (as FlashAttention does). The tile stays in L1 while every query head of its KV head uses it,
+// and P.V runs for up to RB of those heads together, each V token pair loaded and interleaved once for all of them
+// (64 sequences of 450 tokens, 9 query / 3 KV heads, 2 threads, one layer's cache reused: 0.46-0.49 -> 0.32-0.37 ms;
+// 30 layers of 48 x 400 tokens read from memory are bandwidth-bound and stay level, 15.1-15.6 vs 15.2-15.9 ms).
 template <int64_t D>
 void decode_kernel_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
                         const int64_t* tables, const int64_t* lens, c10::BFloat16* out, int64_t nd, int64_t hq,
@@ -219,8 +219,6 @@ void decode_kernel_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c
             l_store[r] = l_store[r] * corr[r] + _mm512_reduce_add_ps(p);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp.data() + r * 8), (__m256i)_mm512_cvtneps_pbh(p));
           }
-          // P.V for up to RB query heads of this KV head at once: each V token pair is loaded and interleaved
-          // once for all of them
           for (int64_t r0 = h * g; r0 < (h + 1) * g; r0 += RB) {
             float* ar = acc_store.data() + r0 * 2 * NV * 16;
             const uint32_t* pr = pp.data() + r0 * 8;
