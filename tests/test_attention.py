@@ -123,20 +123,23 @@ def test_cpu_silu_and_mul_kernel_matches_eager_within_one_bf16_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cpu_rotary_kernel_equals_eager_rope_bit_for_bit(dtype):
-    """The in-place RoPE kernel on the Q/K slice of a fused QKV output (rows strided) against apply_rotary."""
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_cpu_rotary_kernel_equals_eager_rope_bit_for_bit(dtype, d):
+    """The in-place RoPE kernel on the Q/K slice of a fused QKV output (rows strided) against apply_rotary, bits
+    compared (signed zeros included); head sizes of the bf16 vector path (64, 128) and of the scalar loop (48)."""
     from ember.layers.rotary import apply_rotary, rotate_in_place
 
     if kernels_for(torch.device("cpu")) is None:
         pytest.skip("the CPU kernels could not be built on this machine")
     g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(37, 15 * 64, generator=g).to(dtype)
-    x = qkv[:, :12 * 64].view(37, 12, 64)
-    cos, sin = torch.randn(37, 1, 64, generator=g).to(dtype), torch.randn(37, 1, 64, generator=g).to(dtype)
-    want, v_before = apply_rotary(x, cos, sin), qkv[:, 12 * 64:].clone()
+    qkv = torch.randn(37, 15 * d, generator=g).to(dtype)
+    qkv[::5, ::7] = 0.0
+    x = qkv[:, :12 * d].view(37, 12, d)
+    cos, sin = torch.randn(37, 1, d, generator=g).to(dtype), torch.randn(37, 1, d, generator=g).to(dtype)
+    want, v_before = apply_rotary(x, cos, sin), qkv[:, 12 * d:].clone()
     got = rotate_in_place(x, cos, sin)
-    assert got.data_ptr() == qkv.data_ptr() and torch.equal(got, want)
-    assert torch.equal(qkv[:, 12 * 64:], v_before)  # V untouched
+    assert got.data_ptr() == qkv.data_ptr() and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(qkv[:, 12 * d:], v_before)  # V untouched
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

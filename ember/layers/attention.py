@@ -29,6 +29,7 @@ from torch import nn
 
 from ember.errors import ConfigError
 from ember.kernels import kernels_for
+from ember.layers.base import Layer
 from ember.layers.kv_cache import KVCacheFormat
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -283,7 +284,7 @@ def bind_attention_backend(layers: list[PagedAttention], device: torch.device,
     return backend
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(Layer):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

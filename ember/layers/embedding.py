@@ -14,6 +14,7 @@ from torch import nn
 
 from ember.distributed import ParallelContext
 from ember.distributed.comm import all_reduce, gather_last_dim
+from ember.layers.base import Layer
 from ember.layers.linear import PrepackedWeight, linear, load_float
 from ember.quantization import QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
@@ -25,7 +26,7 @@ def vocab_range(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
     return start, min(start + chunk, vocab_size)
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(Layer):
     """quantized: the table is int8 with one scale per row; a lookup dequantizes only the rows it gathers."""
 
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, quantized: bool = False,

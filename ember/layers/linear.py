@@ -15,6 +15,7 @@ from torch import nn
 from ember import envs
 from ember.distributed import ParallelContext
 from ember.distributed.comm import all_reduce
+from ember.layers.base import Layer
 from ember.layers.lora import LoRABatch, LoRAStack
 from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
@@ -51,7 +52,7 @@ def load_float(target: torch.Tensor, value: torch.Tensor | QuantizedTensor, name
     target.copy_(value)
 
 
-class Linear(nn.Module):
+class Linear(Layer):
     """y = x W^T (+ b). Weights are allocated empty: the loader fills every element or fails."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,

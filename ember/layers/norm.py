@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from ember.kernels import kernels_for
+from ember.layers.base import Layer
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from ember.kernels import kernels_for
+from ember.layers.base import Layer
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -24,7 +24,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Layer):
     def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)

@@ -23,6 +23,7 @@ from ember.config import ModelShape
 from ember.distributed import ParallelContext, WeightSlice, layer_range
 from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionMetadata, PagedAttention
+from ember.layers.base import Layer
 from ember.layers.embedding import LMHead, VocabEmbedding, vocab_range
 from ember.layers.linear import Linear, MergedLinear, load_float, row_parallel_linear
 from ember.layers.lora import LoRABatch, LoRAStack
@@ -83,7 +84,7 @@ class HeadSplit:
         return cls(nq, 1, r * nq, r * shape.num_kv_heads // t)
 
 
-class Attention(nn.Module):
+class Attention(Layer):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
                  dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
         super().__init__()
@@ -115,7 +116,7 @@ class Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta), lora)
 
 
-class MLP(nn.Module):
+class MLP(Layer):
     def __init__(self, config: Any, dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
@@ -128,7 +129,7 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
                  dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
         super().__init__()
@@ -153,7 +154,7 @@ class MissingLayer(nn.Module):
     """A layer another pipeline stage holds: keeps the layer numbering, holds nothing."""
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Layer):
     def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
                  quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()
@@ -198,7 +199,7 @@ _STACKED = {
 }
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Layer):
     def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
                  quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ and that path is not used again in the process (its weights run the portable pat
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import ClassVar
@@ -47,8 +48,10 @@ _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more tha
 _CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
 
 
+@functools.cache
 def _ember_gemm():
-    """ember's compiled quantized GEMMs, or None where they were not built (no compiler, no AVX512-BF16)."""
+    """ember's compiled quantized GEMMs, or None where they were not built (no compiler, no AVX512-BF16). Cached:
+    ``cpu_kernels`` decides once a process, and a matmul asks at every call."""
     from ember.kernels import cpu_kernels
 
     k = cpu_kernels()
@@ -194,6 +197,8 @@ class _CpuWeightOnly(_WeightOnlyPath):
         rows = x.numel() // x.shape[-1]
         ember_rows = rows >= self.ember_min_rows or rows <= self.ember_max_small_rows
         if ember_rows and (kernels := _ember_gemm()) is not None:
+            if x.dim() == 2 and x.dtype is torch.bfloat16:  # the model's case: no reshapes or casts to dispatch
+                return self.ember_mm(kernels, x)
             y = self.ember_mm(kernels, x.reshape(rows, self.k).to(torch.bfloat16))
             return y.to(x.dtype).view(*x.shape[:-1], self.n)
         if rows >= DENSE_MIN_ROWS:
