@@ -171,3 +171,27 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
     (tmp_path / "lock").write_text("")
     with _build_lock(str(tmp_path)):
         assert not (tmp_path / "lock").exists()
+
+
+def test_layers_call_forward_directly_and_still_run_hooks():
+    """ember's layers skip torch's hook dispatch while none is set; a module's own hooks and global module hooks
+    still run (calibration captures projection inputs with forward pre-hooks)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from ember.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, 1e-6, torch.float32)
+    x = torch.randn(3, 64)
+    want = norm(x)
+    seen = []
+    handle = norm.register_forward_pre_hook(lambda m, args: seen.append(("pre", args[0].shape)))
+    out_handle = norm.register_forward_hook(lambda m, args, out: out * 2)
+    assert torch.equal(norm(x), want * 2) and seen == [("pre", x.shape)]
+    handle.remove()
+    out_handle.remove()
+    glob = register_module_forward_hook(lambda m, args, out: seen.append("global"))
+    try:
+        assert torch.equal(norm(x), want) and seen[-1] == "global"
+    finally:
+        glob.remove()
+    assert torch.equal(norm(x), want) and len(seen) == 2

@@ -71,8 +71,8 @@ def test_quantized_matmul_matches_dense_matmul_of_the_dequantized_weight(method,
 @pytest.mark.parametrize("method,group", [("int4", 32), ("int4", 128), ("int8", None)])
 def test_ember_quantized_gemm_matches_the_dequantized_weight_at_every_row_count(method, group):
     """ember's AVX512-BF16 kernels (the CPU paths from a few rows on) against a float32 matmul of the weight as the
-    path holds it: every row-block tail (1..13 rows), several column panels, two K (int8: and a K that is neither a
-    multiple of 64 nor of 4)."""
+    path holds it: every row-block tail (1..13 rows; int4's panel path from 128 rows, whose row spans split at 203),
+    several column panels, two K (int8: and a K that is neither a multiple of 64 nor of 4)."""
     from ember.quantization.kernels import _ember_gemm
 
     kernels = _ember_gemm()
@@ -84,7 +84,7 @@ def test_ember_quantized_gemm_matches_the_dequantized_weight_at_every_row_count(
         w = torch.randn(n, k) * 0.05
         mm = QuantizedMatmul(method, quantize_int4(w, group) if method == "int4" else quantize_int8(w))
         held = mm.dequantized(torch.float32)
-        for rows in (*range(1, 14), 64):
+        for rows in (*range(1, 14), 64, *range(128, 135), 203):
             x = torch.randn(rows, k).bfloat16()
             if method == "int4":
                 y = kernels.int4_gemm(x, mm.impl.w, mm.impl.s, group)

@@ -1,9 +1,10 @@
 // Weight-only quantized GEMM for CPU: y[M, N] = x[M, K] (bf16) . W^T, W held as int4 (torch's CPU int4 pack) or
 // int8 (one scale per output row), the packed form being the only copy of the weight. The integer weights enter
-// AVX512-BF16 dot products as exact bf16 values and the scales are applied to float32 group sums, so w is never
-// rounded to bf16 (torch's packed ops do not round it either). int4: the pack is read as it lies, 3 rows of x at
-// a time against each 64-column block. int8: from a few rows on, each thread lays 64 output columns out once as
-// bf16 pairs in its cache (a panel) and runs every row block of x against it.
+// AVX512-BF16 dot products as exact bf16 values and the scales are applied to float32 sums, so w is not rounded to
+// bf16 (torch's packed ops do not round it either), except in int4 prefill batches. int4: up to 127 rows the pack
+// is read as it lies, 3 rows of x at a time against each 64-column block; from 128 rows on, and int8 from a few
+// rows on, each thread lays 64 output columns out once as bf16 pairs in its cache (a panel) and runs every row
+// block of x against it (int4 panels hold w rounded to bf16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,86 +24,64 @@ constexpr int64_t INT8_ROWS_MAX = 4;  // int8 with at most this many rows: row-w
 // panel[kp * 64 + c] = bf16 pair (W[n0 + c, 2kp], W[n0 + c, 2kp + 1]) as one 32-bit word
 using Panel = std::vector<uint32_t>;
 
-// y[m0 : m0+R, n0 : n0+64] = sum over groups of (x . q) * s, then + sum over groups of xsum * z: the integer dot
-// products of a group accumulate apart and are scaled in float32. The offsets go in after the last group, once
-// the group sums' registers are free: added inside the group loop they needed three more live registers, which
-// spilled the accumulators in the inner loop (3072x576 at 2040 rows, the micro-kernel alone: 12.9 -> 8.7 ms).
+constexpr int MR = 6;  // rows a micro-kernel pass: 6 x 4 sums + the 4 panel vectors stay in registers
+
+// y[0 : R, 0 : 64] = (x . panel) * cs (cs: a float per column, nullptr for none). The panel's four vectors of a
+// pair step are loaded once for the R rows, each row's pair goes in as a broadcast.
 template <int R>
-inline void micro_grouped(const c10::BFloat16* x, int64_t K, int64_t group, const uint32_t* panel, const float* gs,
-                       const float* gz, const float* xsum, int64_t groups, c10::BFloat16* y, int64_t ldy) {
+inline void micro(const int32_t* xw, int64_t kw, const uint32_t* panel, const float* cs, c10::BFloat16* y,
+                  int64_t ldy) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int32_t* xw = reinterpret_cast<const int32_t*>(x);
-  const int64_t kw = K / 2, gw = group / 2;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
-    for (int64_t kp = g * gw; kp < (g + 1) * gw; ++kp) {
-      const uint32_t* p = panel + kp * NB;
-      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(p), b1 = (__m512bh)_mm512_loadu_si512(p + 16);
-      const __m512bh b2 = (__m512bh)_mm512_loadu_si512(p + 32), b3 = (__m512bh)_mm512_loadu_si512(p + 48);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
-        part[r][0] = _mm512_dpbf16_ps(part[r][0], a, b0);
-        part[r][1] = _mm512_dpbf16_ps(part[r][1], a, b1);
-        part[r][2] = _mm512_dpbf16_ps(part[r][2], a, b2);
-        part[r][3] = _mm512_dpbf16_ps(part[r][3], a, b3);
-      }
-    }
-    for (int j = 0; j < 4; ++j) {
-      const __m512 sv = _mm512_loadu_ps(gs + g * NB + 16 * j);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(part[r][j], sv, acc[r][j]);
+  for (int64_t kp = 0; kp < kw; ++kp) {
+    __m512bh b[4];
+    for (int j = 0; j < 4; ++j) b[j] = (__m512bh)_mm512_loadu_si512(panel + kp * NB + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
     }
   }
-  for (int64_t g = 0; g < groups; ++g)
+  if (cs != nullptr)
     for (int j = 0; j < 4; ++j) {
-      const __m512 zv = _mm512_loadu_ps(gz + g * NB + 16 * j);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), zv, acc[r][j]);
+      const __m512 sv = _mm512_loadu_ps(cs + 16 * j);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_mul_ps(acc[r][j], sv);
     }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j)
       _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-// The panel driver (int8): fill(nb, panel, gs, gz) lays out 64 columns as exact integers with their float scales s
-// and offsets z per group (int8: one group of K, z = 0).
-template <typename Fill>
-torch::Tensor grouped_panel_gemm(const torch::Tensor& x, int64_t N, int64_t group, Fill fill) {
-  constexpr int R = 3;  // 3 x 4 group sums + 3 x 4 totals stay in registers
-  const int64_t M = x.size(0), K = x.size(1), groups = K / group;
+// The panel driver: fill(nb, panel) lays 64 output columns out as bf16 pairs, scales(nb) gives their column scales
+// (or nullptr), then every row block of x runs against the panel while it is in cache. Work items are (block, row
+// span): a layer with few blocks (576 outputs are 9) splits its rows so that every thread gets a share.
+template <typename Fill, typename Scales>
+torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, Fill fill, Scales scales) {
+  const int64_t M = x.size(0), K = x.size(1), kw = K / 2, blocks = N / NB;
   auto y = torch::empty({M, N}, x.options());
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const int32_t* xw = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  // each row's sum over each group, from the bf16 values (a division per element made this loop ~20% of the
-  // kernel at 2048 rows)
-  std::vector<float> xsum(M * groups);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        const c10::BFloat16* xg = xp + m * K + g * group;
-        float sum = 0.f;
-        for (int64_t k = 0; k < group; ++k) sum += static_cast<float>(xg[k]);
-        xsum[m * groups + g] = sum;
+  const int64_t nt = at::get_num_threads();
+  const int64_t spans = blocks % nt == 0 || blocks >= 8 * nt ? 1 : std::max<int64_t>(1, std::min<int64_t>(nt, M / (8 * MR)));
+  const int64_t span = (M + spans - 1) / spans;
+  at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
+    Panel panel(kw * NB);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t nb = item / spans, m0 = item % spans * span, m1 = std::min(M, m0 + span);
+      fill(nb, panel.data());
+      const float* cs = scales(nb);
+      for (int64_t m = m0; m < m1; m += MR) {
+        const int32_t* xr = xw + m * kw;
+        c10::BFloat16* yr = yp + m * N + nb * NB;
+        switch (std::min<int64_t>(MR, m1 - m)) {
+          case 1: micro<1>(xr, kw, panel.data(), cs, yr, N); break;
+          case 2: micro<2>(xr, kw, panel.data(), cs, yr, N); break;
+          case 3: micro<3>(xr, kw, panel.data(), cs, yr, N); break;
+          case 4: micro<4>(xr, kw, panel.data(), cs, yr, N); break;
+          case 5: micro<5>(xr, kw, panel.data(), cs, yr, N); break;
+          default: micro<MR>(xr, kw, panel.data(), cs, yr, N); break;
+        }
       }
-  });
-  at::parallel_for(0, N / NB, 1, [&](int64_t begin, int64_t end) {
-    Panel panel(K / 2 * NB);
-    std::vector<float> gs(groups * NB), gz(groups * NB);
-    for (int64_t nb = begin; nb < end; ++nb) {
-      fill(nb, panel.data(), gs.data(), gz.data());
-      int64_t m = 0;
-      for (; m + R <= M; m += R)
-        micro_grouped<R>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
-                      yp + m * N + nb * NB, N);
-      const int64_t rest = M - m;
-      if (rest == 2)
-        micro_grouped<2>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
-                      yp + m * N + nb * NB, N);
-      else if (rest == 1)
-        micro_grouped<1>(xp + m * K, K, group, panel.data(), gs.data(), gz.data(), xsum.data() + m * groups, groups,
-                      yp + m * N + nb * NB, N);
     }
   });
   return y;
@@ -222,6 +201,24 @@ struct Int4Consts {
   }
 };
 
+// Rows k, k + 1 of a block (64 bytes at p) -> b[j]: columns 16j..16j+15 as bf16 pairs (128 + q_k, 128 + q_k+1).
+inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
+#ifdef __AVX512VBMI__
+  const __m512i v = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutexvar_epi8(c.ilo, v), hi = _mm512_permutexvar_epi8(c.ihi, v);
+#else  // four widening loads: about 10% slower than the permutations at every size measured
+  const __m512i lo = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)),
+                                     _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 32))), 16));
+  const __m512i hi = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))),
+                                     _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 48))), 16));
+#endif
+  // (a & b) | c is ternary-logic table 0xEA
+  b[0] = _mm512_ternarylogic_epi32(lo, c.nib, c.magic, 0xEA);
+  b[1] = _mm512_ternarylogic_epi32(hi, c.nib, c.magic, 0xEA);
+  b[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(lo, 4), c.nib, c.magic, 0xEA);
+  b[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(hi, 4), c.nib, c.magic, 0xEA);
+}
+
 // y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes, szb: its first (scale, zero) pair, row stride N). U
 // interleaved chains of group sums: with one or two rows the loop otherwise waits on the dot products' latency
 // (one row through the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms,
@@ -240,27 +237,11 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
     for (int64_t kp0 = g * gw; kp0 < (g + 1) * gw; kp0 += U)  // gw is a multiple of U (groups of 32 or more)
       for (int u = 0; u < U; ++u) {
         const int64_t kp = kp0 + u;
-#ifdef __AVX512VBMI__
-        const __m512i v = _mm512_loadu_si512(blk + kp * 64);
-        const __m512i lo = _mm512_permutexvar_epi8(c.ilo, v), hi = _mm512_permutexvar_epi8(c.ihi, v);
-#else  // four widening loads: about 10% slower than the permutations at every size measured
-        const uint8_t* bp = blk + kp * 64;
-        const __m512i lo = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)bp)),
-                                           _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(bp + 32))), 16));
-        const __m512i hi = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(bp + 16))),
-                                           _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(bp + 48))), 16));
-#endif
-        // (a & b) | c is ternary-logic table 0xEA
-        const __m512bh b0 = (__m512bh)_mm512_ternarylogic_epi32(lo, c.nib, c.magic, 0xEA);
-        const __m512bh b1 = (__m512bh)_mm512_ternarylogic_epi32(hi, c.nib, c.magic, 0xEA);
-        const __m512bh b2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(lo, 4), c.nib, c.magic, 0xEA);
-        const __m512bh b3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(hi, 4), c.nib, c.magic, 0xEA);
+        __m512i b[4];
+        int4_unpack(c, blk + kp * 64, b);
         for (int r = 0; r < R; ++r) {
           const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
-          part[u][r][0] = _mm512_dpbf16_ps(part[u][r][0], a, b0);
-          part[u][r][1] = _mm512_dpbf16_ps(part[u][r][1], a, b1);
-          part[u][r][2] = _mm512_dpbf16_ps(part[u][r][2], a, b2);
-          part[u][r][3] = _mm512_dpbf16_ps(part[u][r][3], a, b3);
+          for (int j = 0; j < 4; ++j) part[u][r][j] = _mm512_dpbf16_ps(part[u][r][j], a, (__m512bh)b[j]);
         }
       }
     for (int u = 1; u < U; ++u)
@@ -281,6 +262,42 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j)
       _mm256_storeu_si256((__m256i*)(y + r * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
+// From INT4_PANEL_MIN_ROWS rows on (prefill chunks) the block is laid out once as a panel of bf16 weights,
+// w = (q - 8) s + zero rounded to bf16 as torch's dense path rounds it, and runs through the panel micro-kernel (6
+// rows a pass instead of 3, no group sums to scale): 2 threads, 2026-11-25, the default model's four shapes at
+// 2048 rows 18.4 -> 14.6 ms (oneDNN bf16 on the dequantized weights 15.1), 128 rows 1.19 -> 1.00 ms; at 32 rows
+// both 0.33 ms. The rounding moves the relative error to the float32 product from 1.7e-3 to 2.2e-3.
+constexpr int64_t INT4_PANEL_MIN_ROWS = 128;
+
+void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, int64_t K,
+                int64_t group, uint32_t* panel) {
+  alignas(64) uint16_t order[32];  // (w[k][c], w[k + 1][c]) of cvtne2ps' two halves into lane c
+  for (int i = 0; i < 16; ++i) {
+    order[2 * i] = i;
+    order[2 * i + 1] = 16 + i;
+  }
+  const __m512i inter = _mm512_load_si512(order);
+  const int64_t gw = group / 2;
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512 sc[4], off[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i sv = _mm512_loadu_si512(szb + (g * N + 16 * j) * 2);
+      sc[j] = _mm512_castsi512_ps(_mm512_slli_epi32(sv, 16));
+      off[j] = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sc[j], _mm512_castsi512_ps(_mm512_and_si512(sv, c.top)));
+    }
+    for (int64_t kp = g * gw; kp < (g + 1) * gw; ++kp) {
+      __m512i b[4];
+      int4_unpack(c, blk + kp * 64, b);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 wk = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b[j], 16)), sc[j], off[j]);
+        const __m512 wk1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b[j], c.top)), sc[j], off[j]);
+        _mm512_storeu_si512(panel + kp * NB + 16 * j,
+                            _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(wk1, wk)));
+      }
+    }
+  }
 }
 
 constexpr int64_t ROW_SPAN = 48;  // a multiple of 3
@@ -346,6 +363,12 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
+  if (x.size(0) >= INT4_PANEL_MIN_ROWS) {
+    const Int4Consts c;
+    return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
+      int4_panel(c, wp + nb * K * 32, sp + nb * NB * 2, N, K, group, panel);
+    }, [](int64_t) -> const float* { return nullptr; });
+  }
   auto y = torch::empty({x.size(0), N}, x.options());
   int4_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
   return y;
@@ -380,11 +403,8 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales) 
     return y;
   }
   const float* sp = sc.data_ptr<float>();
-  return grouped_panel_gemm(x, N, K, [&](int64_t nb, uint32_t* panel, float* gs, float* gz) {
-    dequant_int8(wp, nb, K, panel);
-    std::memcpy(gs, sp + nb * NB, NB * sizeof(float));
-    std::fill(gz, gz + NB, 0.f);
-  });
+  return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) { dequant_int8(wp, nb, K, panel); },
+                    [&](int64_t nb) { return sp + nb * NB; });
 #else
   TORCH_CHECK(false, "int8_gemm needs AVX512-BF16");
 #endif

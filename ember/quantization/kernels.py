@@ -13,12 +13,12 @@ One *path* a weight, chosen at load by ``select_path`` and run by its class in `
 - ``portable``: dequantize per call (int8 per channel: cast, matmul, scale). Correct on every device.
 On CPUs with AVX512-BF16, ember's own kernels (``ember/kernels/quant_gemm.cpp``) take over: int4 at every batch
 size, reading torch's pack as it lies with the nibbles made exact bf16 values in registers (3072x576, bf16
-activations, 2 threads, 2026-11-25: 1 row 9 us against torch's packed op 25 us, 64 rows 0.28 against 0.65 ms,
-2048 rows 8.7 against 21 ms); int8 from 16 rows (each thread lays 64 output columns out once as exact integers
-and runs register-blocked bf16 dot products against them) and at up to 4 rows, where it dots the weight rows
-directly (the 49152x576 LM head at one row: 1.0 ms against torch's 2.3-3.7 ms on 2026-11-24; 0.67 against 0.62 ms
-in isolation on 2026-11-25, and batch-1 decode in the engine 168 against 164 tok/s with torch's op, so kept).
-Scales are applied to float32 sums throughout.
+activations, 2 threads, 2026-11-25: 1 row 9 us against torch's packed op 25 us, 64 rows 0.28 against 0.65 ms),
+and from 128 rows on through a panel of the block's weights rounded to bf16 (the default model's four shapes at
+2048 rows: 14.6 ms against 18.4 for the exact kernel and 15.1 for oneDNN on the dequantized weights); int8 from 5
+rows (each thread lays 64 output columns out once as exact integers and runs register-blocked bf16 dot products
+against them) and at one row, where it dots the weight rows directly; at 2-4 rows torch's op is faster. Scales are
+applied to float32 sums, so only int4 prefill batches round w to bf16.
 The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
 process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
 and that path is not used again in the process (its weights run the portable path).
@@ -40,9 +40,9 @@ logger = logging.getLogger("ember")
 
 DENSE_MIN_ROWS = 128  # from this many rows on, dequantize + one dense matmul beats the packed CPU ops
 EMBER_INT4_MIN_ROWS = 1  # ember's int4 kernel beats torch's packed op at every batch size (1 row: 9 vs 25 us)
-EMBER_INT8_MIN_ROWS = 16  # the int8 panels gather rows, so they overtake torch's op later (49152x576: 9.0 vs 12.1 ms)
-EMBER_INT8_ROWS_MAX = 4  # up to this many rows the int8 kernel dots weight rows directly (49152x576, 1 row: 1.0 ms
-#                          against torch's 3.7 ms)
+EMBER_INT8_MIN_ROWS = 5  # from 5 rows the int8 panels beat torch's op (49152x576: 5 rows 1.05 vs 1.7-1.8 ms, 16 rows
+#                         1.8 vs 3.6); at 2-4 rows torch's op wins (4 rows 0.78 vs 1.4 ms)
+EMBER_INT8_ROWS_MAX = 1  # one row: ember's kernel dots the weight rows directly (level with torch's op in the engine)
 _INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows; other row counts take the portable path
 _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more than 16 rows
 _CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
