@@ -1,7 +1,8 @@
-"""The after-step work, in one place: commit the tokens a step computed, fork the samples of n > 1 requests once
-their prompt is in the cache, append sampled tokens and check the stops the core can see (EOS, stop token ids and
-sequences, max_tokens, max_model_len). Stop *strings* need text, so the front end checks them and finishes the
-sample through ``EngineCore.stop_sample`` before the next step is scheduled.
+"""The after-step work, in one place: count the tokens a step computed (the scheduler registered their blocks in the
+prefix cache as it scheduled them), fork the samples of n > 1 requests once their prompt is in the cache, append
+sampled tokens and check the stops the core can see (EOS, stop token ids and sequences, max_tokens, max_model_len).
+Stop *strings* need text, so the front end checks them and finishes the sample through ``EngineCore.stop_sample``
+before the next step is scheduled.
 
 ``Decoding`` is the strategy for n independent samples; beam-search requests hand their rows to ``BeamSearch``
 (its own fork and finish rules).
@@ -44,7 +45,6 @@ class Decoding:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            self.bm.commit(seq)
             req = seq.request
             out = self.output(outputs, req)
             chunk = result.prompt_logprobs.get(seq.seq_id)
