@@ -19,12 +19,14 @@ inline T rnd(float x) { return static_cast<T>(x); }
 // The bf16 case of rotary_, 16 lanes at a time with the same roundings (each product and the sum to bf16, round to
 // nearest even as c10's conversion): bit-equal to the scalar loop, which spent 30 us a decode step's layer at 48
 // tokens converting one element at a time.
-static void rotary_bf16(c10::BFloat16* xp, const c10::BFloat16* cp, const c10::BFloat16* sp, int64_t T, int64_t H, int64_t D,
-                 int64_t stride) {
+static void rotary_bf16(c10::BFloat16* xp, const c10::BFloat16* cp, const c10::BFloat16* sp, int64_t T, int64_t H,
+                        int64_t D, int64_t stride) {
   using namespace ember_avx512;
   const int64_t half = D / 2;
-  const auto r = [](__m512 v) { return load_bf16_ps_from(_mm512_cvtneps_pbh(v)); };
-  const auto neg = [](__m512 v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); };
+  const auto r = [](__m512 v) { return load_bf16_ps_from(_mm512_cvtneps_pbh(v)); };  // round to bf16, as eager
+  const auto neg = [](__m512 v) {  // the sign bit flipped, as eager negates (0 becomes -0)
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+  };
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const c10::BFloat16* c = cp + t * D;

@@ -62,13 +62,18 @@ torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, Fill fill, Scales sc
   const int32_t* xw = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t nt = at::get_num_threads();
-  const int64_t spans = blocks % nt == 0 || blocks >= 8 * nt ? 1 : std::max<int64_t>(1, std::min<int64_t>(nt, M / (8 * MR)));
+  const int64_t spans =
+      blocks % nt == 0 || blocks >= 8 * nt ? 1 : std::max<int64_t>(1, std::min<int64_t>(nt, M / (8 * MR)));
   const int64_t span = (M + spans - 1) / spans;
   at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
     Panel panel(kw * NB);
+    int64_t filled = -1;  // the block the panel holds (a thread may get several spans of one block)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nb = item / spans, m0 = item % spans * span, m1 = std::min(M, m0 + span);
-      fill(nb, panel.data());
+      if (nb != filled) {
+        fill(nb, panel.data());
+        filled = nb;
+      }
       const float* cs = scales(nb);
       for (int64_t m = m0; m < m1; m += MR) {
         const int32_t* xr = xw + m * kw;
