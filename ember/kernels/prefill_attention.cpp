@@ -22,15 +22,25 @@ namespace {
 
 constexpr int64_t KB = 32;  // keys a step: two vectors of 16
 
-// kt[(j / 16) * (D / 2) * 16 + dp * 16 + j % 16] = K[j] pair dp;  vt[(j / 2) * D + x] = (V[j][x], V[j + 1][x])
+// kt[(j / 16) * (D / 2) * 16 + dp * 16 + j % 16] = K[j] pair dp;  vt[(j / 2) * D + x] = (V[j][x], V[j + 1][x]),
+// keys [j0, j1) of KV head h. The rows one block ahead are prefetched as each key is laid out: blocks lie anywhere
+// in the pool, where the hardware prefetcher does not follow. With that and work items of (KV head, 64 keys) in
+// place of one KV head a thread, a 40-token chunk against 424 cached tokens in scattered blocks (W2's shape, 9 / 3
+// heads, 2 threads) 0.170 -> 0.142 ms; 500 tokens against 1,500: 3.54 -> 3.41 ms.
 template <int64_t D>
 void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t bs, int64_t hkv, int64_t h,
-               int64_t S, uint32_t* kt, uint32_t* vt) {
-  const int64_t S32 = (S + KB - 1) / KB * KB;
-  for (int64_t j = 0; j < S32; ++j) {
+               int64_t S, int64_t j0, int64_t j1, uint32_t* kt, uint32_t* vt) {
+  for (int64_t j = j0; j < j1; ++j) {
     uint32_t* kd = kt + (j / 16) * (D / 2) * 16 + j % 16;
     uint16_t* vd = reinterpret_cast<uint16_t*>(vt + (j / 2) * D) + (j % 2);
     if (j < S) {
+      if (j + bs < S) {
+        const int64_t ahead = ((table[(j + bs) / bs] * bs + j % bs) * hkv + h) * D;
+        for (int64_t i = 0; i < D * 2; i += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kc + ahead) + i);
+          __builtin_prefetch(reinterpret_cast<const char*>(vc + ahead) + i);
+        }
+      }
       const int64_t row = ((table[j / bs] * bs + j % bs) * hkv + h) * D;
       const uint32_t* kr = reinterpret_cast<const uint32_t*>(kc + row);
       for (int64_t dp = 0; dp < D / 2; ++dp) kd[dp * 16] = kr[dp];
@@ -130,9 +140,13 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
   std::vector<uint32_t> kt(hkv * S32 * D / 2), vt(hkv * S32 / 2 * D);
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<c10::BFloat16>());
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, hkv, 1, [&](int64_t b, int64_t e) {
-    for (int64_t h = b; h < e; ++h)
-      layout_kv<D>(kp, vp, table, bs, hkv, h, S, kt.data() + h * S32 * D / 2, vt.data() + h * S32 / 2 * D);
+  // work items: (KV head, 64 keys), so that 2 KV heads or 3 still split evenly over the threads
+  const int64_t spans = S32 / 64 + (S32 % 64 != 0);
+  at::parallel_for(0, hkv * spans, 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t h = item / spans, j0 = item % spans * 64, j1 = std::min(S32, j0 + 64);
+      layout_kv<D>(kp, vp, table, bs, hkv, h, S, j0, j1, kt.data() + h * S32 * D / 2, vt.data() + h * S32 / 2 * D);
+    }
   });
   std::vector<int64_t> pos(L);
   for (int64_t i = 0; i < L; ++i) pos[i] = S - L + i;
