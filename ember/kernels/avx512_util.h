@@ -50,5 +50,8 @@ inline __m512 load_bf16_ps_from(__m256bh v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
 }
 
+// 16 float32 rounded to bf16 (to nearest even, as c10's conversion and eager's bf16 ops) and widened back
+inline __m512 round_bf16_ps(__m512 v) { return load_bf16_ps_from(_mm512_cvtneps_pbh(v)); }
+
 }  // namespace ember_avx512
 #endif

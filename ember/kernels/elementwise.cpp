@@ -23,7 +23,6 @@ static void rotary_bf16(c10::BFloat16* xp, const c10::BFloat16* cp, const c10::B
                         int64_t D, int64_t stride) {
   using namespace ember_avx512;
   const int64_t half = D / 2;
-  const auto r = [](__m512 v) { return load_bf16_ps_from(_mm512_cvtneps_pbh(v)); };  // round to bf16, as eager
   const auto neg = [](__m512 v) {  // the sign bit flipped, as eager negates (0 becomes -0)
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
   };
@@ -37,8 +36,9 @@ static void rotary_bf16(c10::BFloat16* xp, const c10::BFloat16* cp, const c10::B
         for (int64_t h = 0; h < H; ++h) {
           c10::BFloat16* v = xp + t * stride + h * D;
           const __m512 a = load_bf16_ps(v + i), b = load_bf16_ps(v + i + half);
-          const __m512 lo = _mm512_add_ps(r(_mm512_mul_ps(a, c0)), r(_mm512_mul_ps(neg(b), s0)));
-          const __m512 hi = _mm512_add_ps(r(_mm512_mul_ps(b, c1)), r(_mm512_mul_ps(a, s1)));
+          const __m512 lo =
+              _mm512_add_ps(round_bf16_ps(_mm512_mul_ps(a, c0)), round_bf16_ps(_mm512_mul_ps(neg(b), s0)));
+          const __m512 hi = _mm512_add_ps(round_bf16_ps(_mm512_mul_ps(b, c1)), round_bf16_ps(_mm512_mul_ps(a, s1)));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), (__m256i)_mm512_cvtneps_pbh(lo));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i + half), (__m256i)_mm512_cvtneps_pbh(hi));
         }
@@ -138,7 +138,7 @@ torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up) {
       // x >= 0: x / (1 + e^-x); x < 0: x * e^x / (1 + e^x)
       const __m512 den = _mm512_add_ps(one, e_neg);
       const __m512 silu = _mm512_mask_blend_ps(pos, _mm512_div_ps(_mm512_mul_ps(x, e_neg), den), _mm512_div_ps(x, den));
-      const __m512 s_r = load_bf16_ps_from(_mm512_cvtneps_pbh(silu));
+      const __m512 s_r = round_bf16_ps(silu);
       _mm256_storeu_si256((__m256i*)(o + r * inter + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s_r, u)));
     }
   });

@@ -213,11 +213,9 @@ void decode_kernel_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c
           const c10::BFloat16* kt = kc + base + h * D;
           const c10::BFloat16* vt = vc + base + h * D;
           for (int64_t r = h * g; r < (h + 1) * g; ++r) {
-            if (pk != nullptr) {
-              for (int64_t i = r * slice; i < std::min(blk_bytes, (r + 1) * slice); i += 64) {
-                __builtin_prefetch(pk + i);
-                __builtin_prefetch(pv + i);
-              }
+            if (pk != nullptr && r * slice < blk_bytes) {
+              prefetch(pk + r * slice, std::min(slice, blk_bytes - r * slice));
+              prefetch(pv + r * slice, std::min(slice, blk_bytes - r * slice));
             }
             __m512bh qv[NV];
             for (int64_t j = 0; j < NV; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qs + r * D + 32 * j);

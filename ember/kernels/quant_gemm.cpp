@@ -206,6 +206,14 @@ struct Int4Consts {
   }
 };
 
+// 16 columns' (scale, zero) bf16 pairs at p -> the scale s and the offset zero - 136 s that goes with the 128 + q
+// values int4_unpack makes: w = (q - 8) s + zero = (128 + q) s + (zero - 136 s).
+inline void int4_scale_offset(const Int4Consts& c, const c10::BFloat16* p, __m512& sc, __m512& off) {
+  const __m512i sv = _mm512_loadu_si512(p);
+  sc = _mm512_castsi512_ps(_mm512_slli_epi32(sv, 16));
+  off = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sc, _mm512_castsi512_ps(_mm512_and_si512(sv, c.top)));
+}
+
 // Rows k, k + 1 of a block (64 bytes at p) -> b[j]: columns 16j..16j+15 as bf16 pairs (128 + q_k, 128 + q_k+1).
 inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
 #ifdef __AVX512VBMI__
@@ -259,9 +267,8 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
   }
   for (int64_t g = 0; g < groups; ++g)
     for (int j = 0; j < 4; ++j) {
-      const __m512i sv = _mm512_loadu_si512(szb + (g * N + 16 * j) * 2);
-      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sv, 16));
-      const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sc, _mm512_castsi512_ps(_mm512_and_si512(sv, c.top)));
+      __m512 sc, off;
+      int4_scale_offset(c, szb + (g * N + 16 * j) * 2, sc, off);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), off, acc[r][j]);
     }
   for (int r = 0; r < R; ++r)
@@ -287,11 +294,7 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* sz
   const int64_t gw = group / 2;
   for (int64_t g = 0; g < K / group; ++g) {
     __m512 sc[4], off[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i sv = _mm512_loadu_si512(szb + (g * N + 16 * j) * 2);
-      sc[j] = _mm512_castsi512_ps(_mm512_slli_epi32(sv, 16));
-      off[j] = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sc[j], _mm512_castsi512_ps(_mm512_and_si512(sv, c.top)));
-    }
+    for (int j = 0; j < 4; ++j) int4_scale_offset(c, szb + (g * N + 16 * j) * 2, sc[j], off[j]);
     for (int64_t kp = g * gw; kp < (g + 1) * gw; ++kp) {
       __m512i b[4];
       int4_unpack(c, blk + kp * 64, b);
