@@ -129,6 +129,8 @@ class EngineConfig:
     scheduling_policy: str = "max_utilization"  # or "guaranteed_no_evict"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
+    # CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start-up (vLLM's name)
+    enforce_eager: bool = False
     # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1 blocks
     # stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load; "awq" (int4
     # after AWQ's activation-aware scales) | "smoothquant" (w8a8 after smoothing) = calibrate on text first, once: the
@@ -219,8 +221,9 @@ class EngineConfig:
         if w is None and sink:
             raise ConfigError(f"sink_token_length={sink} needs max_attention_window_size: sink tokens are kept when "
                               "a window drops the others")
-        if not isinstance(self.enable_lora, bool):
-            raise ConfigError(f"enable_lora={self.enable_lora!r} is out of range: it must be True or False")
+        for name in ("enable_lora", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range: it must be True or False")
         b = self.distributed_executor_backend
         if b is not None and b not in EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend={b!r} is not supported: use one of "
@@ -281,6 +284,7 @@ class ModelConfig:
     num_threads: int | None
     calibration_data: str | None = None  # the text file awq / smoothquant calibrate on (None: the shipped text)
     lora: "LoRAConfig | None" = None  # adapter slots the worker holds; None: LoRA off
+    enforce_eager: bool = False  # CUDA: no decode graphs
 
     @classmethod
     def resolve(cls, c: EngineConfig) -> "ModelConfig":
@@ -289,7 +293,7 @@ class ModelConfig:
         calibration = os.path.abspath(os.path.expanduser(str(c.calibration_data))) if c.calibration_data else None
         lora = LoRAConfig(c.max_loras, c.max_lora_rank) if c.enable_lora else None
         return cls(_model_path(c.model), tokenizer, c.dtype, device, c.quantization, c.quant_group_size,
-                   c.quantize_embeddings, c.seed, c.num_threads, calibration, lora)
+                   c.quantize_embeddings, c.seed, c.num_threads, calibration, lora, c.enforce_eager)
 
 
 @dataclass(frozen=True, slots=True)

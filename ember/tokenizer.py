@@ -167,6 +167,11 @@ def _gguf_tokenizer_folder(gguf_file: str) -> str:
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
         return cached
     hf = _auto_tokenizer(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    if (getattr(hf, "clean_up_tokenization_spaces", False) and type(hf.backend_tokenizer.model).__name__ == "BPE"
+            and getattr(hf, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None) is False):
+        # transformers 5 converts GPT-2-style GGUF vocabularies with this set and then ignores it for BPE: saved as
+        # False, the folder decodes the same and takes the fast path (``Tokenizer._from_folder``)
+        hf.clean_up_tokenization_spaces = False
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))

@@ -155,7 +155,7 @@ def test_beams_with_tensor_parallel_ranks(llama_dir, setup):
     """Two spawned ranks: every rank runs the copy-on-write block copies; the beams are transformers' still."""
     hf, _, prompts, eos = setup
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", block_size=4, tensor_parallel_size=2,
-              distributed_executor_backend="mp")
+              distributed_executor_backend="mp", device="cpu")
     try:
         got = ember_beams(llm, prompts[:2], 4, eos[0])
     finally:

@@ -487,10 +487,11 @@ def test_fields_translate_to_native_sampling(running, tiny):
                 assert len(el.log_probs_list) == len(want.token_ids) and all(len(p) == 3 for p in el.log_probs_list)
                 for pos, top, lp in zip(want.logprobs, el.log_probs_list, el.token_logprobs_list):
                     ranked = sorted((v.rank, k, v.logprob) for k, v in pos.items() if v.rank <= 3)
-                    # same engine, same step: equal up to the reduction order of the device's softmax
+                    # same engine, same tokens: equal up to the device's reduction order (on CUDA the kernels
+                    # differ with the batch's rows: 1.1e-5 apart on an H100)
                     assert [k for k, _ in top] == [k for _, k, _ in ranked]
-                    assert [v for _, v in top] == pytest.approx([v for _, _, v in ranked], abs=1e-5)
-                    assert lp == pytest.approx(next(iter(pos.values())).logprob, abs=1e-5)
+                    assert [v for _, v in top] == pytest.approx([v for _, _, v in ranked], abs=1e-4)
+                    assert lp == pytest.approx(next(iter(pos.values())).logprob, abs=1e-4)
             engine.release_request("m", h)
 
 

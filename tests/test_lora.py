@@ -137,7 +137,9 @@ def test_adapters_on_a_split_model_and_on_int8_weights(llama_dir, three_adapters
     prompts = random_prompts(4, 10, 30, 49152, seed=62)
     requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(three_adapters)]
     loras = [requests[0], None, requests[1], requests[2]]
-    settings = dict(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=3, max_lora_rank=16)
+    # CPU: the split runs gloo ranks on this machine, which may have fewer GPUs than ranks
+    settings = dict(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=3, max_lora_rank=16,
+                    device="cpu")
     one = LLM(llama_dir, **settings)
     try:
         want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)]

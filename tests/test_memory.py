@@ -40,14 +40,19 @@ def _expected(fraction: float, act: int, source: str) -> float:
 
 
 def test_pool_follows_the_memory_fraction_and_env(long_llama_dir, monkeypatch):
-    for fraction in (0.004, 0.008):  # above a fresh process's activations, below the 256 MiB that 64 x 8192 need
+    from ember.worker.memory import available_memory_bytes
+
+    # fractions giving ~96 and ~192 MiB on this machine: above a fresh process's activations, below the 256 MiB that
+    # 64 x 8192 tokens need (which would cap the pool)
+    small, large = (float(f"{mib * 2**20 / available_memory_bytes():.3g}") for mib in (96, 192))
+    for fraction in (small, large):
         pool, act, source = _pool(long_llama_dir, kv_cache_memory_fraction=fraction)
         assert act > 0 and source.startswith(f"kv_cache_memory_fraction={fraction} of")
         assert abs(pool - _expected(fraction, act, source)) < 0.01 * pool + 16 * 8192
-    monkeypatch.setenv("EMBER_MEM_RATIO", "0.004")
+    monkeypatch.setenv("EMBER_MEM_RATIO", str(small))
     pool, act, source = _pool(long_llama_dir)
-    assert source.startswith("EMBER_MEM_RATIO=0.004 of")
-    assert abs(pool - _expected(0.004, act, source)) < 0.01 * pool + 16 * 8192
+    assert source.startswith(f"EMBER_MEM_RATIO={small} of")
+    assert abs(pool - _expected(small, act, source)) < 0.01 * pool + 16 * 8192
     monkeypatch.setenv("EMBER_MEM_RATIO", "1.5")
     with pytest.raises(ValueError, match=r"EMBER_MEM_RATIO='1.5' is out of range: .*\(0, 1\]"):
         LLM(long_llama_dir, dtype="float32")

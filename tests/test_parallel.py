@@ -367,7 +367,7 @@ def test_int4_groups_that_a_split_would_cut_are_refused(tiny_models):
     """The tiny models' o_proj has 64 inputs, so int4 takes groups of 64 there: they cannot be split over 2 ranks."""
     with pytest.raises(ConfigError, match=r"int4 groups of 64: each rank's 32 inputs of o_proj must hold whole "
                                           r"groups; allowed: \[1\], or a smaller quant_group_size"):
-        LLM(tiny_models["llama"], quantization="int4", quant_group_size=128, tensor_parallel_size=2)
+        LLM(tiny_models["llama"], quantization="int4", quant_group_size=128, tensor_parallel_size=2, device="cpu")
 
 
 def test_async_llm_and_the_cli_split_a_model(llama_dir):
@@ -438,6 +438,7 @@ def test_dashinfer_gpu_ids_split_the_model(llama_dir, tmp_path, monkeypatch):
     from ember.model_loader.asmodel import convert
 
     path = convert(llama_dir, str(tmp_path), "m")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = engine_config(AsModelConfig("m", path, compute_unit="CUDA:0,1"), warn=False)
     assert (cpu.device, cpu.tensor_parallel_size) == ("cpu", 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import default_gguf, random_prompts, save_random_model
 
 from ember import LLM as NativeLLM
@@ -218,6 +219,11 @@ def test_custom_tokenizer_object_is_used(tokenizer_dir, basic):
         llm.shutdown()
 
 
+# TensorRT-LLM's LLM API takes no device: its ranks are one GPU each, or CPU ranks (gloo) on a machine with none
+needs_a_gpu_a_rank = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                        reason="the facade's split runs one rank a GPU and this machine has one")
+
+
 @pytest.fixture(scope="module")
 def tp2_tokens(llama4) -> list[int]:
     """The facade's dtype "auto" runs these float32 checkpoints in bf16 (as TensorRT-LLM runs them in fp16): the
@@ -227,6 +233,7 @@ def tp2_tokens(llama4) -> list[int]:
         return native_greedy(native, [32, 12])
 
 
+@needs_a_gpu_a_rank
 def test_tensor_parallel_and_auto_parallel_examples(llama4, tp2_tokens):
     want = tp2_tokens
     for make in (ex.tensor_parallel, ex.auto_parallel):
@@ -239,6 +246,7 @@ def test_tensor_parallel_and_auto_parallel_examples(llama4, tp2_tokens):
 
 
 @pytest.mark.slow
+@needs_a_gpu_a_rank
 def test_pipeline_and_multi_node_examples(llama4, capsys):
     with NativeLLM(llama4) as native:  # stages split layers, not sums: bit for bit one rank's result
         want = native_greedy(native, [32, 12])
@@ -258,6 +266,7 @@ def test_pipeline_and_multi_node_examples(llama4, capsys):
         llm.shutdown()
 
 
+@needs_a_gpu_a_rank
 def test_trtllm_checkpoint_through_the_facade(tmp_path, llama4, tp2_tokens):
     """A TP-sharded TensorRT-LLM checkpoint brings its tp_size, as in TensorRT-LLM; tokens as the HF original."""
     from trtllm_checkpoint import write_trtllm_checkpoint

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from ember import envs
 
-BACKENDS = ("ember", "ember-float", "ember-json", "ember-lora", "hf", "vllm", "llamacpp")
+BACKENDS = ("ember", "ember-float", "ember-json", "ember-lora", "ember-eager", "hf", "vllm", "llamacpp")
 BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-json": "ember (JSON-schema guided)",
-                 "ember-lora": "ember (4 LoRA adapters mixed)", "hf": "transformers", "vllm": "vLLM-CPU",
-                 "llamacpp": "llama.cpp"}
+                 "ember-lora": "ember (4 LoRA adapters mixed)", "ember-eager": "ember (no CUDA graphs)",
+                 "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
 # variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
 # ("guided_json": every request's reply follows that JSON schema: structured output's cost on the same workload;
 # "lora_adapters": that many random rank-16 adapters on every projection, the requests spread over them in turn)
@@ -24,7 +24,7 @@ GUIDED_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "
                                                   "tags": {"type": "array", "items": {"type": "string"}}},
                  "required": ["title", "year", "tags"]}
 EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-json": {"guided_json": GUIDED_SCHEMA},
-                  "ember-lora": {"lora_adapters": 4}}
+                  "ember-lora": {"lora_adapters": 4}, "ember-eager": {"enforce_eager": True}}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
 DEFAULT_VENVS = envs.bench_venvs()
 

@@ -3,11 +3,12 @@
 The KV cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V. Every step
 writes the new tokens' K/V into their slots (``slot_mapping``), then:
 - decode tokens (one query each) are attended together: by the ``cpu-kernel`` backend with ember's compiled kernel,
-  which reads each sequence's blocks in place (``ember.kernels``); by the ``torch`` backend (CUDA, no compiler,
-  a quantized pool) their blocks are gathered into one padded batch and a length mask hides the padding;
-  grouped-query heads are folded into the query rows, so K/V are never repeated;
+  which reads each sequence's blocks in place (``ember.kernels``); on CUDA by the ``triton`` backend, which reads
+  them in place too (the shapes a CUDA graph needs); by the ``torch`` backend (no compiler, a quantized pool)
+  their blocks are gathered into one padded batch and a length mask hides the padding; grouped-query heads are
+  folded into the query rows, so K/V are never repeated;
 - prefill chunks are attended one sequence at a time, causally, against their whole context in the cache (SDPA,
-  in both backends).
+  in every backend but ``cpu-kernel``'s bf16 path).
 The batch is ordered decodes first, then prefills.
 With a quantized KV cache (``KVCacheFormat`` int8 / uint4) K and V are quantized as they are written and the blocks
 a step reads are dequantized after the gather (the compiled decode kernel reads float pools only, so a quantized
@@ -140,8 +141,9 @@ class AttentionBackend:
         """Construct through ``select_attention_backend``, which checks ``supports`` first."""
 
     @classmethod
-    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None) -> bool:
-        """Whether this backend can run layers on device whose pool is in kv_format (None: the model's float)."""
+    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
+        """Whether this backend can run layers on device whose pool is in kv_format (None: the model's float) and
+        holds block_size tokens a block."""
         raise NotImplementedError
 
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -187,7 +189,7 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     @classmethod
-    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None) -> bool:
+    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
         return True
 
     def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
@@ -233,7 +235,7 @@ class CpuKernelAttention(TorchAttention):
         self.kernels: ModuleType = kernels
 
     @classmethod
-    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None) -> bool:
+    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
         return _quantized(kv_format) is None and kernels_for(device) is not None
 
     def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -256,29 +258,63 @@ class CpuKernelAttention(TorchAttention):
         return super().prefill(layer, q, k, v, span, fmt)
 
 
+class TritonAttention(TorchAttention):
+    """CUDA with Triton and a float pool: the K/V write and decode read the pool in place
+    (``ember.kernels.triton_attention``), so a decode step's shapes are fixed by its batch size and block-table
+    width, as a CUDA graph needs; prefill as ``torch``."""
+
+    __slots__ = ("ops",)
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        from ember.kernels import triton_attention
+
+        self.ops: ModuleType = triton_attention
+
+    @classmethod
+    def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
+        if device.type != "cuda" or kv_format is None or _quantized(kv_format) is not None:
+            return False
+        from ember.kernels import triton_attention
+
+        return triton_attention.shapes_supported(block_size, kv_format.head_dim) and triton_attention.available()
+
+    def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              fmt: KVCacheFormat | None) -> None:
+        self.ops.write_kv(layer.k_cache, layer.v_cache, k, v, slots)
+
+    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
+               fmt: KVCacheFormat | None) -> torch.Tensor:
+        return self.ops.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
+                                               meta.decode_context_lens, layer.sliding_window or 0, layer.scale)
+
+
 # name -> backend, in order of preference: selection takes the first that supports the device and KV format
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (CpuKernelAttention, TorchAttention)}
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    b.name: b for b in (CpuKernelAttention, TritonAttention, TorchAttention)}
 
 
-def select_attention_backend(device: torch.device, kv_format: KVCacheFormat | None,
-                             name: str | None = None) -> AttentionBackend:
+def select_attention_backend(device: torch.device, kv_format: KVCacheFormat | None, name: str | None = None,
+                             block_size: int = 16) -> AttentionBackend:
     """The backend for layers on device with a pool in kv_format: ``name`` when given, else the first of
-    ``ATTENTION_BACKENDS`` that supports them (the compiled kernel for a float pool on CPU, else torch)."""
+    ``ATTENTION_BACKENDS`` that supports them (the compiled kernel for a float pool on CPU, Triton's on CUDA, else
+    torch)."""
     if name is None:
-        name = next(n for n, b in ATTENTION_BACKENDS.items() if b.supports(device, kv_format))
+        name = next(n for n, b in ATTENTION_BACKENDS.items() if b.supports(device, kv_format, block_size))
     backend = ATTENTION_BACKENDS.get(name)
     if backend is None:
         raise ConfigError(f"attention backend {name!r} is unknown: use one of {tuple(ATTENTION_BACKENDS)}")
-    if not backend.supports(device, kv_format):
+    if not backend.supports(device, kv_format, block_size):
         kind = kv_format.kind if kv_format is not None else "auto"
         raise ConfigError(f"attention backend {name!r} cannot run on {device} with kv_cache_dtype={kind!r}")
     return backend(device)
 
 
-def bind_attention_backend(layers: list[PagedAttention], device: torch.device,
-                           kv_format: KVCacheFormat | None) -> AttentionBackend:
+def bind_attention_backend(layers: list[PagedAttention], device: torch.device, kv_format: KVCacheFormat | None,
+                           block_size: int = 16, name: str | None = None) -> AttentionBackend:
     """Select the backend once and give it to every layer; returns it (its ``name`` says which)."""
-    backend = select_attention_backend(device, kv_format)
+    backend = select_attention_backend(device, kv_format, name, block_size)
     for layer in layers:
         layer.backend = backend
     return backend

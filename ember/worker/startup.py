@@ -1,8 +1,8 @@
 """A worker's start-up, in order: measure a step's peak activation memory with a dummy forward at the per-step
 token budget; size the KV pool from what is left of the budget and check that it holds a sequence of
 max_model_len; add the host tier; warm up at the worst case: a decode step of max_num_seqs sequences x max_model_len
-of context and a full-budget prefill. After that, serving allocates nothing the warm-up did not
-(``Worker.memory_report``)."""
+of context and a full-budget prefill; on CUDA, capture the decode step's graphs. After that, serving allocates
+nothing the warm-up did not (``Worker.memory_report``)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,7 @@ def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolP
             f"out of memory next to a KV pool of {num_blocks * bs} tokens; {fit_hint(num_blocks * bs, max_len, seats)}"
             "; or lower max_num_batched_tokens or the memory fraction") from e
     worker.kv_cache.zero_()  # the dummy steps wrote finite garbage; padded decode reads must see zeros
+    worker.capture_graphs(seats, max_len)  # CUDA: decode graphs (their inputs touch no pool entry)
     reset_peak(worker.device)  # from here the peak is what serving needs: compare with warmup_peak_bytes
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) from %s; %d host blocks; warm-up peak %.0f MiB",
                 num_blocks, bs, worker.kv_cache.numel() * worker.kv_cache.element_size() / 2**20, budget.source,

@@ -10,6 +10,9 @@ and only it keeps the samples' sampling state.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from ember.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -25,7 +28,10 @@ from ember.lora.adapter import module_name, read_adapter
 from ember.model_loader import load_model
 from ember.worker import startup
 from ember.worker.batch import COPY, SWAP_OUT, BatchDescription, LoRALoad, WorkerOutput
+from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.memory import memory_now
+
+logger = logging.getLogger("ember")
 
 
 def micro_batches(num_tokens: int, parts: int) -> list[tuple[int, int]]:
@@ -58,9 +64,11 @@ class Worker:
         self._kv_shape = (len(self.layers), cache.block_size, first.num_kv_heads, fmt.entry)
         kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
         self.lora = model_config.lora
+        self.enforce_eager = model_config.enforce_eager
+        self.graphs: DecodeGraphs | None = None  # CUDA: captured by ``capture_graphs`` at start-up
         if self.lora is not None:
             self.model.enable_lora(self.lora.max_loras, self.lora.max_rank, self.device)
-        self.attention_backend = bind_attention_backend(self.layers, self.device, fmt)
+        self.attention_backend = bind_attention_backend(self.layers, self.device, fmt, cache.block_size)
         self.kv_cache = torch.empty(0)
         self.host_cache: torch.Tensor | None = None
         self.plan: startup.PoolPlan | None = None
@@ -69,6 +77,24 @@ class Worker:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""
         self.plan = startup.start(self, self.cache_config, sched)
         return self.plan
+
+    def capture_graphs(self, max_num_seqs: int, max_len: int) -> None:
+        """CUDA graphs of the decode step (``cuda_graph``), where they apply: one CUDA rank, no LoRA, the
+        ``triton`` attention backend, enforce_eager off. A capture that fails leaves decode eager, with a warning."""
+        if (self.device.type != "cuda" or self.enforce_eager or self.parallel.world_size > 1 or self.lora is not None
+                or self.attention_backend.name != "triton"):
+            return
+        graphs = DecodeGraphs(max_num_seqs, -(-max_len // self.block_size), self.device)
+        start = time.perf_counter()
+        try:
+            graphs.capture(lambda ids, positions, meta: self.model(ids, positions, meta))
+        except Exception as e:  # noqa: BLE001 -- a kernel or op that cannot be captured: serve eagerly, say so
+            logger.warning("CUDA graphs not captured, decode runs eagerly: %s: %s", type(e).__name__,
+                           (str(e).splitlines() or [""])[0])
+            return
+        self.graphs = graphs
+        logger.info("CUDA graphs: decode batches of %s captured in %.1f s", graphs.sizes,
+                    time.perf_counter() - start)
 
     def new_pool(self, num_blocks: int, device: torch.device | None = None, pin: bool = False) -> torch.Tensor:
         # zeros, not empty: padded decode batches read unused slots, and NaN garbage there would survive the mask
@@ -179,6 +205,10 @@ class Worker:
     def _forward(self, b: BatchDescription) -> torch.Tensor | None:
         """The whole batch through this rank's stage; the last stage's hidden states, None on other stages."""
         p = self.parallel
+        graphs = self.graphs
+        if (graphs is not None and b.num_decode == b.num_tokens
+                and graphs.fits(b.num_decode, max(len(t) for t in b.decode_block_tables))):
+            return graphs.run(b.input_ids, b.positions, b.slots, b.decode_block_tables, b.decode_context_lens)
         if p.pp_size == 1:
             return self.model(*self._inputs(b, 0, b.num_tokens), None, self._lora_batch(b, 0, b.num_tokens))
         outs, sends = [], []
