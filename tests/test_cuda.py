@@ -79,7 +79,7 @@ def test_triton_kv_write_skips_negative_slots():
     want_k, want_v = k_cache.clone().view(-1, 3, 64), v_cache.clone().view(-1, 3, 64)
     keep = slots >= 0
     want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
-    triton_attention.write_kv(k_cache, v_cache, k, v, slots)
+    triton_attention.write_kv_(k_cache, v_cache, k, v, slots)
     assert torch.equal(k_cache.view(-1, 3, 64), want_k) and torch.equal(v_cache.view(-1, 3, 64), want_v)
 
 

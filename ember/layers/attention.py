@@ -220,11 +220,27 @@ class TorchAttention(AttentionBackend):
         return o.squeeze(0).transpose(0, 1)
 
 
-class CpuKernelAttention(TorchAttention):
-    """CPU with ember's compiled kernels and a float pool: decode reads the blocks in place, with no gathered copy;
-    bf16 prefill too where the AVX512-BF16 kernels were built, else prefill as ``torch``."""
+class InPlaceAttention(TorchAttention):
+    """A float pool that kernels write and read in place: ``kernels`` holds ``write_kv_`` (both pools in one pass)
+    and ``paged_decode_attention`` (each sequence's blocks read where they lie, no gathered copy)."""
 
     __slots__ = ("kernels",)
+
+    def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              fmt: KVCacheFormat | None) -> None:
+        self.kernels.write_kv_(layer.k_cache, layer.v_cache, k, v, slots)
+
+    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
+               fmt: KVCacheFormat | None) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, layer.sliding_window or 0, layer.scale)
+
+
+class CpuKernelAttention(InPlaceAttention):
+    """CPU with ember's compiled kernels and a float pool; bf16 prefill too where the AVX512-BF16 kernels were
+    built, else prefill as ``torch``."""
+
+    __slots__ = ()
     name = "cpu-kernel"
 
     def __init__(self, device: torch.device) -> None:
@@ -238,16 +254,6 @@ class CpuKernelAttention(TorchAttention):
     def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
         return _quantized(kv_format) is None and kernels_for(device) is not None
 
-    def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              fmt: KVCacheFormat | None) -> None:
-        """Both pools in one pass (a float pool: ``supports`` admits no other)."""
-        self.kernels.write_kv_(layer.k_cache, layer.v_cache, k, v, slots)
-
-    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
-               fmt: KVCacheFormat | None) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
-                                                   meta.decode_context_lens, layer.sliding_window or 0, layer.scale)
-
     def prefill(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
                 fmt: KVCacheFormat | None) -> torch.Tensor:
         """bf16 with head size 64 or 128 on an AVX512-BF16 build: ember's kernel over the paged context (no gather,
@@ -258,19 +264,19 @@ class CpuKernelAttention(TorchAttention):
         return super().prefill(layer, q, k, v, span, fmt)
 
 
-class TritonAttention(TorchAttention):
-    """CUDA with Triton and a float pool: the K/V write and decode read the pool in place
-    (``ember.kernels.triton_attention``), so a decode step's shapes are fixed by its batch size and block-table
-    width, as a CUDA graph needs; prefill as ``torch``."""
+class TritonAttention(InPlaceAttention):
+    """CUDA with Triton and a float pool: ``ember.kernels.triton_attention`` writes and decodes in place, so a
+    decode step's shapes are fixed by its batch size and block-table width, as a CUDA graph needs; prefill as
+    ``torch``."""
 
-    __slots__ = ("ops",)
+    __slots__ = ()
     name = "triton"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         from ember.kernels import triton_attention
 
-        self.ops: ModuleType = triton_attention
+        self.kernels: ModuleType = triton_attention
 
     @classmethod
     def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
@@ -279,15 +285,6 @@ class TritonAttention(TorchAttention):
         from ember.kernels import triton_attention
 
         return triton_attention.shapes_supported(block_size, kv_format.head_dim) and triton_attention.available()
-
-    def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              fmt: KVCacheFormat | None) -> None:
-        self.ops.write_kv(layer.k_cache, layer.v_cache, k, v, slots)
-
-    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
-               fmt: KVCacheFormat | None) -> torch.Tensor:
-        return self.ops.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
-                                               meta.decode_context_lens, layer.sliding_window or 0, layer.scale)
 
 
 # name -> backend, in order of preference: selection takes the first that supports the device and KV format
