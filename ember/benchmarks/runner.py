@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from ember import envs
 
-BACKENDS = ("ember", "ember-float", "ember-json", "ember-lora", "ember-eager", "hf", "vllm", "llamacpp")
-BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-json": "ember (JSON-schema guided)",
+BACKENDS = ("ember", "ember-float", "ember-w8a8", "ember-json", "ember-lora", "ember-eager", "hf", "vllm", "llamacpp")
+BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-w8a8": "ember (w8a8)",
+                 "ember-json": "ember (JSON-schema guided)",
                  "ember-lora": "ember (4 LoRA adapters mixed)", "ember-eager": "ember (no CUDA graphs)",
                  "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
 # variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
@@ -23,7 +24,8 @@ BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "embe
 GUIDED_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
                                                   "tags": {"type": "array", "items": {"type": "string"}}},
                  "required": ["title", "year", "tags"]}
-EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-json": {"guided_json": GUIDED_SCHEMA},
+EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-w8a8": {"quantization": "w8a8"},
+                  "ember-json": {"guided_json": GUIDED_SCHEMA},
                   "ember-lora": {"lora_adapters": 4}, "ember-eager": {"enforce_eager": True}}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
 DEFAULT_VENVS = envs.bench_venvs()

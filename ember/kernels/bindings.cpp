@@ -10,6 +10,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
                                       torch::Tensor block_table, int64_t context_len, int64_t window, double scale);
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group);
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scales);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
 #ifdef EMBER_AVX512_BF16
@@ -23,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "a chunk's causal attention over its paged context");
   m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (torch's CPU int4 pack) -> bf16 [M, N]");
   m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]");
+  m.def("w8a8_linear", &w8a8_linear, "x [M, K] quantized per row to int8 . int8 W^T (VNNI via _int_mm) * scales");
   m.def("write_kv_", &write_kv_, "in place: k/v rows into the pools at their slots");
 #ifdef EMBER_AVX512_BF16
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of a bf16 [rows, 2I] projection (AVX512)");
