@@ -97,8 +97,8 @@ def test_ember_quantized_gemm_matches_the_dequantized_weight_at_every_row_count(
 
 def test_fused_w8a8_kernel_is_the_integer_product_rescaled():
     """ember's fused w8a8 linear against a reference of the same arithmetic in plain torch ops (per-row int8
-    activations, round half to even, integer products exact in float64, float32 rescale): bf16 and float32 inputs, row counts
-    across its GEMM chunks (a 16-row floor to 32 MB of products), K with a vector tail, and an all-zero row."""
+    activations, round half to even, integer products exact in float64, float32 rescale): bf16 and float32 inputs,
+    row counts across its GEMM chunks (32 MB of products), K with a vector tail, and an all-zero row."""
     from ember.kernels import cpu_kernels
 
     kernels = cpu_kernels()
