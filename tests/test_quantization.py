@@ -98,7 +98,8 @@ def test_ember_quantized_gemm_matches_the_dequantized_weight_at_every_row_count(
 def test_fused_w8a8_kernel_is_the_integer_product_rescaled():
     """ember's fused w8a8 linear against a reference of the same arithmetic in plain torch ops (per-row int8
     activations, round half to even, integer products exact in float64, float32 rescale): bf16 and float32 inputs,
-    row counts across its GEMM chunks (32 MB of products), K with a vector tail, and an all-zero row."""
+    the row kernel's counts (1-4) and the GEMM's across its chunks (32 MB of products), K with a vector tail, and an
+    all-zero row."""
     from ember.kernels import cpu_kernels
 
     kernels = cpu_kernels()
@@ -109,7 +110,7 @@ def test_fused_w8a8_kernel_is_the_integer_product_rescaled():
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     ws = torch.rand(n) / 100
     for dtype in (torch.bfloat16, torch.float32):
-        for rows in (1, 5, 119, 300):
+        for rows in (1, 3, 4, 5, 119, 300):
             x = (torch.randn(rows, k) * 4).to(dtype)
             x[rows // 2] = 0
             xs = (x.float().abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)

@@ -4,13 +4,15 @@
 // fresh float32 temporary a step, each first-touched). 2 threads, 2026-11-25, bf16 x, medians of interleaved runs:
 // 2048 x 896 -> 9728 in 63-75 ms against 108 for the bf16 matmul and 162 for the eager w8a8 ops; 256 rows 7-9 against
 // 12.7 ms. The arithmetic is that of ember.quantization.kernels._w8a8 (scale = max|x| / 127, q = round-half-even(x /
-// scale), y = acc * x_scale * w_scale in float32): the two agree to the bit.
+// scale), y = acc * x_scale * w_scale in float32): the two agree to the bit. Up to 4 rows (decode at small batches)
+// the products are VNNI dot products along the weight's rows instead of a GEMM call (rows_vnni).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "avx512_util.h"
 
@@ -92,6 +94,45 @@ void rescale_rows(const int32_t* acc, const float* xs, const float* ws, int64_t 
 }
 #pragma GCC pop_options
 
+#if defined(EMBER_AVX512_BF16) && defined(__AVX512VNNI__)
+#define EMBER_W8A8_ROWS 1
+constexpr int64_t ROWS_MAX = 4;  // at most this many rows: VNNI dot products along the weight's rows, no GEMM call
+
+// A few rows against int8 W [N, K], row by row as W lies. vpdpbusd multiplies unsigned by signed bytes, so x goes in
+// as x + 128 (0..254) and 128 * sum(w) leaves after (a second vpdpbusd against ones: free at memory speed); the
+// integer sums are exact, so the result is the GEMM's to the bit. 408 MB at one row, 2 threads, 2026-11-25: oneDNN's
+// int8 GEMM read it at ~15 GB/s, this at 29-30 GB/s (ember's weight-only int8 kernel 25-29, a torch float sum 22-26).
+// Its scaling is compiled without reassociation, as rescale_rows.
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
+template <int M, typename T>
+void rows_vnni(const int8_t* q, int64_t K, const int8_t* w, const float* xs, const float* ws, int64_t N, T* y) {
+  std::vector<uint8_t> xu(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(q[i] + 128);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t n = begin; n < end; ++n) {
+      const int8_t* wr = w + n * K;
+      __m512i acc[M], wsum = _mm512_setzero_si512();
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < K; k += 64) {
+        const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+        const __m512i wv = _mm512_maskz_loadu_epi8(mask, wr + k);
+        wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mask, xu.data() + m * K + k), wv);
+      }
+      const int32_t bias = 128 * _mm512_reduce_add_epi32(wsum);
+      for (int m = 0; m < M; ++m) {
+        const int32_t dot = _mm512_reduce_add_epi32(acc[m]) - bias;
+        y[m * N + n] = static_cast<T>(static_cast<float>(dot) * xs[m] * ws[n]);
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+#endif
+
 template <typename T>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ws) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -99,6 +140,20 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const torch::T
   auto xs = torch::empty({M}, x.options().dtype(at::kFloat));
   quantize_rows(x.data_ptr<T>(), M, K, q.data_ptr<int8_t>(), xs.data_ptr<float>());
   auto y = torch::empty({M, N}, x.options());
+#ifdef EMBER_W8A8_ROWS
+  if (M <= ROWS_MAX) {
+    const int8_t *qp = q.data_ptr<int8_t>(), *wp = w.data_ptr<int8_t>();
+    const float *xp = xs.data_ptr<float>(), *sp = ws.data_ptr<float>();
+    T* yp = y.data_ptr<T>();
+    switch (M) {
+      case 1: rows_vnni<1>(qp, K, wp, xp, sp, N, yp); break;
+      case 2: rows_vnni<2>(qp, K, wp, xp, sp, N, yp); break;
+      case 3: rows_vnni<3>(qp, K, wp, xp, sp, N, yp); break;
+      default: rows_vnni<4>(qp, K, wp, xp, sp, N, yp); break;
+    }
+    return y;
+  }
+#endif
   const int64_t chunk = std::min(M, std::max<int64_t>(16, CHUNK_BYTES / (4 * N)));
   auto acc = scratch(chunk * N).narrow(0, 0, chunk * N).view({chunk, N});
   const auto wt = w.t();  // [K, N] view of the [N, K] weight: oneDNN reads it transposed at no cost
