@@ -28,7 +28,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+SUPPORTED_QUANT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 
 _CONFIG_KEYS = {
     "block_count": "num_hidden_layers",

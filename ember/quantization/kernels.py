@@ -299,30 +299,31 @@ class CudaInt4Path(_WeightOnlyPath):
 
 
 class _W8A8Path(MatmulPath):
-    """``torch._int_mm`` on int8 activations (quantized per token at each call) and int8 weights [K, N]."""
+    """``torch._int_mm`` on int8 activations (quantized per token at each call) and int8 weights held [N, K]
+    (row-major, one scale a row), passed to the GEMM as their [K, N] transposed view."""
 
     __slots__ = ()
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        self.w, self.s = qt.data.contiguous(), qt.scales.view(-1).float()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return _w8a8(x, self.n, self.k, self.int_mm, self.s)
 
     def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
         """int8 [rows, K] -> the int32 products as float [rows, N]."""
-        raise NotImplementedError
+        return torch._int_mm(xq, self.w.t()).float()
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.w.t().to(dtype) * self.s.to(dtype)[:, None]
+        return self.w.to(dtype) * self.s.to(dtype)[:, None]
 
 
 class CpuW8A8Path(_W8A8Path):
-    """The weight kept [N, K] (oneDNN reads its transpose as fast); with ember's kernels built, the per-token
+    """oneDNN reads the transposed view as fast as a [K, N] copy; with ember's kernels built, the per-token
     quantization and the rescale are fused around the GEMM (``w8a8_linear``, the same arithmetic to the bit)."""
 
     __slots__ = ()
     name = "cpu-w8a8"
-
-    def prepare(self, qt: QuantizedTensor) -> None:
-        self.w, self.s = qt.data.contiguous(), qt.scales.view(-1).float()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels()
@@ -332,28 +333,20 @@ class CpuW8A8Path(_W8A8Path):
             return kernels.w8a8_linear(x, self.w, self.s)
         return kernels.w8a8_linear(x.reshape(-1, self.k), self.w, self.s).view(*x.shape[:-1], self.n)
 
-    def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
-        return torch._int_mm(xq, self.w.t()).float()
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.w.to(dtype) * self.s.to(dtype)[:, None]
-
 
 class CudaW8A8Path(_W8A8Path):
-    """cuBLASLt int8 GEMM: batches under _INT_MM_MIN_ROWS rows are zero-padded up to it."""
+    """cuBLASLt int8 GEMM (the transposed view is the column-major [K, N] it wants): batches under
+    _INT_MM_MIN_ROWS rows are zero-padded up to it."""
 
     __slots__ = ()
     name = "cuda-w8a8"
     checked_at_load = True
 
-    def prepare(self, qt: QuantizedTensor) -> None:
-        self.w, self.s = qt.data.contiguous().t(), qt.scales.view(-1).float()  # column-major [K, N] view
-
     def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
         rows = xq.shape[0]
         if rows < _INT_MM_MIN_ROWS:
             xq = F.pad(xq, (0, 0, 0, _INT_MM_MIN_ROWS - rows))
-        return torch._int_mm(xq, self.w)[:rows].float()
+        return super().int_mm(xq)[:rows]
 
 
 MATMUL_PATHS: dict[str, type[MatmulPath]] = {p.name: p for p in (
