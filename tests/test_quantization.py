@@ -98,27 +98,28 @@ def test_ember_quantized_gemm_matches_the_dequantized_weight_at_every_row_count(
 def test_fused_w8a8_kernel_is_the_integer_product_rescaled():
     """ember's fused w8a8 linear against a reference of the same arithmetic in plain torch ops (per-row int8
     activations, round half to even, integer products exact in float64, float32 rescale): bf16 and float32 inputs,
-    the row kernel's counts (1-4) and the GEMM's across its chunks (32 MB of products), K with a vector tail, and an
-    all-zero row."""
+    the row kernel's counts (1-4, with weight rows left over after its blocks of 8 and 4) and the GEMM's across its
+    chunks (32 MB of products), K with a vector tail, and an all-zero row."""
     from ember.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("ember's CPU kernels are not built here: the w8a8 path runs torch's ops")
     torch.manual_seed(3)
-    n, k = 70000, 100  # 70000 int32 columns: 119-row chunks
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    ws = torch.rand(n) / 100
-    for dtype in (torch.bfloat16, torch.float32):
-        for rows in (1, 3, 4, 5, 119, 300):
-            x = (torch.randn(rows, k) * 4).to(dtype)
-            x[rows // 2] = 0
-            xs = (x.float().abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
-            q = torch.round(x.float() / xs).clamp(-127, 127).double()  # float32 quotient, round half to even
-            ref = ((q @ w.double().t()).float() * xs * ws).to(dtype)  # products < 2**24: exact in float32
-            y = kernels.w8a8_linear(x, w, ws)
-            assert y.dtype == dtype and torch.equal(y, ref), (dtype, rows)
-            assert not y[rows // 2].any()
+    # 70000 int32 columns: 119-row chunks; 203 weight rows: 3 past the row kernel's last whole block
+    for n, k, counts in ((70000, 100, (1, 3, 4, 5, 119, 300)), (203, 640, (1, 2, 3, 4))):
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        ws = torch.rand(n) / 100
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows in counts:
+                x = (torch.randn(rows, k) * 4).to(dtype)
+                x[rows // 2] = 0
+                xs = (x.float().abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
+                q = torch.round(x.float() / xs).clamp(-127, 127).double()  # float32 quotient, round half to even
+                ref = ((q @ w.double().t()).float() * xs * ws).to(dtype)  # products < 2**24: exact in float32
+                y = kernels.w8a8_linear(x, w, ws)
+                assert y.dtype == dtype and torch.equal(y, ref), (n, dtype, rows)
+                assert not y[rows // 2].any()
 
 
 def test_cpu_weights_take_the_packed_ops():

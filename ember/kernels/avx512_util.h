@@ -40,6 +40,22 @@ inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
 }
 
+// The same tree on int32 lanes: lane t is the sum of v[t]'s lanes.
+inline __m512i reduce16_epi32(const __m512i* v) {
+  __m512i a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                            _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  const __m512i u01 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x44), _mm512_shuffle_i32x4(b[0], b[1], 0xEE));
+  const __m512i u23 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x44), _mm512_shuffle_i32x4(b[2], b[3], 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(u01, u23, 0x88), _mm512_shuffle_i32x4(u01, u23, 0xDD));
+}
+
 // 16 bf16 -> 16 float32 (bf16 is the top half of a float32)
 inline __m512 load_bf16_ps(const void* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));

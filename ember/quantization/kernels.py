@@ -18,8 +18,9 @@ activations, 2 threads, 2026-11-25: 1 row 9 us against torch's packed op 25 us, 
 and from 128 rows on through a panel of the block's weights rounded to bf16 (the default model's four shapes at
 2048 rows: 14.6 ms against 18.4 for the exact kernel and 15.1 for oneDNN on the dequantized weights); int8 from 5
 rows (each thread lays 64 output columns out once as exact integers and runs register-blocked bf16 dot products
-against them) and at one row, where it dots the weight rows directly; at 2-4 rows torch's op is faster. Scales are
-applied to float32 sums, so only int4 prefill batches round w to bf16.
+against them) and at 1-4 rows, where it dots the weight rows directly (five shapes of the two models, 2 threads,
+AMD Zen 5, 2026-11-25, interleaved medians: 1 row 66-73 GB/s against torch's op 30-49, 4 rows 34-42 against 26-31).
+Scales are applied to float32 sums, so only int4 prefill batches round w to bf16.
 The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
 process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
 and that path is not used again in the process (its weights run the portable path).
@@ -43,8 +44,8 @@ logger = logging.getLogger("ember")
 DENSE_MIN_ROWS = 128  # from this many rows on, dequantize + one dense matmul beats the packed CPU ops
 EMBER_INT4_MIN_ROWS = 1  # ember's int4 kernel beats torch's packed op at every batch size (1 row: 9 vs 25 us)
 EMBER_INT8_MIN_ROWS = 5  # from 5 rows the int8 panels beat torch's op (49152x576: 5 rows 1.05 vs 1.7-1.8 ms, 16 rows
-#                         1.8 vs 3.6); at 2-4 rows torch's op wins (4 rows 0.78 vs 1.4 ms)
-EMBER_INT8_ROWS_MAX = 1  # one row: ember's kernel dots the weight rows directly (level with torch's op in the engine)
+#                         1.8 vs 3.6)
+EMBER_INT8_ROWS_MAX = 4  # up to 4 rows ember's kernel dots the weight rows as they lie: 1.2-2.5x torch's op (below)
 _INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows; other row counts take the portable path
 _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more than 16 rows
 _CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
