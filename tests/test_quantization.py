@@ -122,6 +122,33 @@ def test_fused_w8a8_kernel_is_the_integer_product_rescaled():
                 assert not y[rows // 2].any()
 
 
+def test_w8a8_products_buffer_made_in_inference_mode_serves_calls_outside_it():
+    """The fused w8a8 GEMM keeps its int32 products' buffer per thread; one first made under inference mode (the
+    calibration's scoring pass) must still take a later call's products outside it."""
+    import threading
+
+    from ember.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("ember's CPU kernels are not built here: the w8a8 path runs torch's ops")
+    w, ws, x = torch.randint(-127, 128, (64, 32), dtype=torch.int8), torch.rand(64), torch.randn(8, 32)
+    out, errors = [], []
+
+    def run() -> None:  # a fresh thread: a fresh buffer
+        try:
+            with torch.inference_mode():
+                out.append(kernels.w8a8_linear(x, w, ws).clone())
+            out.append(kernels.w8a8_linear(x, w, ws))
+        except RuntimeError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors and torch.equal(out[0], out[1])
+
+
 def test_cpu_weights_take_the_packed_ops():
     assert [QuantizedMatmul(m, _weight(m)).path for m in ("int8", "int4", "w8a8")] == ["cpu-int8", "cpu-int4",
                                                                                        "cpu-w8a8"]

@@ -24,10 +24,14 @@ namespace {
 constexpr int64_t CHUNK_BYTES = int64_t(32) << 20;
 
 // The products' buffer, kept between calls: a fresh one each call cost more in page faults than its rescale.
-// One per thread: the engine calls from its one worker thread.
+// One per thread: the engine calls from its one worker thread. Made outside inference mode whatever the caller's
+// mode (calibration scores a w8a8 model under it), so that a later call outside inference mode may write it.
 torch::Tensor& scratch(int64_t numel) {
   thread_local torch::Tensor buf;
-  if (!buf.defined() || buf.numel() < numel) buf = torch::empty({numel}, torch::dtype(at::kInt));
+  if (!buf.defined() || buf.numel() < numel) {
+    c10::InferenceMode normal(false);
+    buf = torch::empty({numel}, torch::dtype(at::kInt));
+  }
   return buf;
 }
 
