@@ -219,13 +219,15 @@ def test_convert_awq_stores_the_weights_that_loading_with_awq_builds(llama_dir, 
 def test_each_calibration_text_is_cached_apart_and_ranks_read_slices_of_it(llama_dir, calibration_file):
     from ember.distributed import WeightSlice
     from ember.model_loader import open_checkpoint
-    from ember.model_loader.calibrated import WEIGHTS_FILE, calibrated_tensors, calibrated_weights
+    from ember.model_loader.calibrated import calibrated_scales, calibrated_tensors, scales_file
 
     ckpt = open_checkpoint(llama_dir)
     hf_config = ckpt.hf_config()
     quant = QuantConfig.of("smoothquant")
-    own, shipped = (calibrated_weights(ckpt, hf_config, quant, c) for c in (calibration_file, None))
-    assert own != shipped and all(os.path.isfile(os.path.join(f, WEIGHTS_FILE)) for f in (own, shipped))
+    own, shipped = (calibrated_scales(ckpt, hf_config, quant, c) for c in (calibration_file, None))
+    files = [scales_file(ckpt, hf_config, quant, read_calibration_text(c)) for c in (calibration_file, None)]
+    assert files[0] != files[1] and all(os.path.isfile(f) for f in files)
+    assert own.keys() == shipped.keys() and not all(torch.equal(own[k], shipped[k]) for k in own)
     full = dict(calibrated_tensors(ckpt, hf_config, quant, calibration_file))
     norm, q = "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight"
     assert not torch.equal(full[norm], _hf_tensors(llama_dir)[norm])  # smoothed
@@ -240,6 +242,40 @@ def test_each_calibration_text_is_cached_apart_and_ranks_read_slices_of_it(llama
     assert torch.equal(part[q], full[q][32:64]) and torch.equal(part[norm], full[norm])
     down = "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(part[down], full[down][:, 32:64])
+
+
+def test_cached_scales_fold_into_the_tensors_calibration_changes(tiny_models, qwen2_mha):
+    """Loading folds the cached scales into the checkpoint as it streams (every group kind, a rank's row and column
+    slices included); the result is the tensors the calibrator itself changed, to float32 rounding."""
+    from ember.distributed import WeightSlice
+    from ember.model_loader import open_checkpoint
+    from ember.model_loader.calibrated import run_calibration
+    from ember.quantization.awq import AWQ
+    from ember.quantization.calibration import ScalePlan, apply_scales
+
+    quant = QuantConfig.of("awq")
+    for folder in (tiny_models["llama"], qwen2_mha):
+        ckpt = open_checkpoint(folder)
+        hf_config = ckpt.hf_config()
+        calibrator, _ = run_calibration(ckpt, hf_config, quant, read_calibration_text(None),
+                                        make=lambda t, c: AWQ(t, c, quant, clip=False))
+        scales = calibrator.scales()
+        assert {g.kind for g in scale_groups(hf_config) if g.module in scales} >= {"qkv", "gate_up", "down"}
+        changed = calibrator.finish()
+        plan = ScalePlan.of(hf_config, scales)
+        folded = dict(apply_scales(ckpt.tensors(hf_config), plan))
+        assert plan.names & set(folded) == set(changed)  # (the plan also names the biases a model may not have)
+        for name, t in changed.items():
+            torch.testing.assert_close(folded[name], t, rtol=1e-6, atol=0)
+
+        def rank1(name: str) -> WeightSlice:  # rows of column-parallel layers, columns of row-parallel ones
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                return WeightSlice(1, 16, 32)
+            return WeightSlice(0, 16, 32) if name.endswith(("proj.weight", "proj.bias")) else WeightSlice()
+
+        part = dict(apply_scales(ckpt.tensors(hf_config, select=rank1), plan, rank1))
+        for name in changed:
+            assert torch.equal(part[name], rank1(name).apply(folded[name])), name
 
 
 def test_smoothquant_loads_and_generates(llama_dir):

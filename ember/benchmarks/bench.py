@@ -33,8 +33,9 @@ def add_bench_parser(sub) -> None:
         g.add_argument("--model", default=None, help=".gguf file or Hugging Face folder (default: the embedded "
                                                      "SmolLM2-135M-Instruct); hf/vLLM get it exported to safetensors")
         g.add_argument("--backends", default="ember",
-                       help="comma separated: ember,ember-float,ember-w8a8,hf,vllm,llamacpp (ember-float: ember with "
-                       "float weights, quantization='none'; ember-w8a8: int8 weights and per-token int8 activations, "
+                       help="comma separated: ember,ember-float,ember-int8,ember-w8a8,hf,vllm,llamacpp (ember-float: "
+                       "ember with float weights, quantization='none'; ember-int8: int8 weights, bf16 activations, "
+                       "quantization='int8'; ember-w8a8: int8 weights and per-token int8 activations, "
                        "quantization='w8a8')")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                        help="weights and compute of ember, hf and vllm (llama.cpp runs the GGUF's own types)")

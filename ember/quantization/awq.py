@@ -94,6 +94,8 @@ class AWQ:
     """The calibrator (see ``calibration.Calibrator``): searches each group's scale as its input arrives, folds it
     into ``tensors`` (Hugging Face names, float); with ``clip``, then clips the scaled weights."""
 
+    dtype = torch.float32  # the search ranks rounding errors measured on these activations
+
     def __init__(self, tensors: dict[str, torch.Tensor], hf_config: Any, quant: QuantConfig, clip: bool = False,
                  seed: int = 0) -> None:
         if quant.method != "int4":
@@ -103,6 +105,7 @@ class AWQ:
         self.generator = torch.Generator().manual_seed(seed)
         self.changed: set[str] = set()
         self.alphas: dict[str, float] = {}  # group module -> the alpha chosen (for inspection)
+        self.found: dict[str, torch.Tensor] = {}  # group module -> its scales
 
     def settings(self) -> str:
         clip = f"clip={CLIP_STEPS}x{CLIP_TOKENS}" if self.clip else "no-clip"
@@ -119,6 +122,7 @@ class AWQ:
         w = group_weight(self.tensors, group).to(x.device)
         s, alpha = search_scale(w, sample.bfloat16(), x_mean, self.quant)
         self.alphas[group.module] = alpha
+        self.found[group.module] = s.cpu()
         self.changed.update(fold_scales(self.tensors, group, s.cpu()))
         if not self.clip:
             return
@@ -127,6 +131,13 @@ class AWQ:
             if name.rsplit(".", 1)[1] not in NO_CLIP:
                 w = self.tensors[f"{name}.weight"].to(x.device)
                 self.tensors[f"{name}.weight"] = search_clip(w, clip_x, self.quant).cpu()
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        """Each group's scales, by the module that reads the group's input. Clipping changes weights beyond them:
+        its result is ``finish``'s tensors only."""
+        if self.clip:
+            raise ValueError("AWQ with clip=True changes weights beyond per-channel scales: use finish()")
+        return dict(self.found)
 
     def finish(self) -> dict[str, torch.Tensor]:
         return {name: self.tensors[name].contiguous() for name in sorted(self.changed)}

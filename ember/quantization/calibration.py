@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -113,41 +113,91 @@ def fold_scales(tensors: dict[str, torch.Tensor], group: ScaleGroup, s: torch.Te
     """Scale the group's input channels by 1 / s where they are written (norm weight, or the previous linear's
     output rows and bias) and its linears' columns by s: the same float function. Replaces the entries of tensors
     (float32) and returns the names it changed."""
-    s = s.float()
-    changed = []
-    prev_w = f"{group.prev}.weight"
-    if group.prev_is_norm:
-        tensors[prev_w] = tensors[prev_w].float() / s
-    else:
-        tensors[prev_w] = tensors[prev_w].float() / s[:, None]
-        bias = f"{group.prev}.bias"
-        if bias in tensors:
-            tensors[bias] = tensors[bias].float() / s
-            changed.append(bias)
-    changed.append(prev_w)
-    for name in group.linears:
-        w = f"{name}.weight"
-        tensors[w] = tensors[w].float() * s[None, :]
-        changed.append(w)
+    plan = ScalePlan.of_groups([(group, s)])
+    changed = [name for name in sorted(plan.names) if name in tensors]
+    for name in changed:
+        tensors[name] = plan.apply(name, tensors[name].float())
     return changed
+
+
+@dataclass(frozen=True, slots=True)
+class ScalePlan:
+    """Where a calibration's scales go (``fold_scales`` one tensor at a time, so a checkpoint's tensors can stream
+    through it): weight name -> the scales of its input columns; norm weight, or linear weight / bias -> the scales
+    of its outputs (divided). A tensor can take both (up_proj: gate_up's columns, down's rows)."""
+
+    columns: dict[str, list[torch.Tensor]]
+    writers: dict[str, list[torch.Tensor]]
+
+    @classmethod
+    def of(cls, hf_config: Any, scales: dict[str, torch.Tensor]) -> "ScalePlan":
+        """scales: group module -> s, as a calibrator's ``scales()`` gives them."""
+        return cls.of_groups((g, scales[g.module]) for g in scale_groups(hf_config) if g.module in scales)
+
+    @classmethod
+    def of_groups(cls, pairs: Iterable[tuple[ScaleGroup, torch.Tensor]]) -> "ScalePlan":
+        columns: dict[str, list[torch.Tensor]] = {}
+        writers: dict[str, list[torch.Tensor]] = {}
+        for group, s in pairs:
+            for name in group.linears:
+                columns.setdefault(f"{name}.weight", []).append(s.float())
+            writers.setdefault(f"{group.prev}.weight", []).append(s.float())
+            if not group.prev_is_norm:
+                writers.setdefault(f"{group.prev}.bias", []).append(s.float())
+        return cls(columns, writers)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.columns) | set(self.writers)
+
+    def apply(self, name: str, t: torch.Tensor, cut: Any = None) -> torch.Tensor:
+        """t (float) with its scales folded in. cut: the WeightSlice t is of (a tensor-parallel rank's part), so s
+        is cut to match; None for the whole tensor."""
+        for s in self.columns.get(name, ()):  # a column-sliced (row-parallel) weight takes its columns' scales
+            t = t * (s if cut is None or cut.dim != 1 else s[cut.start:cut.stop])[None, :]
+        for s in self.writers.get(name, ()):  # a norm's or a bias's values, a weight's rows
+            s = s if cut is None or cut.dim != 0 else s[cut.start:cut.stop]
+            t = t / (s if t.dim() == 1 else s[:, None])
+        return t
+
+
+def apply_scales(tensors: Iterable[tuple[str, Any]], plan: ScalePlan, select: Callable[[str], Any] | None = None
+                 ) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensor stream with the plan's scales folded in. Tensors it does not touch pass through as they
+    come (quantized blocks kept); touched ones come as float32 (a QuantizedTensor dequantized first). select: the
+    slice of each tensor the stream holds, None for whole tensors."""
+    from ember.quantization.tensor import QuantizedTensor
+
+    for name, t in tensors:
+        if name not in plan.columns and name not in plan.writers:
+            yield name, t
+            continue
+        t = t.dequantize(torch.float32) if isinstance(t, QuantizedTensor) else t.float()
+        yield name, plan.apply(name, t, select(name) if select is not None else None)
 
 
 class Calibrator(Protocol):
     """One algorithm's side of calibration: the groups whose input it needs, what it does with each input (the
-    calibration batch in one piece, [tokens, channels]), and the float tensors it changed at the end."""
+    calibration batch in one piece, [tokens, channels]), and at the end the per-channel scale of each group
+    (``scales``: what loading folds into the checkpoint, see ``apply_scales``) or the float tensors it changed
+    (``finish``). ``dtype``: the float model it observes (SmoothQuant needs only each channel's max, which bf16
+    gives 3-4x faster on CPU; AWQ's search compares rounding errors in float32)."""
 
     groups: list[ScaleGroup]
+    dtype: torch.dtype
 
     def observe(self, group: ScaleGroup, x: torch.Tensor) -> None: ...
+
+    def scales(self) -> dict[str, torch.Tensor]: ...
 
     def finish(self) -> dict[str, torch.Tensor]: ...
 
     def settings(self) -> str: ...
 
 
-def capture(model: nn.Module, calibrator: Calibrator, run: Callable[[], None]) -> dict[str, torch.Tensor]:
+def capture(model: nn.Module, calibrator: Calibrator, run: Callable[[], None]) -> None:
     """Run the float model once (``run``) with a hook on each group's module that hands its input to the
-    calibrator, then return the calibrator's changed tensors. Inputs are handed over as the forward pass makes
+    calibrator. Inputs are handed over as the forward pass makes
     them, so only one layer's activations are alive at a time."""
     modules = dict(model.named_modules())
     missing = [g.module for g in calibrator.groups if g.module not in modules]
@@ -164,4 +214,3 @@ def capture(model: nn.Module, calibrator: Calibrator, run: Callable[[], None]) -
     finally:
         for h in handles:
             h.remove()
-    return calibrator.finish()

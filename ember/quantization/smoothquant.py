@@ -25,6 +25,8 @@ class SmoothQuant:
     """The calibrator (see ``calibration.Calibrator``): per-channel max |x| of each group's input, then the
     smoothing scales folded into ``tensors`` (Hugging Face names, float) at the end."""
 
+    dtype = torch.bfloat16  # only max|x| a channel is kept: s moves 0.2% from float32's (median; 1% at p99)
+
     def __init__(self, tensors: dict[str, torch.Tensor], hf_config: Any, alpha: float = DEFAULT_ALPHA,
                  kinds: tuple[str, ...] = DEFAULT_KINDS) -> None:
         if not 0 <= alpha <= 1:
@@ -40,17 +42,22 @@ class SmoothQuant:
         m = x.abs().amax(dim=0).cpu()
         self.act_max[group] = torch.maximum(self.act_max[group], m) if group in self.act_max else m
 
-    def scales(self, group: ScaleGroup) -> torch.Tensor:
+    def group_scales(self, group: ScaleGroup) -> torch.Tensor:
         """s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) over the group's stacked weights."""
         w_max = group_weight(self.tensors, group).abs().amax(dim=0).clamp(min=1e-5)
         act = self.act_max[group].clamp(min=1e-5)
         return (act.pow(self.alpha) / w_max.pow(1 - self.alpha)).clamp(min=1e-5)
 
-    def finish(self) -> dict[str, torch.Tensor]:
+    def scales(self) -> dict[str, torch.Tensor]:
+        """Each group's smoothing scales, by the module that reads the group's input."""
         missing = [g.module for g in self.groups if g not in self.act_max]
         if missing:
             raise RuntimeError(f"SmoothQuant saw no calibration input for {missing[:3]}")
+        return {group.module: self.group_scales(group) for group in self.groups}
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        scales = self.scales()
         changed: set[str] = set()
         for group in self.groups:  # forward order: a group's columns are read before a later group scales rows
-            changed.update(fold_scales(self.tensors, group, self.scales(group)))
+            changed.update(fold_scales(self.tensors, group, scales[group.module]))
         return {name: self.tensors[name].contiguous() for name in sorted(changed)}
