@@ -180,8 +180,9 @@ class Calibrator(Protocol):
     """One algorithm's side of calibration: the groups whose input it needs, what it does with each input (the
     calibration batch in one piece, [tokens, channels]), and at the end the per-channel scale of each group
     (``scales``: what loading folds into the checkpoint, see ``apply_scales``) or the float tensors it changed
-    (``finish``). ``dtype``: the float model it observes (SmoothQuant needs only each channel's max, which bf16
-    gives 3-4x faster on CPU; AWQ's search compares rounding errors in float32)."""
+    (``finish``). ``dtype``: the float model it observes (SmoothQuant needs only each channel's max, and bf16
+    halves its calibration on CPU, Qwen2.5-Coder-0.5B 33 -> 17 s on 2 threads; AWQ's search compares rounding errors
+    in float32)."""
 
     groups: list[ScaleGroup]
     dtype: torch.dtype
@@ -197,8 +198,8 @@ class Calibrator(Protocol):
 
 def capture(model: nn.Module, calibrator: Calibrator, run: Callable[[], None]) -> None:
     """Run the float model once (``run``) with a hook on each group's module that hands its input to the
-    calibrator. Inputs are handed over as the forward pass makes
-    them, so only one layer's activations are alive at a time."""
+    calibrator. Inputs are handed over as the forward pass makes them, so only one layer's activations are alive at
+    a time."""
     modules = dict(model.named_modules())
     missing = [g.module for g in calibrator.groups if g.module not in modules]
     if missing:
