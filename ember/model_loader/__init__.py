@@ -116,10 +116,15 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     model.to(config.device).eval()
     device = torch.device(config.device)
     prepack = device.type == "cpu" and mkldnn_prepack_available()
+    finalize(model, device, prepack)
+    return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
+
+
+def finalize(model: torch.nn.Module, device: torch.device, prepack: bool) -> None:
+    """Lay every loaded weight out for the device's kernels (quantized paths, oneDNN's packed floats)."""
     for module in model.modules():  # embedding before LM head: a tied head reuses the finalized table
         if hasattr(module, "finalize"):
             module.finalize(device, prepack)
-    return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
 
 
 def weight_layout(config: ModelConfig, ckpt: Checkpoint, hf_config: Any) -> tuple[torch.dtype, QuantConfig | None]:

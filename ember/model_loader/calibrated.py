@@ -20,7 +20,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -171,7 +171,7 @@ def run_calibration(ckpt: Any, hf_config: Any, quant: QuantConfig, text: str, so
     builds it (the scales folded in, the decoder's linears quantized as quant says, the engine's own kernels; the
     table and LM head float). make(tensors, hf_config): another calibrator than quant's default one (tests,
     experiments)."""
-    from ember.model_loader import open_checkpoint
+    from ember.model_loader import finalize, open_checkpoint
     from ember.models import resolve_architecture
 
     tok = (open_checkpoint(tokenizer) if tokenizer else ckpt).tokenizer()
@@ -181,12 +181,18 @@ def run_calibration(ckpt: Any, hf_config: Any, quant: QuantConfig, text: str, so
                for name, t in ckpt.tensors(hf_config, keep_quantized=False)}
     calibrator = make(tensors, hf_config) if make is not None else make_calibrator(quant, tensors, hf_config)
     architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
-    with torch.device("cpu"):
-        model = cls(architecture, hf_config, ModelShape.of(hf_config).max_position, calibrator.dtype, None,
-                    ParallelContext())
-    model.load_weights(tensors.items())
-    model.to(device).eval()
     dev = torch.device(device)
+
+    def build(layout: QuantConfig | None, weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+        with torch.device("cpu"):
+            model = cls(architecture, hf_config, ModelShape.of(hf_config).max_position, calibrator.dtype, layout,
+                        ParallelContext())
+        model.load_weights(weights)
+        model.to(device).eval()
+        finalize(model, dev, False)
+        return model
+
+    model = build(None, tensors.items())
     hidden: list[torch.Tensor] = []
     capture(model, calibrator, lambda: hidden.append(prefill(model, sequences, dev)))
     if not measure:
@@ -194,14 +200,7 @@ def run_calibration(ckpt: Any, hf_config: Any, quant: QuantConfig, text: str, so
     report = {"nll_float": f"{mean_nll(model, hidden.pop(), sequences):.6f}"}
     del model
     linears = QuantConfig(quant.method, quant.group_size)  # the decoder as the engine runs it; table, head float
-    with torch.device("cpu"):
-        model = cls(architecture, hf_config, ModelShape.of(hf_config).max_position, calibrator.dtype, linears,
-                    ParallelContext())
-    model.load_weights(apply_scales(tensors.items(), ScalePlan.of(hf_config, calibrator.scales())))
-    model.to(device).eval()
-    for module in model.modules():
-        if hasattr(module, "finalize"):
-            module.finalize(dev, False)
+    model = build(linears, apply_scales(tensors.items(), ScalePlan.of(hf_config, calibrator.scales())))
     report[f"nll_{linears.method}"] = f"{mean_nll(model, prefill(model, sequences, dev), sequences):.6f}"
     return calibrator, report
 
