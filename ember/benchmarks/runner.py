@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from ember import envs
 
-BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-json", "ember-lora", "ember-eager", "hf", "vllm", "llamacpp")
-BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)", "ember-int8": "ember (int8, bf16 activations)",
-                 "ember-w8a8": "ember (w8a8)",
+BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-json", "ember-lora", "ember-eager", "hf", "vllm",
+            "llamacpp")
+BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)",
+                 "ember-int8": "ember (int8, bf16 activations)", "ember-w8a8": "ember (w8a8)",
                  "ember-json": "ember (JSON-schema guided)",
                  "ember-lora": "ember (4 LoRA adapters mixed)", "ember-eager": "ember (no CUDA graphs)",
                  "hf": "transformers", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
