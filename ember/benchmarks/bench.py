@@ -36,7 +36,8 @@ def add_bench_parser(sub) -> None:
                        help="comma separated: ember,ember-float,ember-int8,ember-w8a8,hf,vllm,llamacpp (ember-float: "
                        "ember with float weights, quantization='none'; ember-int8: int8 weights, bf16 activations, "
                        "quantization='int8'; ember-w8a8: int8 weights and per-token int8 activations, "
-                       "quantization='w8a8')")
+                       "quantization='w8a8'; ember-variant: batch_invariant=False, kernels whose rounding depends "
+                       "on the batch)")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                        help="weights and compute of ember, hf and vllm (llama.cpp runs the GGUF's own types)")
         g.add_argument("--dtype-for", action="append", default=[], metavar="BACKEND=DTYPE",

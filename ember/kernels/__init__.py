@@ -6,7 +6,9 @@ quantization and rescale fused around torch's int8 GEMM, and one-pass RoPE, K/V 
 add + RMSNorm (eager torch spends several small ops on each, every layer).
 The AVX512-BF16 kernels compile only where the build machine has the instructions (``has_avx512_bf16()``).
 Every kernel has a torch fallback: no compiler, a CUDA device or EMBER_CPU_KERNELS=0 select it, so the kernels
-are an optimisation, never a requirement.
+are an optimisation, never a requirement. ``emulated_kernels()`` (and EMBER_EMULATE_AVX512=1 for the engine) builds
+the AVX512-BF16 kernels over scalar stand-ins of the instructions (``avx512_emulation.h``), so that a machine
+without AVX-512 can test what they compute.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ logger = logging.getLogger("ember")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
+_emulated: ModuleType | None = None
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp", "elementwise.cpp",
             "prefill_attention.cpp", "w8a8.cpp")
-_HEADERS = ("avx512_util.h",)  # part of the cache key only
+_HEADERS = ("avx512_util.h", "avx512_emulation.h")  # part of the cache key only
 _READY = "ready"  # written once a build has loaded: holds the library's path
 # reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the
@@ -47,11 +50,20 @@ def cpu_kernels() -> ModuleType | None:
             _failed = True
             return None
         try:
-            _module = _build()
+            _module = _build(envs.emulate_avx512())
         except Exception as e:  # no compiler, no ninja, headers missing: fall back to torch
             _failed = True
             logger.warning("ember CPU kernels unavailable (%s); using the torch fallback", str(e).splitlines()[0])
     return _module
+
+
+def emulated_kernels() -> ModuleType:
+    """The kernels built with the AVX-512 instructions emulated (slow; for tests on machines without them)."""
+    global _emulated
+    with _lock:
+        if _emulated is None:
+            _emulated = _build(True)
+    return _emulated
 
 
 def kernels_for(device: "torch.device"):
@@ -59,14 +71,15 @@ def kernels_for(device: "torch.device"):
     return cpu_kernels() if device.type == "cpu" else None
 
 
-def _build() -> ModuleType:
+def _build(emulate: bool = False) -> ModuleType:
     import torch
 
     from ember.cache import cache_dir
 
     here = os.path.dirname(__file__)
     sources = [os.path.join(here, s) for s in _SOURCES]
-    digest = hashlib.sha1(" ".join([torch.__version__, *_CFLAGS]).encode())
+    cflags = [*_CFLAGS, "-DEMBER_EMULATE_AVX512"] if emulate else _CFLAGS
+    digest = hashlib.sha1(" ".join([torch.__version__, *cflags]).encode())
     for path in [*sources, *(os.path.join(here, h) for h in _HEADERS)]:
         with open(path, "rb") as f:
             digest.update(f.read())
@@ -80,7 +93,7 @@ def _build() -> ModuleType:
     os.makedirs(build, exist_ok=True)
     with _build_lock(build):
         logger.info("building ember CPU kernels in %s (once)", build)
-        module = load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=_CFLAGS,
+        module = load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=cflags,
                       extra_ldflags=["-fopenmp"])
         with open(os.path.join(build, _READY), "w") as f:
             f.write(module.__file__)

@@ -4,12 +4,12 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t window,
-                                     double scale);
+                                     double scale, bool invariant);
 bool has_avx512_bf16();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, int64_t window, double scale);
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group);
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant);
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scales);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
@@ -19,11 +19,15 @@ torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
 void add_rms_norm_(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the block pool (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the block pool (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("window"), py::arg("scale"), py::arg("invariant") = true);
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX512-BF16 kernels were built (int4/int8 GEMM, prefill)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "a chunk's causal attention over its paged context");
-  m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (torch's CPU int4 pack) -> bf16 [M, N]");
-  m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]");
+  m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (the 64-row CPU int4 pack) -> bf16 [M, N]", py::arg("x"),
+        py::arg("w"), py::arg("scale_zeros"), py::arg("group"), py::arg("invariant") = true);
+  m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]", py::arg("x"), py::arg("w"),
+        py::arg("scales"), py::arg("invariant") = true);
   m.def("w8a8_linear", &w8a8_linear, "x [M, K] quantized per row to int8 . int8 W^T (VNNI via _int_mm) * scales");
   m.def("write_kv_", &write_kv_, "in place: k/v rows into the pools at their slots");
 #ifdef EMBER_AVX512_BF16

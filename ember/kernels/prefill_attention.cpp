@@ -6,6 +6,11 @@
 //      pairs of consecutive keys (the layouts vdpbf16ps reads), gathered from the pool once for all query heads;
 //   2. per query head and block of MR query rows: S = Q K^T over 32 keys, causal / window mask, online softmax,
 //      O += P V with P rounded to bf16 (as FlashAttention), key blocks past the causal edge skipped.
+// Decode (paged_decode_attention, invariant) runs the same two steps for its one query a sequence, its query heads
+// as the rows: keys are visited in tiles of 32 from a multiple of 32, a row's operations do not depend on the other
+// rows of its block, and the arithmetic is compiled in a fixed order, so a query's output is the same bits as a
+// decode row, in a fresh prompt or in a chunk after cached context (a recomputed or prefix-cached token gets the K/V
+// it had).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,21 +23,66 @@
 #include "avx512_util.h"
 
 #ifdef EMBER_AVX512_BF16
+EMBER_FIXED_ORDER_BEGIN
 namespace {
 
 constexpr int64_t KB = 32;  // keys a step: two vectors of 16
 
-// kt[(j / 16) * (D / 2) * 16 + dp * 16 + j % 16] = K[j] pair dp;  vt[(j / 2) * D + x] = (V[j][x], V[j + 1][x]),
-// keys [j0, j1) of KV head h. The rows one block ahead are prefetched as each key is laid out: blocks lie anywhere
-// in the pool, where the hardware prefetcher does not follow. With that and work items of (KV head, 64 keys) in
-// place of one KV head a thread, a 40-token chunk against 424 cached tokens in scattered blocks (W2's shape, 9 / 3
-// heads, 2 threads) 0.170 -> 0.142 ms; 500 tokens against 1,500: 3.54 -> 3.41 ms.
+// Keys j .. j + 15 (j a multiple of 16) of KV head h lying in one block, laid out as layout_kv does, with vector
+// transposes: K's 16 rows of D / 2 words -> D / 2 vectors of one word (pair) from each key; V's key pairs
+// interleaved element by element. row: the first key's (K and V) offset in the pools; jr: j's place in kt / vt.
+template <int64_t D>
+void layout16(const uint16_t* kc, const uint16_t* vc, int64_t row, int64_t row_stride, int64_t jr, uint32_t* kt,
+              uint32_t* vt) {
+  const uint32_t* kw = reinterpret_cast<const uint32_t*>(kc + row);
+  uint32_t* kd = kt + (jr / 16) * (D / 2) * 16;
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(kw + i * row_stride / 2 + 16 * c);
+    ember_avx512::transpose16(r);
+    for (int v = 0; v < 16; ++v) _mm512_storeu_si512(kd + (16 * c + v) * 16, r[v]);
+  }
+  for (int64_t p = 0; p < 8; ++p) {
+    const uint16_t* a = vc + row + 2 * p * row_stride;
+    uint32_t* vd = vt + (jr / 2 + p) * D;
+    for (int64_t c = 0; c < D / 32; ++c) {
+      const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(a + row_stride + 32 * c);
+      // per 128-bit lane L: lo = elements 8L..8L+3 of x and y interleaved, hi = 8L+4..8L+7
+      const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+      const __m512i t0 = _mm512_shuffle_i32x4(lo, hi, 0x44), t1 = _mm512_shuffle_i32x4(lo, hi, 0xEE);
+      _mm512_storeu_si512(vd + 32 * c, _mm512_shuffle_i32x4(t0, t0, 0xD8));
+      _mm512_storeu_si512(vd + 32 * c + 16, _mm512_shuffle_i32x4(t1, t1, 0xD8));
+    }
+  }
+}
+
+// kt[(jr / 16) * (D / 2) * 16 + dp * 16 + j % 16] = K[j] pair dp;  vt[(jr / 2) * D + x] = (V[j][x], V[j + 1][x]),
+// keys [j0, j1) of KV head h, jr = j - key0 (the buffers start at key key0, a multiple of 32). Whole groups of 16
+// keys in one block take the vector transposes (layout16), others go key by key. The rows one block ahead are
+// prefetched as keys are laid out: blocks lie anywhere in the pool, where the hardware prefetcher does not follow.
+// With that and work items of (KV head, 64 keys) in place of one KV head a thread, a 40-token chunk against 424
+// cached tokens in scattered blocks (W2's shape, 9 / 3 heads, 2 threads) 0.170 -> 0.142 ms; 500 tokens against
+// 1,500: 3.54 -> 3.41 ms (scalar layout; the vector transposes of whole groups of 16 are not measured yet).
 template <int64_t D>
 void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t bs, int64_t hkv, int64_t h,
-               int64_t S, int64_t j0, int64_t j1, uint32_t* kt, uint32_t* vt) {
+               int64_t S, int64_t key0, int64_t j0, int64_t j1, uint32_t* kt, uint32_t* vt) {
   for (int64_t j = j0; j < j1; ++j) {
-    uint32_t* kd = kt + (j / 16) * (D / 2) * 16 + j % 16;
-    uint16_t* vd = reinterpret_cast<uint16_t*>(vt + (j / 2) * D) + (j % 2);
+    const int64_t jr = j - key0;
+    if (jr % 16 == 0 && j + 16 <= ember_fixed::min(S, j1) && bs % 16 == 0) {
+      if (j + bs < S)
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t ahead = ((table[(j + bs) / bs] * bs + (j + i) % bs) * hkv + h) * D;
+          for (int64_t b = 0; b < D * 2; b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kc + ahead) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(vc + ahead) + b);
+          }
+        }
+      layout16<D>(kc, vc, ((table[j / bs] * bs + j % bs) * hkv + h) * D, hkv * D, jr, kt, vt);
+      j += 15;
+      continue;
+    }
+    uint32_t* kd = kt + (jr / 16) * (D / 2) * 16 + jr % 16;
+    uint16_t* vd = reinterpret_cast<uint16_t*>(vt + (jr / 2) * D) + (jr % 2);
     if (j < S) {
       if (j + bs < S) {
         const int64_t ahead = ((table[(j + bs) / bs] * bs + j % bs) * hkv + h) * D;
@@ -55,7 +105,8 @@ void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int
 
 template <int64_t D, int MR>
 void attend_rows(const uint16_t* q, int64_t q_stride, const int64_t* pos, int rows, const uint32_t* kt,
-                 const uint32_t* vt, int64_t S, int64_t window, float scale, c10::BFloat16* out, int64_t out_stride) {
+                 const uint32_t* vt, int64_t key0, int64_t S, int64_t window, float scale, c10::BFloat16* out,
+                 int64_t out_stride) {
   using namespace ember_avx512;
   constexpr int64_t NV = D / 16;
   __m512 o[MR][NV];
@@ -65,16 +116,16 @@ void attend_rows(const uint16_t* q, int64_t q_stride, const int64_t* pos, int ro
     for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_setzero_ps();
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
-    qw[r] = reinterpret_cast<const uint32_t*>(q + std::min(r, rows - 1) * q_stride);
+    qw[r] = reinterpret_cast<const uint32_t*>(q + ember_fixed::min(r, rows - 1) * q_stride);
   }
-  const int64_t p_first = pos[0], p_last = pos[std::min(MR, rows) - 1];
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
-  const int64_t hi = std::min(S, p_last + 1);
+  const int64_t p_first = pos[0], p_last = pos[ember_fixed::min(MR, rows) - 1];
+  const int64_t lo = window > 0 ? ember_fixed::max<int64_t>(0, p_first - window + 1) : 0;
+  const int64_t hi = ember_fixed::min(S, p_last + 1);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t k0 = lo / KB * KB; k0 < hi; k0 += KB) {
     __m512 s[MR][2];
     for (int r = 0; r < MR; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    const uint32_t* k_a = kt + (k0 / 16) * (D / 2) * 16;
+    const uint32_t* k_a = kt + ((k0 - key0) / 16) * (D / 2) * 16;
     const uint32_t* k_b = k_a + (D / 2) * 16;
     for (int64_t dp = 0; dp < D / 2; ++dp) {
       const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k_a + dp * 16);
@@ -87,9 +138,9 @@ void attend_rows(const uint16_t* q, int64_t q_stride, const int64_t* pos, int ro
     }
     alignas(64) uint32_t pw[MR][16];
     for (int r = 0; r < MR; ++r) {
-      const int64_t p = pos[std::min(r, rows - 1)];
+      const int64_t p = pos[ember_fixed::min(r, rows - 1)];
       const __m512i first = _mm512_set1_epi32(static_cast<int>(window > 0 ? p - window + 1 : 0));
-      const __m512i last = _mm512_set1_epi32(static_cast<int>(std::min(p, S - 1)));
+      const __m512i last = _mm512_set1_epi32(static_cast<int>(ember_fixed::min(p, S - 1)));
       __mmask16 valid[2];
       for (int j = 0; j < 2; ++j) {
         const __m512i kj = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + 16 * j)), iota);
@@ -97,8 +148,8 @@ void attend_rows(const uint16_t* q, int64_t q_stride, const int64_t* pos, int ro
         s[r][j] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid[j],
                                      _mm512_mul_ps(s[r][j], _mm512_set1_ps(scale)));
       }
-      const float mx = std::max(_mm512_reduce_max_ps(s[r][0]), _mm512_reduce_max_ps(s[r][1]));
-      const float m_new = std::max(m[r], mx);
+      const float mx = ember_fixed::max(_mm512_reduce_max_ps(s[r][0]), _mm512_reduce_max_ps(s[r][1]));
+      const float m_new = ember_fixed::max(m[r], mx);
       if (m_new == -std::numeric_limits<float>::infinity()) {  // no visible key in this block for this row
         std::memset(pw[r], 0, sizeof(pw[r]));
         continue;
@@ -113,7 +164,7 @@ void attend_rows(const uint16_t* q, int64_t q_stride, const int64_t* pos, int ro
       for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_mul_ps(o[r][x], cv);
       _mm512_store_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // 32 bf16 in key order = 16 key pairs
     }
-    const uint32_t* v0 = vt + (k0 / 2) * D;
+    const uint32_t* v0 = vt + ((k0 - key0) / 2) * D;
     for (int64_t kp = 0; kp < KB / 2; ++kp) {
       __m512bh b[NV];
       for (int64_t x = 0; x < NV; ++x) b[x] = (__m512bh)_mm512_loadu_si512(v0 + kp * D + 16 * x);
@@ -132,9 +183,12 @@ void attend_rows(const uint16_t* q, int64_t q_stride, const int64_t* pos, int ro
 }
 
 template <int64_t D>
+constexpr int rows_a_pass() { return D == 64 ? 4 : 2; }  // O stays in registers: MR x D/16 accumulators
+
+template <int64_t D>
 void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const int64_t* table,
              int64_t S, int64_t window, float scale, torch::Tensor& out) {
-  constexpr int MR = D == 64 ? 4 : 2;  // O stays in registers: MR x D/16 accumulators
+  constexpr int MR = rows_a_pass<D>();
   const int64_t L = q.size(0), hq = q.size(1), hkv = kc.size(2), bs = kc.size(1), g = hq / hkv;
   const int64_t S32 = (S + KB - 1) / KB * KB;
   std::vector<uint32_t> kt(hkv * S32 * D / 2), vt(hkv * S32 / 2 * D);
@@ -144,8 +198,9 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
   const int64_t spans = S32 / 64 + (S32 % 64 != 0);
   at::parallel_for(0, hkv * spans, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t h = item / spans, j0 = item % spans * 64, j1 = std::min(S32, j0 + 64);
-      layout_kv<D>(kp, vp, table, bs, hkv, h, S, j0, j1, kt.data() + h * S32 * D / 2, vt.data() + h * S32 / 2 * D);
+      const int64_t h = item / spans, j0 = item % spans * 64, j1 = ember_fixed::min(S32, j0 + 64);
+      layout_kv<D>(kp, vp, table, bs, hkv, h, S, 0, j0, j1, kt.data() + h * S32 * D / 2,
+                   vt.data() + h * S32 / 2 * D);
     }
   });
   std::vector<int64_t> pos(L);
@@ -154,44 +209,99 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t blocks = (L + MR - 1) / MR, tasks = hq * blocks;
   // later row blocks see more keys (causal): tasks go round-robin so every thread gets early and late rows
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  const int64_t nt = ember_fixed::max<int64_t>(1, ember_fixed::min<int64_t>(at::get_num_threads(), tasks));
   at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
     for (int64_t tid = b; tid < e; ++tid)
     for (int64_t t = tid; t < tasks; t += nt) {
       const int64_t h = t % hq, blk = t / hq, i0 = blk * MR;
-      const int rows = static_cast<int>(std::min<int64_t>(MR, L - i0));
+      const int rows = static_cast<int>(ember_fixed::min<int64_t>(MR, L - i0));
       attend_rows<D, MR>(qp + (i0 * hq + h) * D, hq * D, pos.data() + i0, rows,
-                         kt.data() + (h / g) * S32 * D / 2, vt.data() + (h / g) * S32 / 2 * D, S, window, scale,
+                         kt.data() + (h / g) * S32 * D / 2, vt.data() + (h / g) * S32 / 2 * D, 0, S, window, scale,
                          op + (i0 * hq + h) * D, hq * D);
     }
   });
 }
 
+// One query a sequence, each (sequence, KV head) a work item: its context laid out from the first key its window
+// needs (rounded down to 32), then its query heads as the rows of attend_rows.
+template <int64_t D>
+void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* tables,
+            const int64_t* lens, c10::BFloat16* out, int64_t nd, int64_t hq, int64_t hkv, int64_t bs,
+            int64_t max_blocks, int64_t window, float scale) {
+  constexpr int MR = rows_a_pass<D>();
+  const int64_t g = hq / hkv;
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc);
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc);
+  at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> kt, vt;
+    int64_t pos[MR];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / hkv, h = item % hkv, len = lens[s];
+      c10::BFloat16* o = out + (s * hq + h * g) * D;
+      if (len <= 0) {  // nothing to attend to (a padding row)
+        std::memset(static_cast<void*>(o), 0, sizeof(c10::BFloat16) * g * D);
+        continue;
+      }
+      const int64_t first = window > 0 ? ember_fixed::max<int64_t>(0, len - window) : 0;
+      const int64_t key0 = first / KB * KB, end_key = (len + KB - 1) / KB * KB;
+      kt.resize((end_key - key0) * D / 2);
+      vt.resize((end_key - key0) / 2 * D);
+      layout_kv<D>(kp, vp, tables + s * max_blocks, bs, hkv, h, len, key0, key0, end_key, kt.data(), vt.data());
+      for (int r = 0; r < MR; ++r) pos[r] = len - 1;
+      const uint16_t* qh = reinterpret_cast<const uint16_t*>(q + (s * hq + h * g) * D);
+      for (int64_t r0 = 0; r0 < g; r0 += MR)
+        attend_rows<D, MR>(qh + r0 * D, D, pos, static_cast<int>(ember_fixed::min<int64_t>(MR, g - r0)), kt.data(),
+                           vt.data(), key0, len, window, scale, o + r0 * D, D);
+    }
+  });
+}
+
 }  // namespace
+EMBER_FIXED_ORDER_END
+
+void decode_bf16_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                           const int64_t* tables, const int64_t* lens, c10::BFloat16* out, int64_t nd, int64_t hq,
+                           int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, int64_t window, float scale) {
+  if (d == 64) decode<64>(q, kc, vc, tables, lens, out, nd, hq, hkv, bs, max_blocks, window, scale);
+  else decode<128>(q, kc, vc, tables, lens, out, nd, hq, hkv, bs, max_blocks, window, scale);
+}
 #endif
 
-// q [L, Hq, D] bf16: the chunk's queries, at positions context_len - L .. context_len - 1; k_cache/v_cache
-// [num_blocks, block_size, Hkv, D] with the chunk's K/V already written; block_table [>= ceil(context_len / bs)];
-// window <= 0: full causal attention. Returns [L, Hq, D].
+bool avx512_attention(at::ScalarType dtype, int64_t d);
+torch::Tensor paged_prefill_attention_portable(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                               const torch::Tensor& v_cache, const torch::Tensor& table,
+                                               int64_t context_len, int64_t window, double scale);
+
+// q [L, Hq, D]: the chunk's queries, at positions context_len - L .. context_len - 1; k_cache/v_cache
+// [num_blocks, block_size, Hkv, D] in q's dtype with the chunk's K/V already written; block_table
+// [>= ceil(context_len / bs)]; window <= 0: full causal attention. Returns [L, Hq, D]. bf16 with head size 64 or 128
+// on an AVX512-BF16 build runs the kernel above, everything else the portable one (paged_attention.cpp); each
+// computes a query exactly as paged_decode_attention (invariant) does.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, int64_t window, double scale) {
-#ifdef EMBER_AVX512_BF16
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-              v_cache.scalar_type() == at::kBFloat16, "bf16 q and caches expected");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "caches");
-  TORCH_CHECK(block_table.scalar_type() == torch::kLong, "int64 block table");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.dim() == 1, "int64 block table");
   const int64_t D = q.size(2);
-  TORCH_CHECK((D == 64 || D == 128) && k_cache.size(3) == D && q.size(1) % k_cache.size(2) == 0, "head shapes");
+  TORCH_CHECK(k_cache.size(3) == D && q.size(1) % k_cache.size(2) == 0, "head shapes");
   TORCH_CHECK(context_len >= q.size(0) && block_table.numel() * k_cache.size(1) >= context_len, "context");
   q = q.contiguous();
   auto table = block_table.contiguous();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t used = (context_len + k_cache.size(1) - 1) / k_cache.size(1);
+  for (int64_t i = 0; i < used; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "block ", tp[i], " outside the pool");
+  if (!avx512_attention(q.scalar_type(), D))
+    return paged_prefill_attention_portable(q, k_cache, v_cache, table, context_len, window, scale);
+#ifdef EMBER_AVX512_BF16
   auto out = torch::empty_like(q);
   if (D == 64)
-    prefill<64>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, window, static_cast<float>(scale), out);
+    prefill<64>(q, k_cache, v_cache, tp, context_len, window, static_cast<float>(scale), out);
   else
-    prefill<128>(q, k_cache, v_cache, table.data_ptr<int64_t>(), context_len, window, static_cast<float>(scale), out);
+    prefill<128>(q, k_cache, v_cache, tp, context_len, window, static_cast<float>(scale), out);
   return out;
 #else
-  TORCH_CHECK(false, "paged_prefill_attention needs AVX512-BF16");
+  return torch::Tensor();  // not reached: avx512_attention is false without the build
 #endif
 }

@@ -1,10 +1,14 @@
-// Weight-only quantized GEMM for CPU: y[M, N] = x[M, K] (bf16) . W^T, W held as int4 (torch's CPU int4 pack) or
+// Weight-only quantized GEMM for CPU: y[M, N] = x[M, K] (bf16) . W^T, W held as int4 (the 64-row CPU int4 pack) or
 // int8 (one scale per output row), the packed form being the only copy of the weight. The integer weights enter
 // AVX512-BF16 dot products as exact bf16 values and the scales are applied to float32 sums, so w is not rounded to
-// bf16 (torch's packed ops do not round it either), except in int4 prefill batches. int4: up to 127 rows the pack
-// is read as it lies, 3 rows of x at a time against each 64-column block; from 128 rows on, and int8 from a few
-// rows on, each thread lays 64 output columns out once as bf16 pairs in its cache (a panel) and runs every row
-// block of x against it (int4 panels hold w rounded to bf16).
+// bf16 (torch's packed ops do not round it either).
+// Batch invariant (the default, `invariant`): a row's result is the same bits whatever rows share the call. int4
+// reads the pack 3 rows of x at a time against each 64-column block with the same chains of sums at every row
+// count (spans of 12 rows or more read the block's unpacked pairs from a per-thread copy); int8 runs every output
+// as one chain of 32-input dot products (int8_gemm_inv). The arithmetic is compiled in a fixed order.
+// Otherwise (batch_invariant=False): int4 from 128 rows and int8 from 5 lay 64 output columns out as bf16 pairs in
+// each thread's cache (a panel; int4 panels hold w rounded to bf16) and run every row block against it, int8 up
+// to 4 rows as float dots along the weight's rows: faster where measured, with results that depend on the rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,6 +20,7 @@
 #include "avx512_util.h"
 
 #ifdef EMBER_AVX512_BF16
+EMBER_FIXED_ORDER_BEGIN
 namespace {
 
 constexpr int64_t NB = 64;  // output columns a panel: four vectors of 16
@@ -63,13 +68,14 @@ torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, Fill fill, Scales sc
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t nt = at::get_num_threads();
   const int64_t spans =
-      blocks % nt == 0 || blocks >= 8 * nt ? 1 : std::max<int64_t>(1, std::min<int64_t>(nt, M / (8 * MR)));
+      blocks % nt == 0 || blocks >= 8 * nt
+          ? 1 : ember_fixed::max<int64_t>(1, ember_fixed::min<int64_t>(nt, M / (8 * MR)));
   const int64_t span = (M + spans - 1) / spans;
   at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
     Panel panel(kw * NB);
     int64_t filled = -1;  // the block the panel holds (a thread may get several spans of one block)
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t nb = item / spans, m0 = item % spans * span, m1 = std::min(M, m0 + span);
+      const int64_t nb = item / spans, m0 = item % spans * span, m1 = ember_fixed::min(M, m0 + span);
       if (nb != filled) {
         fill(nb, panel.data());
         filled = nb;
@@ -78,7 +84,7 @@ torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, Fill fill, Scales sc
       for (int64_t m = m0; m < m1; m += MR) {
         const int32_t* xr = xw + m * kw;
         c10::BFloat16* yr = yp + m * N + nb * NB;
-        switch (std::min<int64_t>(MR, m1 - m)) {
+        switch (ember_fixed::min<int64_t>(MR, m1 - m)) {
           case 1: micro<1>(xr, kw, panel.data(), cs, yr, N); break;
           case 2: micro<2>(xr, kw, panel.data(), cs, yr, N); break;
           case 3: micro<3>(xr, kw, panel.data(), cs, yr, N); break;
@@ -106,43 +112,18 @@ inline __m512i int8_pair_bf16(__m512i v) {  // bytes 0, 1 of each lane -> the bf
   return _mm512_or_si512(pa, pb);
 }
 
-// r[i] = 16 words of row i -> r[v] = word v of rows 0..15
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 void dequant_int8(const int8_t* w, int64_t nb, int64_t K, uint32_t* panel) {
   for (int64_t j = 0; j < 4; ++j) {
     const int8_t* base = w + (nb * NB + 16 * j) * K;
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
-      const int64_t left = std::min<int64_t>(64, K - k0);
+      const int64_t left = ember_fixed::min<int64_t>(64, K - k0);
       const __mmask64 mask = left == 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
       __m512i r[16];
       for (int i = 0; i < 16; ++i) {
         _mm_prefetch(reinterpret_cast<const char*>(base + i * K + k0 + 128), _MM_HINT_T0);
         r[i] = _mm512_maskz_loadu_epi8(mask, base + i * K + k0);
       }
-      transpose16(r);
+      ember_avx512::transpose16(r);
       for (int64_t v = 0; v < 16 && 4 * v < left; ++v) {
         const int64_t kp = (k0 + 4 * v) / 2;
         _mm512_storeu_si512(panel + kp * NB + 16 * j, int8_pair_bf16(r[v]));
@@ -166,7 +147,7 @@ void int8_rows(const c10::BFloat16* x, int64_t K, const int8_t* w, const float* 
   const int64_t K16 = K / 16 * 16;
   std::vector<float> xf(M * K);
   for (int m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = static_cast<float>(x[m * K + k]);
+    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = ember_fixed::bf16_bits_to_float(x[m * K + k].x);
   at::parallel_for(0, (N + B - 1) / B, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * B;
@@ -238,7 +219,7 @@ inline void int4_scale_offset(const Int4Consts& c, const c10::BFloat16* p, __m51
 
 // Rows k, k + 1 of a block (64 bytes at p) -> b[j]: columns 16j..16j+15 as bf16 pairs (128 + q_k, 128 + q_k+1).
 inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
-#ifdef __AVX512VBMI__
+#ifdef EMBER_AVX512_VBMI
   const __m512i v = _mm512_loadu_si512(p);
   const __m512i lo = _mm512_permutexvar_epi8(c.ilo, v), hi = _mm512_permutexvar_epi8(c.ihi, v);
 #else  // four widening loads: about 10% slower than the permutations at every size measured
@@ -254,11 +235,13 @@ inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
   b[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(hi, 4), c.nib, c.magic, 0xEA);
 }
 
-// y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes, szb: its first (scale, zero) pair, row stride N). U
-// interleaved chains of group sums: with one or two rows the loop otherwise waits on the dot products' latency
-// (one row through the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms,
-// U = 2 1.89-1.98 ms; a software prefetch 1 KB ahead did not measurably help).
-template <int R, int U>
+// y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes, or with PANEL its pairs as int4_unpack makes them, K / 2 x
+// 64 words, laid out once by int4_exact_panel; szb: its first (scale, zero) pair, row stride N). U interleaved
+// chains of group sums: with one or two rows the loop otherwise waits on the dot products' latency (one row through
+// the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms; a
+// software prefetch 1 KB ahead did not measurably help). A row's result depends on U, not on R or PANEL: the
+// batch-invariant kernel runs one U at every row count.
+template <int R, int U, bool PANEL = false>
 inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
                             int64_t gw, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y) {
   __m512 acc[R][4];
@@ -273,7 +256,12 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
       for (int u = 0; u < U; ++u) {
         const int64_t kp = kp0 + u;
         __m512i b[4];
-        int4_unpack(c, blk + kp * 64, b);
+        if constexpr (PANEL) {
+          const uint32_t* pairs = reinterpret_cast<const uint32_t*>(blk) + kp * 64;
+          for (int j = 0; j < 4; ++j) b[j] = _mm512_loadu_si512(pairs + 16 * j);
+        } else {
+          int4_unpack(c, blk + kp * 64, b);
+        }
         for (int r = 0; r < R; ++r) {
           const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
           for (int j = 0; j < 4; ++j) part[u][r][j] = _mm512_dpbf16_ps(part[u][r][j], a, (__m512bh)b[j]);
@@ -332,16 +320,46 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* sz
 
 constexpr int64_t ROW_SPAN = 48;  // a multiple of 3
 constexpr int U1 = 2, U2 = 2;  // chains at 1 and 2 rows (3 rows: 12 independent sums already)
+constexpr int U_INVARIANT = 2;  // the chains of every row count in the batch-invariant kernel
+// the batch-invariant kernel lays a block's unpacked pairs out once for spans of at least this many rows (what a
+// pass unpacks is then read from cache by the other passes); the pairs are the same bits either way
+constexpr int64_t INT4_EXACT_PANEL_MIN_ROWS = 12;
 
+// the pairs int4_unpack makes for a block, kept: panel[kp * 64 + c] = the (128 + q_k, 128 + q_k+1) pair of column c
+void int4_exact_panel(const Int4Consts& c, const uint8_t* blk, int64_t K, uint32_t* panel) {
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    __m512i b[4];
+    int4_unpack(c, blk + kp * 64, b);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(panel + kp * 64 + 16 * j, b[j]);
+  }
+}
+
+template <bool PANEL, int UA, int UB, int UC>
+void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups, int64_t gw,
+               const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y, int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; m += 3) {
+    const int32_t* xr = xw + m * kw;
+    const float* sr = xsum + m * groups;
+    c10::BFloat16* yr = y + m * N;
+    switch (ember_fixed::min<int64_t>(3, m1 - m)) {
+      case 1: int4_block_rows<1, UA, PANEL>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 2: int4_block_rows<2, UB, PANEL>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      default: int4_block_rows<3, UC, PANEL>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+    }
+  }
+}
+
+// invariant: every row through chains of U_INVARIANT (the same bits whatever rows are beside it); otherwise 3-row
+// passes take one chain (measured faster).
 void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
-               int64_t group, c10::BFloat16* y) {
+               int64_t group, c10::BFloat16* y, bool invariant) {
   const int64_t groups = K / group, kw = K / 2, gw = group / 2;
-  std::vector<float> xsum(M * groups);  // each row's sum over each group, for the offsets
+  std::vector<float> xsum(M * groups);  // each row's sum over each group, for the offsets, in a fixed order
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < groups; ++g) {
         float sum = 0.f;
-        for (int64_t k = 0; k < group; ++k) sum += static_cast<float>(x[m * K + g * group + k]);
+        for (int64_t k = 0; k < group; ++k) sum += ember_fixed::bf16_bits_to_float(x[m * K + g * group + k].x);
         xsum[m * groups + g] = sum;
       }
   });
@@ -349,27 +367,163 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
   // work items: a block and a span of up to ROW_SPAN rows, so that a few blocks still feed every thread at
   // prefill sizes (576 outputs are 9 blocks)
   const int64_t blocks = N / NB, spans = (M + ROW_SPAN - 1) / ROW_SPAN;
+  const bool panel = invariant && ember_fixed::min(M, ROW_SPAN) >= INT4_EXACT_PANEL_MIN_ROWS;
   at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
     const Int4Consts c;
+    std::vector<uint32_t> pairs(panel ? kw * NB : 0);
+    int64_t filled = -1;  // the block the panel holds
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t nb = item / spans, m_end = std::min(M, (item % spans + 1) * ROW_SPAN);
+      const int64_t nb = item / spans, m0 = item % spans * ROW_SPAN, m1 = ember_fixed::min(M, m0 + ROW_SPAN);
       const uint8_t* blk = w + nb * K * 32;
       const c10::BFloat16* szb = sz + nb * NB * 2;
-      for (int64_t m = item % spans * ROW_SPAN; m < m_end; m += 3) {
-        const int32_t* xr = xw + m * kw;
-        const float* sr = xsum.data() + m * groups;
-        c10::BFloat16* yr = y + m * N + nb * NB;
-        switch (std::min<int64_t>(3, m_end - m)) {
-          case 1: int4_block_rows<1, U1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-          case 2: int4_block_rows<2, U2>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-          default: int4_block_rows<3, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      c10::BFloat16* yb = y + nb * NB;
+      if (panel) {
+        if (nb != filled) {
+          int4_exact_panel(c, blk, K, pairs.data());
+          filled = nb;
+        }
+        const auto* pb = reinterpret_cast<const uint8_t*>(pairs.data());
+        int4_span<true, U_INVARIANT, U_INVARIANT, U_INVARIANT>(c, xw, kw, xsum.data(), groups, gw, pb, szb, N, yb,
+                                                               m0, m1);
+      } else if (invariant) {
+        int4_span<false, U_INVARIANT, U_INVARIANT, U_INVARIANT>(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb,
+                                                                m0, m1);
+      } else {
+        int4_span<false, U1, U2, 1>(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb, m0, m1);
+      }
+    }
+  });
+}
+
+// --- int8, batch invariant: every output is the same chain whatever the row count ---
+// y[m, n] = bf16(reduce16(acc) * scale[n]), acc's lane l summing, chunk after chunk of 32 inputs, the vdpbf16ps
+// products of inputs 2l, 2l + 1 (x as it is, w's integers as exact bf16); reduce16 is the same tree for every
+// slot. Up to 4 rows each weight chunk is converted where it lies and dotted with every row (the weight read once,
+// front to back); from 5 rows each thread converts 4 weight rows once into its cache and runs 4-row tiles of x
+// against them (16 sums in registers).
+constexpr int64_t KC = 32;  // inputs a chunk
+
+// 32 int8 at p -> their 32 exact bf16, in order
+EMBER_INLINE __m512i int8_chunk_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// x [M, K] bf16 with each row zero-padded to whole chunks (a copy only when K % 32 != 0)
+struct PaddedRows {
+  std::vector<c10::BFloat16> copy;
+  const c10::BFloat16* p;
+  int64_t stride;
+  PaddedRows(const c10::BFloat16* x, int64_t M, int64_t K) : p(x), stride(K) {
+    if (K % KC == 0) return;
+    stride = (K + KC - 1) / KC * KC;
+    copy.assign(M * stride, c10::BFloat16(0.f));
+    for (int64_t m = 0; m < M; ++m) std::memcpy(copy.data() + m * stride, x + m * K, K * sizeof(c10::BFloat16));
+    p = copy.data();
+  }
+};
+
+// sums[m * B + j] (slots of reduce16) times the row scales -> y rows
+template <int M, int B>
+inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64_t rows, int64_t N,
+                       c10::BFloat16* y, int64_t ldy) {
+  alignas(64) float sc[16] = {};
+  for (int m = 0; m < M; ++m)
+    for (int64_t j = 0; j < rows; ++j) sc[m * B + j] = scales[n0 + j];
+  alignas(64) c10::BFloat16 out[16];
+  _mm256_store_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums, _mm512_load_ps(sc))));
+  for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, rows * sizeof(c10::BFloat16));
+}
+
+template <int M>
+void int8_rows_inv(const PaddedRows& x, int64_t K, const int8_t* w, const float* scales, int64_t N,
+                   c10::BFloat16* y) {
+  constexpr int B = M == 1 ? 8 : 4, PF = 2;
+  const int64_t chunks = (K + KC - 1) / KC, full = K / KC;
+  std::vector<int8_t> tails(K % KC ? N * KC : 0, 0);  // each row's last, partial chunk, zero-padded
+  for (int64_t n = 0; n < N && K % KC; ++n) std::memcpy(tails.data() + n * KC, w + n * K + full * KC, K % KC);
+  alignas(64) static const int8_t zeros[KC] = {};  // the rows past N of the last block
+  at::parallel_for(0, (N + B - 1) / B, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * B, rows = ember_fixed::min<int64_t>(B, N - n0);
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512bh xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x.p + m * x.stride + c * KC);
+        for (int j = 0; j < B; ++j) {
+          const int64_t n = n0 + j;
+          const int8_t* src = n >= N ? zeros : c < full ? w + n * K + c * KC : tails.data() + n * KC;
+          if (c < full && c % 2 == 0 && n + PF * B < N)
+            _mm_prefetch(reinterpret_cast<const char*>(src + PF * B * K), _MM_HINT_T0);
+          const __m512bh wv = (__m512bh)int8_chunk_bf16(src);
+          for (int m = 0; m < M; ++m) acc[m * B + j] = _mm512_dpbf16_ps(acc[m * B + j], xv[m], wv);
+        }
+      }
+      store_sums<M, B>(ember_avx512::reduce16(acc), scales, n0, rows, N, y, N);
+    }
+  });
+}
+
+constexpr int TILE = 4;  // x rows and weight rows of a tile: 16 sums
+
+void int8_tiles_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
+                    c10::BFloat16* y) {
+  const int64_t chunks = (K + KC - 1) / KC, padded_k = chunks * KC;
+  at::parallel_for(0, (N + TILE - 1) / TILE, 4, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> wbuf(TILE * padded_k);  // TILE weight rows as exact bf16, zero-padded
+    alignas(64) int8_t tail[KC];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * TILE, rows = ember_fixed::min<int64_t>(TILE, N - n0);
+      for (int64_t j = 0; j < TILE; ++j)
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int8_t* src = w + (n0 + j) * K + c * KC;
+          if (j >= rows || (c + 1) * KC > K) {
+            std::memset(tail, 0, KC);
+            if (j < rows) std::memcpy(tail, src, K - c * KC);
+            src = tail;
+          }
+          _mm512_storeu_si512(wbuf.data() + j * padded_k + c * KC, int8_chunk_bf16(src));
+        }
+      for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+        const int64_t mr = ember_fixed::min<int64_t>(TILE, M - m0);
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+          __m512bh wv[TILE];
+          for (int j = 0; j < TILE; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wbuf.data() + j * padded_k + c * KC);
+          for (int64_t m = 0; m < mr; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x.p + (m0 + m) * x.stride + c * KC);
+            for (int j = 0; j < TILE; ++j) acc[m * TILE + j] = _mm512_dpbf16_ps(acc[m * TILE + j], xv, wv[j]);
+          }
+        }
+        const __m512 sums = ember_avx512::reduce16(acc);
+        switch (mr) {
+          case 1: store_sums<1, TILE>(sums, scales, n0, rows, N, y + m0 * N, N); break;
+          case 2: store_sums<2, TILE>(sums, scales, n0, rows, N, y + m0 * N, N); break;
+          case 3: store_sums<3, TILE>(sums, scales, n0, rows, N, y + m0 * N, N); break;
+          default: store_sums<4, TILE>(sums, scales, n0, rows, N, y + m0 * N, N); break;
         }
       }
     }
   });
 }
 
+void int8_gemm_inv(const c10::BFloat16* xp, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
+                   c10::BFloat16* y) {
+  const PaddedRows x(xp, M, K);
+  switch (M) {
+    case 1: int8_rows_inv<1>(x, K, w, scales, N, y); break;
+    case 2: int8_rows_inv<2>(x, K, w, scales, N, y); break;
+    case 3: int8_rows_inv<3>(x, K, w, scales, N, y); break;
+    case 4: int8_rows_inv<4>(x, K, w, scales, N, y); break;
+    default: int8_tiles_inv(x, M, K, w, scales, N, y); break;
+  }
+}
+
 }  // namespace
+EMBER_FIXED_ORDER_END
 #endif
 
 bool has_avx512_bf16() {
@@ -380,9 +534,11 @@ bool has_avx512_bf16() {
 #endif
 }
 
-// x bf16 [M, K]; w uint8 from _convert_weight_to_int4pack_for_cpu ([N, K/2], read as [N/64, K, 32]);
-// scale_zeros bf16 [K/group, N, 2]. Returns bf16 [M, N].
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group) {
+// x bf16 [M, K]; w uint8 in the 64-row int4 pack ([N, K/2], read as [N/64, K, 32]: row r of a block in byte r % 32,
+// low nibble for r < 32; torch's AVX512 pack, ember.quantization.kernels.pack_cpu_int4); scale_zeros bf16
+// [K/group, N, 2]. Returns bf16 [M, N]. invariant: a row's result does not depend on the other rows (no bf16
+// panel from 128 rows, one chain count at every row count).
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant) {
 #ifdef EMBER_AVX512_BF16
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
   TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.dim() == 3, "scale_zeros bf16 [G, N, 2]");
@@ -393,33 +549,42 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
-  if (x.size(0) >= INT4_PANEL_MIN_ROWS) {
+  if (!invariant && x.size(0) >= INT4_PANEL_MIN_ROWS) {
     const Int4Consts c;
     return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
       int4_panel(c, wp + nb * K * 32, sp + nb * NB * 2, N, K, group, panel);
     }, [](int64_t) -> const float* { return nullptr; });
   }
   auto y = torch::empty({x.size(0), N}, x.options());
-  int4_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
+  int4_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>(), invariant);
   return y;
 #else
   TORCH_CHECK(false, "int4_gemm needs AVX512-BF16");
 #endif
 }
 
-// x bf16 [M, K]; w int8 [N, K]; scales float32 [N]. Returns bf16 [M, N].
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+// x bf16 [M, K]; w int8 [N, K]; scales float32 [N]. Returns bf16 [M, N]. invariant: every output the same chain
+// at every row count (int8_gemm_inv); otherwise row-wise float dots up to 4 rows, bf16 panels from 5 (which need
+// N % 64 == 0 and an even K).
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant) {
 #ifdef EMBER_AVX512_BF16
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
   TORCH_CHECK(w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat, "int8 weight, float32 scales");
   x = x.contiguous();
   const int64_t K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && scales.numel() == N, "int8_gemm: bad shapes");
-  TORCH_CHECK(x.size(0) <= INT8_ROWS_MAX || (N % NB == 0 && K % 2 == 0), "int8_gemm: panels need N % 64, even K");
+  TORCH_CHECK(invariant || x.size(0) <= INT8_ROWS_MAX || (N % NB == 0 && K % 2 == 0),
+              "int8_gemm: panels need N % 64, even K");
   auto wc = w.contiguous();
   auto sc = scales.contiguous();
   const int8_t* wp = wc.data_ptr<int8_t>();
   const int64_t M = x.size(0);
+  if (invariant) {
+    auto y = torch::empty({M, N}, x.options());
+    if (M > 0)
+      int8_gemm_inv(x.data_ptr<c10::BFloat16>(), M, K, wp, sc.data_ptr<float>(), N, y.data_ptr<c10::BFloat16>());
+    return y;
+  }
   if (M <= INT8_ROWS_MAX) {
     auto y = torch::empty({M, N}, x.options());
     const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();

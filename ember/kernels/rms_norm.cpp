@@ -6,6 +6,42 @@
 
 #include <cmath>
 
+#include "avx512_util.h"
+
+namespace {
+
+EMBER_INLINE float to_f32(float x) { return x; }
+EMBER_INLINE float to_f32(c10::BFloat16 x) { return ember_fixed::bf16_bits_to_float(x.x); }
+EMBER_INLINE float to_f32(c10::Half x) { return static_cast<float>(x); }
+
+}  // namespace
+
+// The sum of squares of a row in a fixed order (16 lanes, element i in lane i % 16, then a fixed tree), so a row's
+// norm is the same bits whichever batch or offset it is in (batch invariance; the vectoriser may not reorder it).
+EMBER_FIXED_ORDER_BEGIN
+namespace {
+
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  float l[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      const float f = to_f32(x[i + j]);
+      l[j] += f * f;
+    }
+  for (int j = 0; i + j < n; ++j) {
+    const float f = to_f32(x[i + j]);
+    l[j] += f * f;
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) l[j] += l[j + w];
+  return l[0];
+}
+
+}  // namespace
+EMBER_FIXED_ORDER_END
+
 namespace {
 
 template <typename T>
@@ -14,15 +50,11 @@ void add_rms_norm_kernel(T* x, T* residual, const T* w, int64_t rows, int64_t di
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
       T* rr = residual + r * dim;
-      float ss = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
-        const T h = add ? static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i])) : xr[i];
-        if (add) rr[i] = h;
-        const float f = static_cast<float>(h);
-        ss += f * f;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      if (add)
+        for (int64_t i = 0; i < dim; ++i)
+          rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
       const T* src = add ? rr : xr;
+      const float inv = 1.f / std::sqrt(sum_squares(src, dim) / static_cast<float>(dim) + eps);
       for (int64_t i = 0; i < dim; ++i) {
         const T normed = static_cast<T>(static_cast<float>(src[i]) * inv);
         xr[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(normed));

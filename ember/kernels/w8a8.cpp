@@ -99,7 +99,7 @@ void rescale_rows(const int32_t* acc, const float* xs, const float* ws, int64_t 
 }
 #pragma GCC pop_options
 
-#if defined(EMBER_AVX512_BF16) && defined(__AVX512VNNI__)
+#if defined(EMBER_AVX512_BF16) && defined(EMBER_AVX512_VNNI)
 #define EMBER_W8A8_ROWS 1
 constexpr int64_t ROWS_MAX = 4;  // at most this many rows: VNNI dot products along the weight's rows, no GEMM call
 

@@ -132,13 +132,16 @@ class AttentionBackend:
     """How a ``PagedAttention`` layer stores its new K/V and attends, chosen once (``select_attention_backend``).
 
     One instance serves every layer of a model: it holds no per-layer state and reads the layer's caches, heads,
-    window and scale at each call. Subclasses implement ``decode`` and ``prefill``; ``forward`` runs a step."""
+    window and scale at each call. Subclasses implement ``decode`` and ``prefill``; ``forward`` runs a step.
+    ``batch_invariant``: a query's output is the same bits whether it is a decode row, in a fresh prompt or in a
+    chunk after cached context (the ``cpu-kernel`` backend keeps it; the others do not promise it)."""
 
-    __slots__ = ()
+    __slots__ = ("batch_invariant",)
     name: ClassVar[str]
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, batch_invariant: bool = True) -> None:
         """Construct through ``select_attention_backend``, which checks ``supports`` first."""
+        self.batch_invariant = batch_invariant
 
     @classmethod
     def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
@@ -237,14 +240,16 @@ class InPlaceAttention(TorchAttention):
 
 
 class CpuKernelAttention(InPlaceAttention):
-    """CPU with ember's compiled kernels and a float pool; bf16 prefill too where the AVX512-BF16 kernels were
-    built, else prefill as ``torch``."""
+    """CPU with ember's compiled kernels and a float pool. Decode and prefill rows run the same arithmetic (the
+    AVX512-BF16 kernels for bf16 with head size 64 or 128 where they were built, the portable kernel otherwise), so
+    batch invariance holds across decode, fresh prefill, chunks and prefix-cache hits. With batch_invariant=False
+    decode takes the faster bf16 decode kernel and prefill the portable shapes SDPA, as ``torch``."""
 
     __slots__ = ()
     name = "cpu-kernel"
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device, batch_invariant: bool = True) -> None:
+        super().__init__(device, batch_invariant)
         kernels = kernels_for(device)
         if kernels is None:
             raise RuntimeError(f"the compiled CPU kernels are not available on {device}")
@@ -254,11 +259,18 @@ class CpuKernelAttention(InPlaceAttention):
     def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
         return _quantized(kv_format) is None and kernels_for(device) is not None
 
+    def decode(self, layer: PagedAttention, q: torch.Tensor, meta: AttentionMetadata,
+               fmt: KVCacheFormat | None) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, layer.sliding_window or 0, layer.scale,
+                                                   self.batch_invariant)
+
     def prefill(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
                 fmt: KVCacheFormat | None) -> torch.Tensor:
-        """bf16 with head size 64 or 128 on an AVX512-BF16 build: ember's kernel over the paged context (no gather,
-        prefix hits and earlier chunks included); otherwise SDPA as ``torch``."""
-        if q.dtype == torch.bfloat16 and layer.head_dim in (64, 128) and self.kernels.has_avx512_bf16():
+        """ember's kernel over the paged context (no gather; prefix hits and earlier chunks included); with
+        batch_invariant=False, SDPA as ``torch`` where the AVX512-BF16 kernel does not take the shape."""
+        avx512 = q.dtype == torch.bfloat16 and layer.head_dim in (64, 128) and self.kernels.has_avx512_bf16()
+        if self.batch_invariant or avx512:
             return self.kernels.paged_prefill_attention(q, layer.k_cache, layer.v_cache, span.block_table,
                                                         span.context_len, layer.sliding_window or 0, layer.scale)
         return super().prefill(layer, q, k, v, span, fmt)
@@ -272,8 +284,8 @@ class TritonAttention(InPlaceAttention):
     __slots__ = ()
     name = "triton"
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device, batch_invariant: bool = True) -> None:
+        super().__init__(device, batch_invariant)
         from ember.kernels import triton_attention
 
         self.kernels: ModuleType = triton_attention
@@ -293,7 +305,7 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def select_attention_backend(device: torch.device, kv_format: KVCacheFormat | None, name: str | None = None,
-                             block_size: int = 16) -> AttentionBackend:
+                             block_size: int = 16, batch_invariant: bool = True) -> AttentionBackend:
     """The backend for layers on device with a pool in kv_format: ``name`` when given, else the first of
     ``ATTENTION_BACKENDS`` that supports them (the compiled kernel for a float pool on CPU, Triton's on CUDA, else
     torch)."""
@@ -305,13 +317,14 @@ def select_attention_backend(device: torch.device, kv_format: KVCacheFormat | No
     if not backend.supports(device, kv_format, block_size):
         kind = kv_format.kind if kv_format is not None else "auto"
         raise ConfigError(f"attention backend {name!r} cannot run on {device} with kv_cache_dtype={kind!r}")
-    return backend(device)
+    return backend(device, batch_invariant)
 
 
 def bind_attention_backend(layers: list[PagedAttention], device: torch.device, kv_format: KVCacheFormat | None,
-                           block_size: int = 16, name: str | None = None) -> AttentionBackend:
+                           block_size: int = 16, name: str | None = None,
+                           batch_invariant: bool = True) -> AttentionBackend:
     """Select the backend once and give it to every layer; returns it (its ``name`` says which)."""
-    backend = select_attention_backend(device, kv_format, name, block_size)
+    backend = select_attention_backend(device, kv_format, name, block_size, batch_invariant)
     for layer in layers:
         layer.backend = backend
     return backend

@@ -57,7 +57,7 @@ class VocabEmbedding(Layer):
         else:
             load_float(self.weight.data[:rows], value, name)
 
-    def finalize(self, device: torch.device, prepack: bool) -> None:
+    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
         if self.qt is not None:
             self.qt = self.qt.to(device)
 
@@ -85,12 +85,13 @@ class LMHead(VocabEmbedding):
         self.prepacked: PrepackedWeight | None = None
         self.qmm: QuantizedMatmul | None = None
 
-    def finalize(self, device: torch.device, prepack: bool) -> None:
+    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
         """Runs after the embedding's own finalize (it is registered first)."""
-        super().finalize(device, prepack)
+        super().finalize(device, prepack, batch_invariant)
         table = self.tied_to.qt if self.tied_to is not None else self.qt
         if table is not None:
-            self.qmm = QuantizedMatmul("int8", table)  # shares the int8 table with the embedding when tied
+            # shares the int8 table with the embedding when tied
+            self.qmm = QuantizedMatmul("int8", table, batch_invariant=batch_invariant)
         elif prepack:
             self.prepacked = PrepackedWeight(self.weight)
 

@@ -20,9 +20,18 @@ from ember.layers.lora import LoRABatch, LoRAStack
 from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
 
-def mkldnn_prepack_available() -> bool:
-    """oneDNN can pre-pack linear weights on CPU: about 2x faster matmuls for decode-sized batches, bf16 and fp32.
-    EMBER_MKLDNN_LINEAR=0 turns it off."""
+def mkldnn_prepack_available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN can pre-pack linear weights of this dtype on CPU: about 2x faster matmuls for decode-sized batches,
+    fp32 everywhere, bf16 where the CPU has the instructions oneDNN's bf16 path needs (AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; elsewhere it refuses the weight). EMBER_MKLDNN_LINEAR=0 turns it off."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16:
+        try:
+            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return False
+        except (AttributeError, RuntimeError):
+            return False
     return (envs.mkldnn_linear_enabled() and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
@@ -87,12 +96,12 @@ class Linear(Layer):
         else:
             self._parts.append((offset, requantize(value, self.kind, self.group_size)))
 
-    def finalize(self, device: torch.device, prepack: bool) -> None:
+    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
         """After loading: lay the weight out for the device (quantized kernel, or oneDNN's packed float)."""
         if self.quant is not None:
             qt = concat_rows([p for _, p in sorted(self._parts, key=lambda p: p[0])]).to(device)
             self._parts = []
-            self.qmm = QuantizedMatmul(self.quant.method, qt)
+            self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant)
         elif prepack:
             self.prepacked = PrepackedWeight(self.weight)
 

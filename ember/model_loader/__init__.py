@@ -115,16 +115,17 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     model.load_weights(tensors)
     model.to(config.device).eval()
     device = torch.device(config.device)
-    prepack = device.type == "cpu" and mkldnn_prepack_available()
-    finalize(model, device, prepack)
+    prepack = device.type == "cpu" and mkldnn_prepack_available(dtype)
+    finalize(model, device, prepack, config.batch_invariant)
     return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
 
 
-def finalize(model: torch.nn.Module, device: torch.device, prepack: bool) -> None:
-    """Lay every loaded weight out for the device's kernels (quantized paths, oneDNN's packed floats)."""
+def finalize(model: torch.nn.Module, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
+    """Lay every loaded weight out for the device's kernels (quantized paths, oneDNN's packed floats);
+    batch_invariant: quantized kernels whose rows do not depend on the batch (``QuantizedMatmul``)."""
     for module in model.modules():  # embedding before LM head: a tied head reuses the finalized table
         if hasattr(module, "finalize"):
-            module.finalize(device, prepack)
+            module.finalize(device, prepack, batch_invariant)
 
 
 def weight_layout(config: ModelConfig, ckpt: Checkpoint, hf_config: Any) -> tuple[torch.dtype, QuantConfig | None]:

@@ -20,7 +20,14 @@ and from 128 rows on through a panel of the block's weights rounded to bf16 (the
 rows (each thread lays 64 output columns out once as exact integers and runs register-blocked bf16 dot products
 against them) and at 1-4 rows, where it dots the weight rows directly (five shapes of the two models, 2 threads,
 AMD Zen 5, 2026-11-25, interleaved medians: 1 row 66-73 GB/s against torch's op 30-49, 4 rows 34-42 against 26-31).
-Scales are applied to float32 sums, so only int4 prefill batches round w to bf16.
+Scales are applied to float32 sums, so only int4 prefill batches of the non-invariant kernel round w to bf16.
+Batch invariance (``batch_invariant=True``, the default; docs/batch_invariance.md): on CPU each row's result must not
+depend on the rows beside it, so a path never switches kernels by row count: ember's kernels run their invariant
+variants at every row count, and without them torch's packed ops serve every row count (their rows are independent;
+measured on AVX2) instead of switching to a dense matmul at DENSE_MIN_ROWS (that dense matmul, with
+batch_invariant=False, runs in float32 where the CPU has no native bf16 matmul). ember's int4 kernel reads its own 64-row
+pack (``pack_cpu_int4``), which is torch's on AVX512 CPUs; torch's pack follows the CPU (32 rows on AVX2), so the
+dense path unpacks with the block found on the machine (``torch_int4_block_rows``).
 The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
 process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
 and that path is not used again in the process (its weights run the portable path).
@@ -46,7 +53,7 @@ EMBER_INT4_MIN_ROWS = 1  # ember's int4 kernel beats torch's packed op at every 
 EMBER_INT8_MIN_ROWS = 5  # from 5 rows the int8 panels beat torch's op (49152x576: 5 rows 1.05 vs 1.7-1.8 ms, 16 rows
 #                         1.8 vs 3.6)
 EMBER_INT8_ROWS_MAX = 4  # up to 4 rows ember's kernel dots the weight rows as they lie: 1.2-2.5x torch's op (below)
-_INT4_BLOCK_N = 64  # the CPU int4 pack interleaves 64 output rows; other row counts take the portable path
+_INT4_BLOCK_N = 64  # ember's CPU int4 pack interleaves 64 output rows; other row counts take the portable path
 _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more than 16 rows
 _CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
 
@@ -85,11 +92,39 @@ def select_path(method: str, device: torch.device, n: int, k: int, group_size: i
     return "portable"
 
 
-def unpack_cpu_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Invert ``_convert_weight_to_int4pack_for_cpu``: bytes [N/64, K, 32], row r of a 64-row block in byte
-    r % 32, low nibble for r < 32 -> values uint8 [N, K]."""
-    p = packed.view(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)
-    q = torch.cat([p & 0xF, p >> 4], dim=2)  # [N/64, K, 64]
+@functools.cache
+def _fast_bf16_matmul() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 / AMX); without it a dense bf16 matmul is several
+    times slower than the same in float32 (docs/batch_invariance.md), so the dense path runs float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
+def torch_int4_block_rows() -> int:
+    """The output rows torch's CPU int4 pack (``_convert_weight_to_int4pack_for_cpu``) interleaves on this machine:
+    its layout follows the CPU ATen runs on, 64 rows where it runs AVX512 code, 32 with AVX2."""
+    q = torch.zeros(64, 2, dtype=torch.int32)
+    q[32:] = 1  # rows 32.. share a byte with rows 0.. only in the 64-row layout
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return 64 if int(packed.view(-1)[0]) >> 4 == 1 else 32
+
+
+def pack_cpu_int4(q: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
+    """uint8 values [N, K] -> bytes [N/block, K, block/2] (as uint8 [N, K/2]): row r of a block in byte
+    r % (block/2), low nibble for the first half of the block. With block 64 this is torch's AVX512 layout, the one
+    ember's int4 kernel reads on every CPU."""
+    n, k = q.shape
+    b = q.to(torch.uint8).view(n // block, block, k)
+    return (b[:, :block // 2] | (b[:, block // 2:] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+
+
+def unpack_cpu_int4(packed: torch.Tensor, n: int, k: int, block: int = _INT4_BLOCK_N) -> torch.Tensor:
+    """Invert ``pack_cpu_int4`` (and torch's CPU pack, whose block is ``torch_int4_block_rows()``) -> uint8 [N, K]."""
+    p = packed.view(n // block, k, block // 2)
+    q = torch.cat([p & 0xF, p >> 4], dim=2)  # [N/block, K, block]
     return q.transpose(1, 2).reshape(n, k)
 
 
@@ -116,14 +151,17 @@ class MatmulPath:
     """One way to run ``y = x W^T``: ``prepare`` lays the weight out for its kernel once, ``matmul`` runs it.
 
     ``w`` and ``s`` are the kernel's weight and scales; ``checked_at_load`` marks the paths whose first weight in a
-    process is checked against the portable result (``QuantizedMatmul._self_check``)."""
+    process is checked against the portable result (``QuantizedMatmul._self_check``). ``invariant``: the CPU paths
+    keep a row's result independent of the rows beside it (one kernel at every row count), else they switch to the
+    fastest kernel for the row count."""
 
-    __slots__ = ("method", "n", "k", "group_size", "w", "s")
+    __slots__ = ("method", "n", "k", "group_size", "w", "s", "invariant")
     name: ClassVar[str]
     checked_at_load: ClassVar[bool] = False
 
-    def __init__(self, method: str, n: int, k: int, group_size: int) -> None:
+    def __init__(self, method: str, n: int, k: int, group_size: int, invariant: bool = True) -> None:
         self.method, self.n, self.k, self.group_size = method, n, k, group_size
+        self.invariant = invariant
         self.w: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
 
@@ -187,8 +225,10 @@ class _WeightOnlyPath(MatmulPath):
 
 
 class _CpuWeightOnly(_WeightOnlyPath):
-    """Small batches through torch's packed op; from ``ember_min_rows`` rows on ember's kernel where it was built,
-    else from DENSE_MIN_ROWS one dense matmul of the dequantized weight (figures in the module docstring)."""
+    """ember's kernel where it was built: batch invariant, at every row count; otherwise (batch_invariant=False)
+    from ``ember_min_rows`` rows on and up to ``ember_max_small_rows``. Without it: torch's packed op (its rows do
+    not depend on each other), and when not invariant, from DENSE_MIN_ROWS one dense matmul of the dequantized
+    weight (figures in the module docstring)."""
 
     __slots__ = ()
     ember_min_rows: ClassVar[int]
@@ -196,14 +236,15 @@ class _CpuWeightOnly(_WeightOnlyPath):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        ember_rows = rows >= self.ember_min_rows or rows <= self.ember_max_small_rows
+        ember_rows = self.invariant or rows >= self.ember_min_rows or rows <= self.ember_max_small_rows
         if ember_rows and (kernels := _ember_gemm()) is not None:
             if x.dim() == 2 and x.dtype is torch.bfloat16:  # the model's case: no reshapes or casts to dispatch
                 return self.ember_mm(kernels, x)
             y = self.ember_mm(kernels, x.reshape(rows, self.k).to(torch.bfloat16))
             return y.to(x.dtype).view(*x.shape[:-1], self.n)
-        if rows >= DENSE_MIN_ROWS:
-            return F.linear(x, self.dequantized(x.dtype))
+        if rows >= DENSE_MIN_ROWS and not self.invariant:
+            dtype = x.dtype if x.dtype == torch.float32 or _fast_bf16_matmul() else torch.float32
+            return F.linear(x.to(dtype), self.dequantized(dtype)).to(x.dtype)
         return super().matmul(x)
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
@@ -237,9 +278,9 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
         self.s32 = qt.scales.view(-1).float()  # ember's kernel scales the float sums
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
-        if self.n % _INT4_BLOCK_N and xb.shape[0] > EMBER_INT8_ROWS_MAX:  # panels of 64 output rows
+        if not self.invariant and self.n % _INT4_BLOCK_N and xb.shape[0] > EMBER_INT8_ROWS_MAX:  # 64-row panels
             return self.packed_mm(xb)
-        return kernels.int8_gemm(xb, self.w, self.s32)
+        return kernels.int8_gemm(xb, self.w, self.s32, self.invariant)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*super().tensors(), self.s32]
@@ -252,18 +293,24 @@ class CudaInt8Path(_Int8PackPath):
 
 
 class CpuInt4Path(_CpuWeightOnly):
-    """``_weight_int4pack_mm_for_cpu``: the packed form is the only copy kept; ember's kernel reads it as it is,
-    the dense path unpacks it."""
+    """The packed form is the only copy kept: ember's 64-row pack where ember's kernel runs (it reads the pack as it
+    lies), else torch's pack for ``_weight_int4pack_mm_for_cpu``, whose layout follows the CPU (``block``: the rows
+    it interleaves); the dense path unpacks either."""
 
-    __slots__ = ()
+    __slots__ = ("block",)
     name = "cpu-int4"
     ember_min_rows = EMBER_INT4_MIN_ROWS
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
-        return kernels.int4_gemm(xb, self.w, self.s, self.group_size)
+        return kernels.int4_gemm(xb, self.w, self.s, self.group_size, self.invariant)
 
     def prepare(self, qt: QuantizedTensor) -> None:
-        self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpacked().to(torch.int32), 1)
+        if _ember_gemm() is not None:
+            self.block = _INT4_BLOCK_N
+            self.w = pack_cpu_int4(qt.unpacked(), self.block)
+        else:
+            self.block = torch_int4_block_rows()
+            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpacked().to(torch.int32), 1)
         self.s = _scale_zeros(qt)
 
     def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
@@ -272,7 +319,7 @@ class CpuInt4Path(_CpuWeightOnly):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         sz = self.s.float()  # [G, N, 2]
         g = self.group_size
-        q = unpack_cpu_int4(self.w, self.n, self.k).float().view(self.n, self.k // g, g)
+        q = unpack_cpu_int4(self.w, self.n, self.k, self.block).float().view(self.n, self.k // g, g)
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
         return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
 
@@ -356,12 +403,14 @@ MATMUL_PATHS: dict[str, type[MatmulPath]] = {p.name: p for p in (
 
 class QuantizedMatmul:
     """A weight prepared for ``method`` ('int8' | 'int4' | 'w8a8') on its tensors' device: ``impl`` is the path
-    (a ``MatmulPath``) chosen once here, ``path`` its name."""
+    (a ``MatmulPath``) chosen once here, ``path`` its name; ``batch_invariant`` as ``EngineConfig``'s."""
 
-    __slots__ = ("method", "n", "k", "group_size", "impl")
+    __slots__ = ("method", "n", "k", "group_size", "impl", "batch_invariant")
 
-    def __init__(self, method: str, qt: QuantizedTensor, path: str | None = None) -> None:
+    def __init__(self, method: str, qt: QuantizedTensor, path: str | None = None,
+                 batch_invariant: bool = True) -> None:
         self.method = method
+        self.batch_invariant = batch_invariant
         self.n, self.k = qt.shape
         self.group_size = qt.group_size
         if method != "int4" and (qt.kind != "int8" or qt.group_size != self.k):
@@ -375,7 +424,7 @@ class QuantizedMatmul:
     def _build(self, path: str, qt: QuantizedTensor) -> MatmulPath:
         if path not in MATMUL_PATHS:
             raise ValueError(f"quantized matmul path {path!r} is unknown: use one of {tuple(MATMUL_PATHS)}")
-        impl = MATMUL_PATHS[path](self.method, self.n, self.k, self.group_size)
+        impl = MATMUL_PATHS[path](self.method, self.n, self.k, self.group_size, self.batch_invariant)
         impl.prepare(qt)
         return impl
 

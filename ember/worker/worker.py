@@ -68,7 +68,8 @@ class Worker:
         self.graphs: DecodeGraphs | None = None  # CUDA: captured by ``capture_graphs`` at start-up
         if self.lora is not None:
             self.model.enable_lora(self.lora.max_loras, self.lora.max_rank, self.device)
-        self.attention_backend = bind_attention_backend(self.layers, self.device, fmt, cache.block_size)
+        self.attention_backend = bind_attention_backend(self.layers, self.device, fmt, cache.block_size,
+                                                        batch_invariant=model_config.batch_invariant)
         self.kv_cache = torch.empty(0)
         self.host_cache: torch.Tensor | None = None
         self.plan: startup.PoolPlan | None = None

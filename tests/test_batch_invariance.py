@@ -1,0 +1,226 @@
+"""Batch invariance (docs/batch_invariance.md): a row's result does not depend on the rows beside it, so a greedy
+request gets the same tokens and logprobs, to the bit, alone, in any batch, chunked, from the prefix cache, after
+preemption and as one of n samples.
+
+Kernels are checked row by row against the same rows computed alone; engines through ``invariance.check``. The
+AVX512-BF16 kernels run natively where the machine has them and emulated elsewhere (``emulated_kernels``: built
+once, a few minutes, then cached), so every CI machine checks the default path of AVX-512 machines too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import default_gguf, save_random_model
+from ember import LLM, ConfigError, SamplingParams
+from ember.kernels import cpu_kernels, emulated_kernels
+from ember.quantization import QuantizedMatmul
+from ember.quantization.kernels import _scale_zeros, pack_cpu_int4
+from ember.quantization.tensor import quantize_int4, quantize_int8
+from invariance import check
+
+HERE = os.path.dirname(__file__)
+
+
+def _native_avx512() -> bool:
+    k = cpu_kernels()
+    return k is not None and k.has_avx512_bf16()
+
+
+@pytest.fixture(scope="module")
+def avx512():
+    """The AVX512-BF16 kernels: this machine's, or emulated where it has no AVX-512."""
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels could not be built on this machine")
+    return cpu_kernels() if _native_avx512() else emulated_kernels()
+
+
+def _rows_alone(fn, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+ROW_COUNTS = (2, 3, 4, 5, 7, 11, 12, 13, 47, 48, 49, 64, 127, 128, 130)
+
+
+@pytest.mark.parametrize("n,k,group", [(192, 256, 64), (128, 96, 32), (64, 576, 32)])
+def test_int4_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, group):
+    g = torch.Generator().manual_seed(n + k)
+    qt = quantize_int4(torch.randn(n, k, generator=g), group)
+    w, sz = pack_cpu_int4(qt.unpacked()), _scale_zeros(qt)
+    x = torch.randn(130, k, generator=g).bfloat16()
+    alone = _rows_alone(lambda r: avx512.int4_gemm(r, w, sz, group), x)
+    for m in ROW_COUNTS:
+        assert torch.equal(avx512.int4_gemm(x[:m], w, sz, group), alone[:m]), f"{m} rows"
+        assert torch.equal(avx512.int4_gemm(x[-m:], w, sz, group), alone[-m:]), f"last {m} rows"
+    ref = F.linear(x.float(), qt.dequantize(torch.float32))
+    assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3  # bf16 activations and output
+
+
+@pytest.mark.parametrize("n,k", [(192, 256), (77, 100), (64, 32), (130, 576), (9, 40)])
+def test_int8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
+    """Output counts that are not multiples of the kernels' blocks, inputs that are not multiples of 32."""
+    g = torch.Generator().manual_seed(n + k)
+    qt = quantize_int8(torch.randn(n, k, generator=g))
+    s32 = qt.scales.view(-1).float()
+    x = torch.randn(70, k, generator=g).bfloat16()
+    alone = _rows_alone(lambda r: avx512.int8_gemm(r, qt.data, s32), x)
+    for m in (2, 3, 4, 5, 6, 8, 9, 17, 64, 70):
+        assert torch.equal(avx512.int8_gemm(x[:m], qt.data, s32), alone[:m]), f"{m} rows"
+        assert torch.equal(avx512.int8_gemm(x[-m:], qt.data, s32), alone[-m:]), f"last {m} rows"
+    ref = F.linear(x.float(), qt.dequantize(torch.float32))
+    assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3
+
+
+def test_w8a8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512):
+    """Integer products are exact, so the dot-product rows (up to 4) and the GEMM agree to the bit."""
+    g = torch.Generator().manual_seed(8)
+    qt = quantize_int8(torch.randn(160, 96, generator=g))
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    s = qt.scales.view(-1).float()
+    alone = _rows_alone(lambda r: avx512.w8a8_linear(r, qt.data, s), x)
+    for m in (2, 4, 5, 17, 40):
+        assert torch.equal(avx512.w8a8_linear(x[:m], qt.data, s), alone[:m]), f"{m} rows"
+
+
+def _attention_cases(kernels, dtype, heads, kv_heads, d, bs, ctx=100):
+    g = torch.Generator().manual_seed(heads * d + bs)
+    blocks = -(-ctx // bs) + 3
+    kc = torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype)
+    table = torch.randperm(blocks, generator=g)
+    q = (torch.randn(ctx, heads, d, generator=g) * 2).to(dtype)
+    for window in (0, 37):
+        fresh = kernels.paged_prefill_attention(q, kc, vc, table, ctx, window, d ** -0.5)
+        yield window, "a chunk after cached context", kernels.paged_prefill_attention(
+            q[-40:], kc, vc, table, ctx, window, d ** -0.5), fresh[-40:]
+        yield window, "a one-token chunk", kernels.paged_prefill_attention(
+            q[59:60], kc, vc, table, 60, window, d ** -0.5), fresh[59:60]
+        lens = torch.arange(1, ctx + 1)
+        decode = kernels.paged_decode_attention(q, kc, vc, table[None].expand(ctx, -1).contiguous(), lens, window,
+                                                d ** -0.5)
+        yield window, "decode rows", decode, fresh
+        order = torch.randperm(ctx, generator=g)[:17]  # a decode batch in another order and size
+        yield window, "a shuffled decode batch", kernels.paged_decode_attention(
+            q[order], kc, vc, table[None].expand(17, -1).contiguous(), lens[order], window, d ** -0.5), fresh[order]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (14, 2, 64, 16), (4, 4, 128, 32), (8, 1, 64, 8)])
+def test_avx512_attention_gives_a_query_the_same_bits_in_decode_prefill_and_chunks(avx512, heads, kv_heads, d, bs):
+    for window, case, got, want in _attention_cases(avx512, torch.bfloat16, heads, kv_heads, d, bs):
+        assert torch.equal(got, want), f"{case}, window {window}"
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float32, 48), (torch.bfloat16, 48),
+                                     (torch.float16, 32)])
+def test_portable_attention_gives_a_query_the_same_bits_in_decode_prefill_and_chunks(dtype, d):
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built on this machine")
+    for window, case, got, want in _attention_cases(kernels, dtype, 6, 2, d, 16):
+        assert torch.equal(got, want), f"{case}, window {window}"
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
+def test_quantized_matmul_rows_do_not_depend_on_the_batch(method):
+    """The matmul paths as layers use them on this machine (ember's kernels or torch's packed ops): no switch to
+    another kernel at any row count."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(192, 256, generator=g)
+    mm = QuantizedMatmul(method, quantize_int4(w, 64) if method == "int4" else quantize_int8(w))
+    x = torch.randn(200, 256, generator=g).bfloat16()
+    alone = _rows_alone(mm, x)
+    for m in (2, 5, 127, 128, 200):
+        assert torch.equal(mm(x[:m]), alone[:m]), f"{m} rows"
+    # the opt-out's kernels (its dense matmul from 128 rows, float32 where bf16 matmuls are slow) compute the same
+    # product within bf16 rounding
+    fast = QuantizedMatmul(method, quantize_int4(w, 64) if method == "int4" else quantize_int8(w),
+                           batch_invariant=False)
+    for m in (5, 200):
+        got = fast(x[:m])
+        assert got.dtype == torch.bfloat16 and got.shape == (m, 192)
+        want = alone[:m].float()
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2, f"{m} rows"
+
+
+# ----- engines -----
+
+@pytest.fixture(scope="module")
+def quantizable_model(tmp_path_factory, tokenizer_dir) -> str:
+    """Head size 64 (the AVX512 attention kernels' shape), widths the int4 / int8 kernels take, a small vocabulary
+    (prompts are random ids)."""
+    return save_random_model("LlamaConfig", str(tmp_path_factory.mktemp("inv")), tokenizer_dir, hidden_size=256,
+                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+                             tie_word_embeddings=True)
+
+
+def test_default_model_answers_the_same_whatever_runs_beside_it():
+    """The default model with default settings (int4 kernels and bf16 on AVX512-BF16 CPUs, float32 elsewhere)."""
+    try:
+        model = default_gguf()
+    except ConfigError as e:
+        pytest.skip(f"the default model is not installed: {e}")
+    assert check(model) == []
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8", "w8a8"])
+def test_quantized_model_answers_the_same_whatever_runs_beside_it(quantizable_model, quantization):
+    """Weights quantized, the LM head int8, bf16 activations: the AVX512-BF16 kernels, emulated in a process of their
+    own where this machine has no AVX-512 (slow, so fewer and smaller batches there)."""
+    settings = dict(quantization=quantization, quantize_embeddings=True, dtype="bfloat16", max_model_len=256)
+    if _native_avx512():
+        assert check(quantizable_model, **settings) == []
+        return
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels could not be built on this machine")
+    emulated_kernels()  # built here (under the test's timeout) rather than inside the subprocess
+    env = dict(os.environ, EMBER_EMULATE_AVX512="1")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "invariance.py"), quantizable_model,
+                          json.dumps(settings | {"sizes": [2, 24]})], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []
+
+
+def test_split_model_answers_the_same_whatever_runs_beside_it(quantizable_model):
+    """Two tensor-parallel ranks: each rank's rows are invariant and the all-reduce adds two partial sums, so the
+    split model is invariant too (compared with its own runs: a split sums in another order than one rank)."""
+    assert check(quantizable_model, sizes=(8,), dtype="float32", tensor_parallel_size=2, max_model_len=256) == []
+
+
+def test_the_near_tie_chat_answers_the_same_alone_batched_cached_and_streamed():
+    """The issue's example: a near tie at the first token once moved with the batch shape and with prefix hits."""
+    try:
+        model = default_gguf()
+    except ConfigError as e:
+        pytest.skip(f"the default model is not installed: {e}")
+    llm = LLM(model)
+    try:
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        params = SamplingParams(temperature=0, max_tokens=24)
+        alone = llm.chat(msgs, params)[0].outputs[0].text
+        assert [o.outputs[0].text for o in llm.chat([msgs] * 4, params)] == [alone] * 4
+        assert llm.chat(msgs, params)[0].outputs[0].text == alone  # its prompt blocks are cached by now
+        prompt = llm.client.chat_prompt(msgs)
+        streamed = "".join(d.outputs[0].text for d in llm.stream({"prompt_token_ids": prompt}, params))
+        assert streamed == alone
+    finally:
+        llm.shutdown()
+
+
+def test_batch_invariant_is_a_bool_and_false_still_serves(quantizable_model):
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        LLM(quantizable_model, batch_invariant="yes")
+    llm = LLM(quantizable_model, batch_invariant=False, quantization="int4", max_model_len=256)
+    try:
+        assert llm.client.engine_core.worker.attention_backend.batch_invariant is False
+        out = llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    finally:
+        llm.shutdown()
