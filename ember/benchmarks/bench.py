@@ -13,7 +13,7 @@ from ember.benchmarks import report
 from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, EMBER_VARIANTS, BenchError, backend_python,
                                      parse_backends, run_driver)
 from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests, vocabulary
-from ember.entrypoints.cli import add_parallel_args
+from ember.entrypoints.parallel_args import add_parallel_args
 
 log = logging.getLogger("ember.bench")
 

@@ -9,7 +9,8 @@ import os
 import sys
 import time
 
-from ember.config import EXECUTOR_BACKENDS, INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_MODES
+from ember.config import INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_MODES
+from ember.entrypoints.parallel_args import add_parallel_args
 from ember.quantization.config import QuantConfig
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -30,17 +31,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache entries (default auto: the model's dtype)")
     add_parallel_args(g)
-
-
-def add_parallel_args(g) -> None:
-    """-tp / -pp / --distributed-executor-backend, shared by generate, chat and bench."""
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="ranks each layer is split over (attention heads, MLP, vocabulary); default 1")
-    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                   help="pipeline stages the layers are split into; default 1")
-    g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
-                   help="how the ranks start: mp (local processes, the default for more than one rank), launched "
-                        "(torchrun / mpirun / srun started them), ray, uni (one rank)")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
