@@ -292,6 +292,7 @@ def _check(results, label: str) -> None:
     assert results["fp32"][0] < 1e4 or label != "SmolLM2"  # the real model reads English
 
 
+@pytest.mark.slow
 def test_perplexity_of_every_mode_on_the_default_model():
     _check(_measure(default_gguf()), "SmolLM2")
 
