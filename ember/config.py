@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ember import dtypes, envs
+from ember.dtypes import cpu_has_fast_bf16
 from ember.errors import ConfigError
 from ember.layers.kv_cache import KV_CACHE_DTYPES
 from ember.quantization.config import INT4_GROUP_SIZES, QUANT_ALGORITHMS, QUANT_METHODS, QUANT_MODES
@@ -71,13 +72,6 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 4 << 30
-
-
-def cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def resolve_dtype(requested: str | torch.dtype, config_dtype: torch.dtype | str | None, device: str) -> torch.dtype:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember import envs
+from ember.dtypes import cpu_has_fast_bf16
 from ember.distributed import ParallelContext
 from ember.distributed.comm import all_reduce
 from ember.layers.base import Layer
@@ -26,12 +27,8 @@ def mkldnn_prepack_available(dtype: torch.dtype = torch.float32) -> bool:
     AVX-NE-CONVERT; elsewhere it refuses the weight). EMBER_MKLDNN_LINEAR=0 turns it off."""
     if dtype not in (torch.float32, torch.bfloat16):
         return False
-    if dtype == torch.bfloat16:
-        try:
-            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                return False
-        except (AttributeError, RuntimeError):
-            return False
+    if dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+        return False
     return (envs.mkldnn_linear_enabled() and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

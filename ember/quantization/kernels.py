@@ -43,6 +43,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from ember.dtypes import cpu_has_fast_bf16
 from ember.kernels import cpu_kernels
 from ember.quantization.tensor import QuantizedTensor, quantize_int8_symmetric
 
@@ -90,16 +91,6 @@ def select_path(method: str, device: torch.device, n: int, k: int, group_size: i
         if method == "w8a8" and _has_kernel("_int_mm", "CUDA") and n % 8 == 0 and k % 8 == 0:
             return "cuda-w8a8"
     return "portable"
-
-
-@functools.cache
-def _fast_bf16_matmul() -> bool:
-    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 / AMX); without it a dense bf16 matmul is several
-    times slower than the same in float32 (docs/batch_invariance.md), so the dense path runs float32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 @functools.cache
@@ -243,7 +234,7 @@ class _CpuWeightOnly(_WeightOnlyPath):
             y = self.ember_mm(kernels, x.reshape(rows, self.k).to(torch.bfloat16))
             return y.to(x.dtype).view(*x.shape[:-1], self.n)
         if rows >= DENSE_MIN_ROWS and not self.invariant:
-            dtype = x.dtype if x.dtype == torch.float32 or _fast_bf16_matmul() else torch.float32
+            dtype = x.dtype if x.dtype == torch.float32 or cpu_has_fast_bf16() else torch.float32
             return F.linear(x.to(dtype), self.dequantized(dtype)).to(x.dtype)
         return super().matmul(x)
 
