@@ -219,3 +219,28 @@ def test_new_sampling_fields_validated(field, value):
 
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_unseeded_draws_come_from_the_samplers_own_generator():
+    """Unseeded rows draw from a generator of the sampler's own, seeded by the engine's seed: the process's global
+    RNG (which a user or another engine may reseed, and which a CUDA graph capture marks as capturing) neither moves
+    their tokens nor is moved by them."""
+    from ember.layers.logits_processors import RowState, SamplingRow
+    from ember.layers.sampler import Sampler
+    from ember.sampling_params import SamplingParams
+
+    logits = torch.zeros(6, V)  # uniform: every draw is the noise's choice
+    rows = [SamplingRow(i, SamplingParams(temperature=1.0), None, 0) for i in range(6)]
+
+    def draw(seed: int, global_seed: int) -> tuple[list[int], float]:
+        sampler = Sampler(V, seed=seed)
+        torch.manual_seed(global_seed)
+        tokens = sampler(logits, rows, [RowState(None) for _ in rows]).token_ids
+        return tokens + sampler(logits, rows, [RowState(None) for _ in rows]).token_ids, torch.rand(1).item()
+
+    a, after_a = draw(seed=0, global_seed=1)
+    b, after_b = draw(seed=0, global_seed=2)
+    c, _ = draw(seed=5, global_seed=1)
+    assert a == b and a != c
+    torch.manual_seed(1)
+    assert after_a == torch.rand(1).item()

@@ -30,7 +30,8 @@ class SamplingRow:
 
     handle: int  # the sample's id: keys its RowState in the worker
     params: SamplingParams
-    seed: int | None  # the sample's own seed (params.seed + its index); None draws from the global RNG
+    # the sample's own seed (params.seed + its index); None: the sampler's own generator (the engine's seed)
+    seed: int | None
     num_output_tokens: int
     token_ids: list[int] | None = None  # prompt + output, sent only to rows whose processors read the history
     num_prompt_tokens: int = 0

@@ -113,9 +113,15 @@ def _kept_logsumexp(logits: torch.Tensor, vals: torch.Tensor, use_k: torch.Tenso
 class Sampler:
     """Samples one token per row from plain rows (``SamplingRow``) and their states; reads no engine object."""
 
-    def __init__(self, vocab_size: int, processors: tuple[LogitsProcessor, ...] = DEFAULT_PROCESSORS) -> None:
+    def __init__(self, vocab_size: int, processors: tuple[LogitsProcessor, ...] = DEFAULT_PROCESSORS,
+                 seed: int = 0) -> None:
         self.vocab_size = vocab_size
         self.processors = processors
+        self.seed = seed
+        # unseeded rows' noise, one generator per device: not the process's default one, which another engine, the
+        # user, or a CUDA graph capture elsewhere in the process (it marks the default CUDA generator as capturing,
+        # for good if that capture fails) would share
+        self._noise: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], states: list[RowState],
@@ -169,6 +175,12 @@ class Sampler:
                                        top_ids[i, :k].tolist() if k else [], top_vals[i, :k].tolist() if k else [])
         return SamplerOutput(token_list, lps, beams)
 
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._noise.get(device)
+        if gen is None:
+            gen = self._noise[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
+
     def _draw(self, logits: torch.Tensor, params: list, states: list[RowState]) -> torch.Tensor:
         """Sample one token per row: argmax(p / E) with E ~ Exp(1) (the Gumbel trick, exact).
 
@@ -184,7 +196,8 @@ class Sampler:
             torch.tensor([p.min_p for p in params], **f32),
         )
         probs = cand.logits.softmax(dim=-1)
-        uniform = torch.rand_like(probs)  # -log(U) ~ Exp(1); rand is far cheaper than exponential_ on CPU
+        # -log(U) ~ Exp(1); rand is far cheaper than exponential_ on CPU
+        uniform = torch.rand(probs.shape, generator=self._generator(device), **f32)
         for j, st in enumerate(states):
             if st.generator is not None:
                 uniform[j] = torch.rand(self.vocab_size, generator=st.generator).to(device)[cand.ids[j]]

@@ -54,7 +54,7 @@ class Worker:
         self.model = self.loaded.model
         self.device = torch.device(model_config.device)
         self.block_size = cache.block_size
-        self.sampler = Sampler(self.loaded.shape.vocab_size)
+        self.sampler = Sampler(self.loaded.shape.vocab_size, seed=model_config.seed)
         self.states: dict[int, RowState] = {}  # sample handle -> its sampling state, until released
         self.layers = self.model.attention_layers()
         self.kv_format = fmt = startup.kv_format(self.loaded, cache.kv_cache_dtype)
