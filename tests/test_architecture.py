@@ -25,8 +25,8 @@ LAYERS = [
     ("entrypoints", "compat", "server", "benchmarks", "__init__", "__main__"),
 ]
 # small shared modules any layer may use: records, settings and helpers that import no layer above their own
-SHARED = {"envs", "errors", "dtypes", "cache", "config", "sampling_params", "outputs", "tokenizer",
-          "quantization.config", "layers.kv_cache", "lora"}
+SHARED = {"envs", "errors", "dtypes", "cache", "config", "sampling_params", "outputs", "tokenizer", "version",
+          "quantization.config", "layers.kv_cache", "lora", "protocol"}
 # what the clients (entrypoints, facades, server) may use of the engine: the front end's client, the shared
 # records, and the model files' own tools (conversion, serialization)
 CLIENT_MAY_USE = {"frontend", "model_loader"}
@@ -76,6 +76,101 @@ def test_imports_point_one_way():
                 bad.append(f"{path.relative_to(ROOT)}:{line} is a client but imports ember.{dep}: use the "
                            "EngineClient")
     assert not bad, "\n".join(bad)
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_of(p): p for p in ROOT.rglob("*.py")}
+
+
+def _target(name: str) -> str:
+    """The ember module an import names: itself, or the package or module that defines the name."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _edges(path: Path, lazy: bool) -> tuple[set[str], set[str]]:
+    """The ember modules and the third-party top-level packages a file imports: with ``lazy``, every import (in
+    functions and TYPE_CHECKING blocks too); without, only those that run when the module is imported."""
+    ember, other = set(), set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if not lazy and (isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                             or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                names = [f"{child.module}.{a.name}" for a in child.names]
+                if child.module.split(".")[0] == "ember":
+                    ember.update(_target(n) if n in MODULES else _target(child.module) for n in names)
+                else:
+                    other.add(child.module.split(".")[0])
+            elif isinstance(child, ast.Import):
+                for a in child.names:
+                    (ember.add(_target(a.name)) if a.name.split(".")[0] == "ember" else other.add(a.name.split(".")[0]))
+            else:
+                visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return ember - {_module_of(path)}, other
+
+
+def test_no_import_loops():
+    """No module reaches itself through imports, counting every import: lazy ones in functions and those only for
+    type checking too (a loop broken by a late import is still a loop in the design)."""
+    graph = {m: _edges(p, lazy=True)[0] for m, p in MODULES.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    loops: list[list[str]] = []
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                loops.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                walk(dep, path + [dep])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert not loops, "\n".join(" -> ".join(loop) for loop in loops)
+
+
+def _closure(module: str) -> tuple[set[str], set[str]]:
+    """Every ember module and third-party package that importing ``module`` runs (its packages' __init__ files
+    included; the root ``ember`` package, the users' entry point, left out)."""
+    seen, third, todo = set(), set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen or m == "ember":
+            continue
+        seen.add(m)
+        deps, other = _edges(MODULES[m], lazy=False)
+        third |= other
+        parents = {".".join(m.split(".")[:i]) for i in range(2, m.count(".") + 1)}
+        todo += [d for d in deps | parents if d in MODULES]
+    return seen, third
+
+
+def test_the_protocol_needs_no_torch_and_no_layer():
+    """The records that cross layers can be read by a process that has neither torch nor the engine."""
+    for m in [m for m in MODULES if m.startswith("ember.protocol")]:
+        modules, third = _closure(m)
+        assert "torch" not in third, f"{m} imports torch (through {sorted(modules)})"
+        layered = [d for d in modules if _rank(d.removeprefix("ember.")) is not None
+                   and not _shared(d.removeprefix("ember."))]
+        assert not layered, f"{m} imports layers {layered}"
+
+
+def test_config_imports_no_layer():
+    deps, _ = _edges(MODULES["ember.config"], lazy=True)
+    layered = [d for d in deps if _rank(d.removeprefix("ember.")) is not None]
+    assert not layered, f"ember.config imports {layered}"
 
 
 def test_worker_sees_no_tokenizer_and_no_front_end():

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ember.core.block_manager import BlockManager
-from ember.worker.batch import SWAP_OUT
+from ember.core.request import Sequence
 from ember.core.scheduler import Scheduler
-from ember.core.sequence import Sequence, SequenceStatus
+from ember.protocol import CopyKind, FinishReason, RequestStatus
 
 
 def _seq(prompt: list[int], max_num_tokens: int | None = None, n: int = 1) -> Sequence:
@@ -64,8 +64,9 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
         assert sum(batch.num_tokens) <= budget_tokens
         prefills = sum(1 for seq in batch.seqs if seq.num_tokens - seq.num_computed_tokens > 1)
         assert prefill_cap is None or prefills <= prefill_cap
-        for direction, src, dst in batch.copies:  # the model runner's job, in order
-            if direction == SWAP_OUT:
+        for copy in batch.copies:  # the model runner's job, in order
+            src, dst = copy.src, copy.dst
+            if copy.kind is CopyKind.SWAP_OUT:
                 host[dst] = list(device[src])
             else:
                 device[dst] = list(host[src])
@@ -73,7 +74,7 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
         # order a step may run them in: pipeline micro-batches); a sequence's context may be blocks an earlier
         # row of the same step writes (a prefix shared within the step)
         for seq, n in zip(batch.seqs, batch.num_tokens):  # every scheduled token has a slot ...
-            assert seq.status is SequenceStatus.RUNNING and n >= 1
+            assert seq.status is RequestStatus.RUNNING and n >= 1
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 device[seq.block_table[p // block_size]][p % block_size] = hash(tuple(seq.token_ids[:p + 1]))
@@ -86,7 +87,7 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7 + seq.num_tokens % 3)
                 if seq.num_tokens >= seq.max_num_tokens:
-                    seq.status = SequenceStatus.FINISHED
+                    seq.finish(FinishReason.STOP)
                     sched.finish(seq)
                     live.remove(seq)
         for seq in batch.interrupted:
@@ -105,7 +106,7 @@ def test_scheduler_never_leaks_or_hangs(num_blocks, block_size, step_budget, chu
         elif live:
             victim = live[size % len(live)]
             sched.finish(victim)
-            victim.status = SequenceStatus.FINISHED
+            victim.finish(FinishReason.ABORT)
             live.remove(victim)
             _check(bm, live)
     for _ in range(10_000):  # every request ends
@@ -160,7 +161,7 @@ def test_host_tier_round_trip():
     bm.free(a)
     b = _seq([6] * 16)
     bm.allocate(b, 16)  # takes all four blocks: a's two cached blocks move to the host tier
-    assert [c[0] for c in bm.take_copies()] == ["out", "out"] and bm.swapped_out == 2
+    assert [c.kind for c in bm.take_copies()] == [CopyKind.SWAP_OUT] * 2 and bm.swapped_out == 2
     b.num_computed_tokens = 16
     bm.commit(b)
     bm.free(b)
@@ -170,7 +171,7 @@ def test_host_tier_round_trip():
     assert bm.take_cached(again, hit) == (0, 8)
     copies = bm.take_copies()
     # b's blocks were cached too: the device blocks the copy-back reuses push them out first, in order
-    assert [c[0] for c in copies] == ["out", "in", "out", "in"] and bm.swapped_in == 2
+    assert [c.kind for c in copies] == [CopyKind.SWAP_OUT, CopyKind.SWAP_IN] * 2 and bm.swapped_in == 2
     assert len(bm.host.cached) == 2  # the scheduler sets num_computed_tokens from what take_cached returned
 
 

@@ -15,7 +15,8 @@ from conftest import default_gguf, hf_float32, peft_adapter, peft_greedy, random
 from ember import LLM, SamplingParams
 from ember.config import ModelShape
 from ember.errors import BadRequestError
-from ember.lora import LoRARequest, read_adapter, read_adapter_config
+from ember.lora import LoRARequest
+from ember.lora.adapter import read_adapter, read_adapter_config
 
 
 def _shape(model_dir: str) -> ModelShape:

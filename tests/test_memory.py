@@ -148,8 +148,8 @@ def test_request_that_can_never_be_reserved_fails_at_once(llama_dir):
 def test_request_given_up_ends_interrupted_and_keeps_its_tokens(llama_dir):
     """When a sequence cannot get a block even alone (here a block holder outside the scheduler shrinks the pool
     under it, as another model in the same engine could), it ends with "interrupted"; the others carry on."""
-    from ember.core.records import EngineRequest
     from ember.core.request import CoreRequest
+    from ember.protocol import EngineRequest
 
     per_block = kv_bytes_per_block_of(llama_dir)
     llm = LLM(llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 * per_block)

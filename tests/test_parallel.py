@@ -117,7 +117,7 @@ def test_each_rank_reads_only_its_slices(tiny_models, tmp_path, source):
 
         path, tp, dtype = default_gguf(), 3, "auto"
     elif source.startswith("asmodel"):
-        from ember.model_loader.asmodel import convert
+        from ember.model_loader.convert import convert
         from ember.quantization import QuantConfig
 
         quant = QuantConfig("int4", 32, True) if source.endswith("int4") else QuantConfig("int8")
@@ -436,7 +436,7 @@ def test_dashinfer_gpu_ids_split_the_model(llama_dir, tmp_path, monkeypatch):
     this machine has none, where the same call runs one CPU engine)."""
     from ember.compat.dashinfer.allspark.engine import engine_config
     from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig
-    from ember.model_loader.asmodel import convert
+    from ember.model_loader.convert import convert
 
     path = convert(llama_dir, str(tmp_path), "m")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -225,8 +225,9 @@ def test_unseeded_draws_come_from_the_samplers_own_generator():
     """Unseeded rows draw from a generator of the sampler's own, seeded by the engine's seed: the process's global
     RNG (which a user or another engine may reseed, and which a CUDA graph capture marks as capturing) neither moves
     their tokens nor is moved by them."""
-    from ember.layers.logits_processors import RowState, SamplingRow
+    from ember.layers.logits_processors import RowState
     from ember.layers.sampler import Sampler
+    from ember.protocol import SamplingRow
     from ember.sampling_params import SamplingParams
 
     logits = torch.zeros(6, V)  # uniform: every draw is the noise's choice

@@ -22,7 +22,7 @@ from ember import LLM, SamplingParams
 from ember.errors import BadRequestError
 from ember.layers.sampler import apply_token_masks
 from ember.sampling_params import StructuredOutputsParams as SO
-from ember.worker.batch import TokenMasks
+from ember.worker.token_masks import TokenMasks
 
 pytestmark = pytest.mark.slow
 

@@ -4,11 +4,10 @@ decode rows first, then prefill chunks; which rows are sampled and which score p
 from __future__ import annotations
 
 from ember.core.lora_slots import LoRASlots
+from ember.core.request import Sequence
 from ember.core.scheduler import ScheduledBatch
-from ember.core.sequence import Sequence
 from ember.core.window import KVWindow
-from ember.layers.logits_processors import SamplingRow
-from ember.worker.batch import BatchDescription, PrefillChunk, PromptLogprobsRows
+from ember.protocol import BatchDescription, PrefillChunk, PromptLogprobsRows, SamplingRow
 
 
 def describe(batch: ScheduledBatch, block_size: int, released: list[int], window: KVWindow | None = None,

@@ -18,39 +18,19 @@ The request reports once, when the search ends: its n best hypotheses, best firs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from ember.core.records import EngineOutput
-from ember.core.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from ember.core.decoding import Decoding
-    from ember.core.request import CoreRequest
-
-
-@dataclass(slots=True)
-class Hypothesis:
-    score: float  # logprob / generated_length ** length_penalty
-    logprob: float
-    token_ids: list[int]  # generated tokens, the ending token included
-    finish_reason: str
-    stop_reason: int | list[int] | None
-
-
-@dataclass(slots=True)
-class BeamGroup:
-    """One request's search: running beam scores, answers waiting for the siblings, finished hypotheses."""
-
-    scores: dict[int, float] = field(default_factory=dict)  # running seq_id -> summed logprob
-    pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # seq_id -> its continuations
-    finished: list[Hypothesis] = field(default_factory=list)  # the best W so far, best first
-    improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
+from ember.core.beam_group import BeamGroup, Hypothesis
+from ember.core.block_manager import BlockManager
+from ember.core.request import CoreRequest, Sequence
+from ember.core.scheduler import Scheduler
+from ember.core.stop import Stop, check_stop
+from ember.protocol import EngineOutput, FinishReason, RequestStatus
 
 
 class BeamSearch:
-    def __init__(self, decoding: "Decoding") -> None:
-        self.d = decoding
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, max_model_len: int,
+                 released: list[int]) -> None:
+        self.scheduler, self.bm, self.max_model_len = scheduler, block_manager, max_model_len
+        self.released = released  # the engine's list of finished handles (the worker drops their state)
 
     def collect(self, seq: Sequence, candidates: tuple[list[int], list[float]],
                 outputs: dict[str, EngineOutput]) -> None:
@@ -61,7 +41,7 @@ class BeamSearch:
         if all(s.seq_id in group.pending for s in req.seqs if not s.is_finished):
             self._step(req, group, outputs)
 
-    def _step(self, req: "CoreRequest", group: BeamGroup, outputs: dict[str, EngineOutput]) -> None:
+    def _step(self, req: CoreRequest, group: BeamGroup, outputs: dict[str, EngineOutput]) -> None:
         p = req.params
         width, lp = p.beam_width, p.length_penalty
         beams = [s for s in req.seqs if not s.is_finished]
@@ -73,7 +53,7 @@ class BeamSearch:
         ranked.sort(key=lambda c: -c[0])  # stable: ties keep beam order, then the beam's own ranking
         ranked = ranked[:p.beam_candidates]
         length = beams[0].num_output_tokens + 1  # generated tokens once the candidate token is added
-        ends = [self._ends(req, beams[b], t, length) for _, b, t in ranked]
+        ends = [self._ends(req, beams[b], t) for _, b, t in ranked]
 
         if group.improvable and not (len(group.finished) == width and p.early_stopping is True):
             for (score, b, t), end in zip(ranked[:width], ends[:width]):
@@ -95,32 +75,19 @@ class BeamSearch:
         else:
             self._advance(req, group, beams, chosen)
 
-    def _ends(self, req: "CoreRequest", beam: Sequence, token: int, length: int) -> tuple[str, object] | None:
-        """(finish_reason, stop_reason) when appending token ends the beam, else None (Decoding.append's rules)."""
-        p = req.params
-        may_stop = length >= p.min_tokens
-        if may_stop and not p.ignore_eos and token in p.eos_token_ids:
-            return "stop", None
-        if may_stop and token in p.stop_token_ids:
-            return "stop", token
-        if may_stop and p.stop_token_sequences:
-            out = beam.output_token_ids + [token]
-            for stop in p.stop_token_sequences:
-                if out[len(out) - len(stop):] == stop:
-                    return "stop", stop
-        if (p.max_tokens is not None and length >= p.max_tokens) or beam.num_tokens + 1 >= self.d.max_model_len:
-            return "length", None
-        return None
+    def _ends(self, req: CoreRequest, beam: Sequence, token: int) -> Stop | None:
+        """(finish_reason, stop_reason) when appending token ends the beam, else None (``check_stop``)."""
+        return check_stop(req.params, beam.token_ids + [token], beam.num_prompt_tokens, self.max_model_len)
 
-    def _advance(self, req: "CoreRequest", group: BeamGroup, beams: list[Sequence],
+    def _advance(self, req: CoreRequest, group: BeamGroup, beams: list[Sequence],
                  chosen: list[tuple[float, int, int]]) -> None:
         """The chosen continuations become the running beams; the old beams are released."""
-        sched, bm = self.d.scheduler, self.d.bm
+        sched, bm = self.scheduler, self.bm
         children, forked = [], set()
         for i, (score, b, token) in enumerate(chosen):
             parent = beams[b]
             child = Sequence(req, i, parent.token_ids + [token], 0, parent.max_num_tokens, parent.cache_salt)
-            if parent.status is SequenceStatus.RUNNING and parent.block_table:
+            if parent.status is RequestStatus.RUNNING and parent.block_table:
                 bm.fork(parent, child, copy_partial=parent.seq_id in forked)
                 forked.add(parent.seq_id)
                 sched.add_running(child)
@@ -128,40 +95,41 @@ class BeamSearch:
                 sched.requeue(child)
             group.scores[child.seq_id] = score
             children.append(child)
-        self._release(beams, group)
+        self._release(beams, group, FinishReason.STOP)
         req.seqs = children
 
-    def _finish(self, req: "CoreRequest", group: BeamGroup, beams: list[Sequence],
+    def _finish(self, req: CoreRequest, group: BeamGroup, beams: list[Sequence],
                 chosen: list[tuple[float, int, int]], length: int, outputs: dict[str, EngineOutput]) -> None:
         """Report the n best hypotheses (running beams fill in if too few finished) and release every beam."""
         p = req.params
         best = list(group.finished)
         for score, b, t in chosen[:max(0, p.n - len(best))]:
             best.append(Hypothesis(score / length ** p.length_penalty, score, beams[b].output_token_ids + [t],
-                                   "length", None))
+                                   FinishReason.LENGTH, None))
         best.sort(key=lambda h: -h.score)
-        out = self.d.output(outputs, req)
+        out = req.output_in(outputs)
         for i, h in enumerate(best[:p.n]):
             sample = out.sample(i)
             sample.new_token_ids = list(h.token_ids)
             sample.finish_reason, sample.stop_reason, sample.cumulative_logprob = h.finish_reason, h.stop_reason, \
                 h.logprob
-        self._release(beams, group)
+        self._release(beams, group, FinishReason.STOP)
         for seq in req.seqs:
             seq.pending_fork = 0
 
-    def _release(self, beams: list[Sequence], group: BeamGroup) -> None:
+    def _release(self, beams: list[Sequence], group: BeamGroup, reason: FinishReason) -> None:
+        """The beams are done with (replaced by their children, or the search ended): their blocks and state go."""
         for seq in beams:
             seq.pending_fork = 0
-            seq.status = SequenceStatus.FINISHED
-            self.d.scheduler.finish(seq)
-            self.d.released.append(seq.seq_id)
+            seq.finish(reason)
+            self.scheduler.finish(seq)
+            self.released.append(seq.seq_id)
             group.scores.pop(seq.seq_id, None)
             group.pending.pop(seq.seq_id, None)
 
-    def end(self, req: "CoreRequest", reason: str, out: EngineOutput) -> None:
+    def end(self, req: CoreRequest, reason: FinishReason, out: EngineOutput) -> None:
         """Abort or give up the whole search: every live beam released, the n samples ended with reason."""
         beams = [s for s in req.seqs if not s.is_finished]
-        self._release(beams, req.beams)
+        self._release(beams, req.beams, reason)
         for i in range(req.params.n):
             out.sample(i).finish_reason = reason

@@ -13,7 +13,7 @@ then forgets the hash, so only unreferenced blocks are evicted, least recently u
 Host tier (CUDA engines with ``cpu_cache_memory``): a cached block evicted from the device is copied to a host
 block instead of being forgotten, and a later prefix hit there is copied back into a fresh device block. The tiers
 are exclusive: a block lives on the device or on the host. Nothing here touches tensors: the copies are queued as
-``(direction, source, destination)`` and the worker performs them, in order, before the step's forward pass,
+``BlockCopy`` records and the worker performs them, in order, before the step's forward pass,
 which is exactly the order in which this bookkeeping reused the blocks.
 """
 
@@ -23,9 +23,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ember.core.sequence import Sequence
+from ember.core.request import Sequence
 from ember.core.window import KVWindow
-from ember.worker.batch import COPY, SWAP_IN, SWAP_OUT
+from ember.protocol import BlockCopy, CopyKind
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -113,7 +113,7 @@ class BlockManager:
         self.block_hash: dict[int, int] = {}  # block id -> hash, for full computed blocks
         self.block_tokens: dict[int, tuple[int, ...]] = {}  # block id -> its token ids, to rule out collisions
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
-        self.pending_copies: list[tuple[str, int, int]] = []  # (direction, source block, destination block)
+        self.pending_copies: list[BlockCopy] = []
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.host_hit_tokens = 0
@@ -199,7 +199,7 @@ class BlockManager:
             tokens = self.host.block_tokens[block]
             device_block = self._pop_free()
             self.ref_counts[device_block] = 1
-            self.pending_copies.append((SWAP_IN, block, device_block))  # after that eviction's copy, in order
+            self.pending_copies.append(BlockCopy(CopyKind.SWAP_IN, block, device_block))  # after that eviction's copy, in order
             self.host.release(block)
             self.swapped_in += 1
             self.cached[h], self.block_hash[device_block], self.block_tokens[device_block] = device_block, h, tokens
@@ -257,7 +257,7 @@ class BlockManager:
             if self.host is not None:
                 hb = self.host.store(h, tokens)
                 if hb is not None:
-                    self.pending_copies.append((SWAP_OUT, block, hb))
+                    self.pending_copies.append(BlockCopy(CopyKind.SWAP_OUT, block, hb))
                     self.swapped_out += 1
         return block
 
@@ -295,7 +295,7 @@ class BlockManager:
         elif self.free_blocks:
             source, last = last, self._pop_free()
             self.ref_counts[last] = 1
-            self.pending_copies.append((COPY, source, last))
+            self.pending_copies.append(BlockCopy(CopyKind.COPY, source, last))
         else:
             return
         child.block_table.append(last)
@@ -329,7 +329,7 @@ class BlockManager:
             self.released_at.pop(block, None)
             self.expired_blocks += 1
 
-    def take_copies(self) -> list[tuple[str, int, int]]:
+    def take_copies(self) -> list[BlockCopy]:
         """The block copies queued since the last call, in the order they must run."""
         copies, self.pending_copies = self.pending_copies, []
         return copies

@@ -1,8 +1,7 @@
 """The after-step work, in one place: count the tokens a step computed (the scheduler registered their blocks in the
 prefix cache as it scheduled them), fork the samples of n > 1 requests once their prompt is in the cache, append
-sampled tokens and check the stops the core can see (EOS, stop token ids and sequences, max_tokens, max_model_len).
-Stop *strings* need text, so the front end checks them and finishes the sample through ``EngineCore.stop_sample``
-before the next step is scheduled.
+sampled tokens and end the samples that stop (``stop.check_stop``). Stop *strings* need text, so the front end
+checks them and finishes the sample through ``EngineCore.stop_sample`` before the next step is scheduled.
 
 ``Decoding`` is the strategy for n independent samples; beam-search requests hand their rows to ``BeamSearch``
 (its own fork and finish rules).
@@ -14,12 +13,10 @@ import logging
 
 from ember.core.beam_search import BeamSearch
 from ember.core.block_manager import BlockManager
-from ember.core.records import EngineOutput
-from ember.core.request import CoreRequest
+from ember.core.request import CoreRequest, Sequence
 from ember.core.scheduler import ScheduledBatch, Scheduler
-from ember.core.sequence import Sequence
-from ember.layers.sampler import TokenLogprobs
-from ember.worker.batch import WorkerOutput
+from ember.core.stop import check_stop
+from ember.protocol import EngineOutput, FinishReason, TokenLogprobs, WorkerOutput
 
 logger = logging.getLogger("ember")
 
@@ -30,15 +27,12 @@ class Decoding:
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.released: list[int] = []  # handles of finished samples, for the worker to drop with the next batch
-        self.beam_search = BeamSearch(self)
+        self.beam_search = BeamSearch(scheduler, block_manager, max_model_len, self.released)
 
-    def output(self, outputs: dict[str, EngineOutput], req: CoreRequest) -> EngineOutput:
-        out = outputs.get(req.request_id)
-        if out is None:
-            out = outputs[req.request_id] = EngineOutput(
-                req.request_id, num_cached_tokens=req.num_cached_tokens,
-                num_host_cached_tokens=req.num_host_cached_tokens, first_scheduled_time=req.first_scheduled_time)
-        return out
+    def take_released(self) -> list[int]:
+        released = list(self.released)
+        self.released.clear()
+        return released
 
     def after_step(self, batch: ScheduledBatch, sampled: list[Sequence], result: WorkerOutput,
                    outputs: dict[str, EngineOutput]) -> None:
@@ -46,7 +40,7 @@ class Decoding:
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
             req = seq.request
-            out = self.output(outputs, req)
+            out = req.output_in(outputs)
             chunk = result.prompt_logprobs.get(seq.seq_id)
             if chunk is not None:
                 out.prompt_logprobs, out.prompt_logprobs_start = chunk, start
@@ -58,7 +52,7 @@ class Decoding:
             if seq.request.beams is not None:
                 self.beam_search.collect(seq, result.beams[i], outputs)
             else:
-                self.append(seq, token, lp, self.output(outputs, seq.request))
+                self.append(seq, token, lp, seq.request.output_in(outputs))
 
     def fork(self, parent: Sequence) -> None:
         """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
@@ -70,24 +64,16 @@ class Decoding:
 
     def append(self, seq: Sequence, token: int, lp: TokenLogprobs | None, out: EngineOutput) -> None:
         """Add a sampled token, finishing the sample if it stops."""
-        params = seq.request.params
         seq.token_ids.append(token)
         sample = out.sample(seq.index)
         sample.new_token_ids.append(token)
         if lp is not None:
             sample.new_logprobs = (sample.new_logprobs or []) + [lp]
-        n_out = seq.num_output_tokens
-        may_stop = n_out >= params.min_tokens
-        if may_stop and not params.ignore_eos and token in params.eos_token_ids:
-            self.finish(seq, "stop", None, out)
-        elif may_stop and token in params.stop_token_ids:
-            self.finish(seq, "stop", token, out)
-        elif may_stop and (stop_seq := _ended_by(seq, params.stop_token_sequences)) is not None:
-            self.finish(seq, "stop", stop_seq, out)
-        elif (params.max_tokens is not None and n_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, "length", None, out)
+        stop = check_stop(seq.request.params, seq.token_ids, seq.num_prompt_tokens, self.max_model_len)
+        if stop is not None:
+            self.finish(seq, *stop, out)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | list[int] | None,
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | list[int] | None,
                out: EngineOutput | None) -> None:
         seq.finish(reason, stop_reason)
         self.scheduler.finish(seq)
@@ -97,40 +83,31 @@ class Decoding:
             sample.finish_reason, sample.stop_reason = reason, stop_reason
 
     def interrupted(self, seq: Sequence, outputs: dict[str, EngineOutput]) -> None:
-        """The policy gave seq up (the scheduler freed it): it ends with finish_reason "interrupted", keeping its
-        tokens; siblings that never started end with it."""
+        """The policy gave seq up (the scheduler freed it): it ends INTERRUPTED, keeping its tokens; siblings that
+        never started end with it."""
         req = seq.request
         logger.warning("request %s: sample %d interrupted (it no longer fits the KV pool)", req.request_id, seq.index)
-        out = self.output(outputs, req)
+        out = req.output_in(outputs)
         self.released.append(seq.seq_id)
         if req.beams is not None:  # one beam cannot go on: the search cannot either
-            self.beam_search.end(req, "interrupted", out)
+            self.beam_search.end(req, FinishReason.INTERRUPTED, out)
             return
-        out.sample(seq.index).finish_reason = "interrupted"
+        out.sample(seq.index).finish_reason = FinishReason.INTERRUPTED
         if seq.pending_fork:
             for child in req.fork(seq):
-                child.finish("interrupted")
-                out.sample(child.index).finish_reason = "interrupted"
+                child.finish(FinishReason.INTERRUPTED)
+                out.sample(child.index).finish_reason = FinishReason.INTERRUPTED
 
     def abort(self, req: CoreRequest) -> EngineOutput:
-        """End every sample not yet finished (siblings not yet forked included) with finish_reason "abort"."""
-        out = self.output({}, req)
+        """End every sample not yet finished (siblings not yet forked included) with ABORT."""
+        out = req.output_in({})
         if req.beams is not None:
-            self.beam_search.end(req, "abort", out)
+            self.beam_search.end(req, FinishReason.ABORT, out)
             return out
         for s in list(req.seqs):
             if s.pending_fork:
                 req.fork(s)
         for s in req.seqs:
             if not s.is_finished:
-                self.finish(s, "abort", None, out)
+                self.finish(s, FinishReason.ABORT, None, out)
         return out
-
-
-def _ended_by(seq: Sequence, sequences: list[list[int]]) -> list[int] | None:
-    """The first stop token sequence the output now ends with, or None."""
-    out = seq.output_token_ids
-    for stop in sequences:
-        if len(out) >= len(stop) and out[len(out) - len(stop):] == stop:
-            return stop
-    return None

@@ -15,7 +15,6 @@ from ember.core.block_manager import BlockManager
 from ember.core.decoding import Decoding
 from ember.core.guided import GrammarSource, Guides
 from ember.core.lora_slots import LoRASlots
-from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.core.window import KVWindow
@@ -23,7 +22,15 @@ from ember.dtypes import name_of
 from ember.executor import make_executor
 from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, read_shape
-from ember.worker.batch import BatchDescription
+from ember.protocol import (
+    BatchDescription,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    ModelInfo,
+    SchedulerStats,
+)
 
 
 class EngineCore:
@@ -91,7 +98,7 @@ class EngineCore:
             return
         for seq in req.seqs:
             if seq.index == index and not seq.is_finished:
-                self.decoding.finish(seq, "stop", None, None)
+                self.decoding.finish(seq, FinishReason.STOP, None, None)
         self._forget_finished([req])
 
     def has_work(self) -> bool:
@@ -104,7 +111,7 @@ class EngineCore:
         outputs: dict[str, EngineOutput] = {}
         for seq in batch.interrupted:
             self.decoding.interrupted(seq, outputs)
-        released, self.decoding.released = self.decoding.released, []
+        released = self.decoding.take_released()
         self.guides.release(released)
         if not batch.seqs:
             if batch.copies or released:
@@ -133,33 +140,23 @@ class EngineCore:
         self.guides.shutdown()
         self.executor.shutdown()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Engine counters (thread-safe enough for monitoring: plain reads of ints and lists)."""
-        bm, sched, worker = self.block_manager, self.scheduler, self.worker
+        bm, sched, guides = self.block_manager, self.scheduler, self.guides
         host = bm.host
-        return {
-            "scheduling_policy": sched.policy,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_free": bm.num_free,
-            "kv_cache_usage": bm.num_used / bm.num_blocks,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "preempted_waiting": sched.num_preempted_waiting,
-            "preemptions": sched.num_preemptions,
-            "interrupted": sched.num_interrupted,
-            "prefix_cache_hit_rate": bm.hit_rate,
-            "prefix_cache_hit_tokens": bm.hit_tokens,
-            "prefix_cache_host_hit_tokens": bm.host_hit_tokens,
-            "prefix_cache_ttl": bm.prefix_cache_ttl,
-            "prefix_cache_expired_blocks": bm.expired_blocks,
-            "host_tier": ("off (CPU engine: the KV cache is in host memory)" if worker.device.type == "cpu"
-                          and host is None else "off" if host is None else f"{host.num_blocks} blocks"),
-            "host_blocks_cached": len(host.cached) if host is not None else 0,
-            "swapped_out_blocks": bm.swapped_out,
-            "swapped_in_blocks": bm.swapped_in,
-            "kv_budget_source": worker.plan.budget_source,
-            "attention_backend": worker.attention_backend.name,
-            **self.guides.stats(),
-            **({"lora_slots": list(self.loras.resident), "lora_swaps": self.loras.swaps} if self.loras else {}),
-            **worker.memory_report(),
-        }
+        on_cpu = self.model_info.device == "cpu"
+        return EngineStats(SchedulerStats(
+            scheduling_policy=sched.policy, kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free,
+            kv_cache_usage=bm.num_used / bm.num_blocks, running=len(sched.running), waiting=len(sched.waiting),
+            preempted_waiting=sched.num_preempted_waiting, preemptions=sched.num_preemptions,
+            interrupted=sched.num_interrupted, prefix_cache_hit_rate=bm.hit_rate,
+            prefix_cache_hit_tokens=bm.hit_tokens, prefix_cache_host_hit_tokens=bm.host_hit_tokens,
+            prefix_cache_ttl=bm.prefix_cache_ttl, prefix_cache_expired_blocks=bm.expired_blocks,
+            host_tier=("off (CPU engine: the KV cache is in host memory)" if on_cpu and host is None
+                       else "off" if host is None else f"{host.num_blocks} blocks"),
+            host_blocks_cached=len(host.cached) if host is not None else 0,
+            swapped_out_blocks=bm.swapped_out, swapped_in_blocks=bm.swapped_in,
+            guided_steps=guides.steps, guided_rows=guides.masked_rows, guided_mask_seconds=guides.mask_seconds,
+            guided_mask_wait_seconds=guides.wait_seconds,
+            lora_slots=tuple(self.loras.resident) if self.loras else None,
+            lora_swaps=self.loras.swaps if self.loras else None), self.worker.stats())

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ember.core.sequence import Sequence
-from ember.worker.batch import TokenMasks
+from ember.core.request import Sequence
+from ember.worker.token_masks import TokenMasks
 
 logger = logging.getLogger("ember")
 
@@ -98,10 +98,6 @@ class Guides:
         if m is None:
             m = self.matchers[seq.seq_id] = self.source.matcher(seq.request.record.grammar)
         return m
-
-    def stats(self) -> dict[str, float | int]:
-        return {"guided_steps": self.steps, "guided_rows": self.masked_rows,
-                "guided_mask_seconds": self.mask_seconds, "guided_mask_wait_seconds": self.wait_seconds}
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 from ember.config import EngineConfig, ResolvedConfig
 from ember.core.engine_core import EngineCore
 from ember.core.guided import GrammarSource
-from ember.core.records import EngineOutput, EngineRequest, ModelInfo
 from ember.errors import EngineDeadError
+from ember.protocol import EngineOutput, EngineRequest, EngineStats, ModelInfo
 
 logger = logging.getLogger("ember")
 _STOP = object()
@@ -80,7 +80,7 @@ class EngineLoop:
     def shutdown(self) -> None:
         self._finalizer()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def is_alive(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from ember.lora.request import LoRARequest
-from ember.worker.batch import LoRALoad
+from ember.protocol import LoRALoad
 
 
 class LoRASlots:

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from ember.config import SCHEDULING_POLICIES
 from ember.core.block_manager import BlockManager
 from ember.core.lora_slots import LoRASlots
-from ember.core.sequence import Sequence, SequenceStatus
+from ember.core.request import Sequence
 from ember.errors import ConfigError
+from ember.protocol import BlockCopy, FinishReason, RequestStatus
 
 
 @dataclass(slots=True)
@@ -37,7 +38,7 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)  # tokens of each sequence computed this step
     preempted: list[Sequence] = field(default_factory=list)
     interrupted: list[Sequence] = field(default_factory=list)  # given up: the after-step work ends them
-    copies: list[tuple[str, int, int]] = field(default_factory=list)  # host-tier block copies to run first
+    copies: list[BlockCopy] = field(default_factory=list)  # KV block copies to run first
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -75,12 +76,12 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling: already holds shared blocks, runs from the next step."""
-        seq.status = SequenceStatus.RUNNING
+        seq.status = RequestStatus.RUNNING
         self.running.append(seq)
 
     def requeue(self, seq: Sequence) -> None:
         """A sequence without KV that must run before new arrivals (a beam whose parent was preempted)."""
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
 
     # ----- guaranteed_no_evict bookkeeping -----
@@ -101,7 +102,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding + prefilling:
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             if seq in prefilling and not self._may_prefill(batch):
                 continue
@@ -122,7 +123,7 @@ class Scheduler:
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not RequestStatus.RUNNING:
                 continue
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             batch.seqs.append(seq)
@@ -175,7 +176,7 @@ class Scheduler:
             self.bm.commit(seq, start + n)  # a later request of this step may take these blocks
             if lora_id:
                 self.loras.take(seq.request.record.lora, in_use)
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
@@ -205,7 +206,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -213,7 +214,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.bm.free(seq)
-        seq.finish("interrupted")
+        seq.finish(FinishReason.INTERRUPTED)
         batch.interrupted.append(seq)
         self.num_interrupted += 1
 

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.frontend.client import EngineClient, ModelInfo
+from ember.frontend.client import EngineClient
 from ember.frontend.processor import PromptType
 from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
+from ember.protocol import ModelInfo
 from ember.sampling_params import SamplingParams
 
 

@@ -265,7 +265,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ember.model_loader.asmodel import MODEL_SUFFIX, convert
+    from ember.model_loader.asmodel import MODEL_SUFFIX
+    from ember.model_loader.convert import convert
 
     if not os.path.exists(args.src):
         raise ValueError(f"src={args.src!r} does not exist: pass a Hugging Face folder, a .gguf or an .asmodel file")

@@ -11,10 +11,11 @@ from tqdm.auto import tqdm
 
 from ember.config import EngineConfig
 from ember.errors import BadRequestError
-from ember.frontend.client import EngineClient, ModelInfo
+from ember.frontend.client import EngineClient
 from ember.frontend.processor import PromptType, prompt_list
 from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
+from ember.protocol import ModelInfo
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message
 

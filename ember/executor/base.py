@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ember.config import SchedulerConfig
-from ember.worker.batch import BatchDescription, WorkerOutput
+from ember.protocol import BatchDescription, WorkerOutput
 from ember.worker.startup import PoolPlan
 from ember.worker.worker import Worker
 

@@ -19,7 +19,7 @@ from ember.distributed import ParallelContext, groups
 from ember.distributed.comm import COMM
 from ember.errors import EngineDeadError
 from ember.executor.rank import STOP, RankSpec, checked_in, rank_model_config
-from ember.worker.batch import BatchDescription, WorkerOutput
+from ember.protocol import BatchDescription, WorkerOutput
 from ember.worker.startup import PoolPlan
 from ember.worker.worker import Worker
 

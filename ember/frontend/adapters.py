@@ -8,10 +8,10 @@ import threading
 from collections.abc import Callable
 
 from ember.config import ModelShape
-from ember.core.records import ModelInfo
 from ember.errors import BadRequestError
 from ember.lora.adapter import inspect_adapter
 from ember.lora.request import LoRARequest
+from ember.protocol import ModelInfo
 
 
 class Adapters:

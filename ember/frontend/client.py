@@ -13,7 +13,6 @@ from typing import Any
 
 from ember.config import EngineConfig
 from ember.core.loop import EngineLoop
-from ember.core.records import ModelInfo  # noqa: F401  (re-exported: what clients know of the engine)
 from ember.executor import serve_launched
 from ember.frontend.adapters import Adapters
 from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
@@ -22,6 +21,7 @@ from ember.frontend.processor import InputProcessor, PromptType
 from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
 from ember.model_loader import load_tokenizer, read_shape
+from ember.protocol import ModelInfo
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message, Tokenizer
 
@@ -113,7 +113,8 @@ class EngineClient:
         return self.adapters.list()
 
     def stats(self) -> dict[str, Any]:
-        return self._loop.stats()
+        """The engine's counters as one flat dict (``EngineStats.as_dict``)."""
+        return self._loop.stats().as_dict()
 
     def is_alive(self) -> bool:
         """The engine loop is running (a health check: False once it stopped or failed)."""

@@ -12,11 +12,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ember.core.records import EngineOutput
 from ember.errors import BadRequestError
 from ember.frontend.detokenizer import IncrementalDetokenizer
-from ember.layers.sampler import TokenLogprobs
 from ember.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from ember.protocol import EngineOutput, FinishReason, TokenLogprobs
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -119,18 +118,18 @@ class OutputProcessor:
                     new_lps.append(self._position(token, lp))
                 stop_str = ss.detokenizer.add(token, check_stop=ss.num_tokens >= params.min_tokens)
             # the core's token stops come first, then a stop string, then the length limit
-            if stop_str is not None and reason in (None, "length"):
+            if stop_str is not None and reason in (None, FinishReason.LENGTH):
                 if reason is None:
                     stops.append((st.request_id, so.index))
-                reason, stop_reason = "stop", stop_str
-            if reason is not None and reason != "abort" and stop_str is None:
+                reason, stop_reason = FinishReason.STOP, stop_str
+            if reason is not None and reason is not FinishReason.ABORT and stop_str is None:
                 ss.detokenizer.flush_incomplete()
             ss.finish_reason = reason
             text = ss.detokenizer.delta(reason is not None)
             completions.append(CompletionOutput(
                 index=so.index, text=text, token_ids=list(so.new_token_ids), logprobs=new_lps if wants_lp else None,
-                cumulative_logprob=ss.cumulative_logprob if wants_lp else so.cumulative_logprob, finish_reason=reason,
-                stop_reason=stop_reason))
+                cumulative_logprob=ss.cumulative_logprob if wants_lp else so.cumulative_logprob,
+                finish_reason=reason.value if reason is not None else None, stop_reason=stop_reason))
         prompt_lp, st.prompt_logprobs = st.prompt_logprobs, None
         done = len(st.samples) == params.n and all(s.finish_reason is not None for s in st.samples.values())
         if not completions and prompt_lp is None and not done:

@@ -10,12 +10,12 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from ember.core.block_manager import blocks_for, request_blocks
-from ember.core.records import EngineRequest, ModelInfo
 from ember.core.window import KVWindow
 from ember.errors import BadRequestError, DoesNotFitError
 from ember.frontend.adapters import Adapters
 from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
+from ember.protocol import EngineRequest, ModelInfo
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 

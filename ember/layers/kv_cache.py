@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from ember.config import KV_CACHE_DTYPES
 from ember.quantization.tensor import quantize_int8_symmetric
 
-KV_CACHE_DTYPES = ("auto", "int8", "uint4")  # EngineConfig.kv_cache_dtype
 UINT4_GROUP = 32  # values sharing one scale and minimum in a uint4 entry (the whole head when smaller)
 
 

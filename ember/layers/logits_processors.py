@@ -16,33 +16,12 @@ which belongs to the sample: the worker keeps it under the sample's handle until
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ember.protocol import SamplingRow
 from ember.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """One row to sample this step, as the worker receives it: plain values, picklable."""
-
-    handle: int  # the sample's id: keys its RowState in the worker
-    params: SamplingParams
-    # the sample's own seed (params.seed + its index); None: the sampler's own generator (the engine's seed)
-    seed: int | None
-    num_output_tokens: int
-    token_ids: list[int] | None = None  # prompt + output, sent only to rows whose processors read the history
-    num_prompt_tokens: int = 0
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @staticmethod
-    def reads_history(params: SamplingParams) -> bool:
-        return params.needs_penalties or params.bans_tokens
 
 
 class RowState:

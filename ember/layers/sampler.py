@@ -11,27 +11,11 @@ Logprobs are those of the model's raw distribution (log_softmax of the logits), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from ember.layers.logits_processors import DEFAULT_PROCESSORS, LogitsProcessor, RowState, SamplingRow
-
-
-class TokenMasks(Protocol):
-    """The guided rows' allowed tokens (``ember.worker.batch.TokenMasks``): rows, and their bitmask once ready."""
-
-    rows: list[int]
-
-    def get(self) -> torch.Tensor: ...
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
+from ember.layers.logits_processors import DEFAULT_PROCESSORS, LogitsProcessor, RowState
+from ember.protocol import SamplingRow, TokenLogprobs, TokenMaskSource
 
 
 @dataclass(slots=True)
@@ -125,7 +109,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], states: list[RowState],
-                 masks: TokenMasks | None = None) -> SamplerOutput:
+                 masks: TokenMaskSource | None = None) -> SamplerOutput:
         """logits [B, V] float32, one row per sample; masks: the guided rows' allowed tokens."""
         B, V = logits.shape
         device = logits.device

@@ -1,6 +1,6 @@
-"""LoRA adapters: the request handle users pass (``LoRARequest``) and the PEFT adapter reader."""
+"""LoRA adapters: the request handle users pass (``LoRARequest``); the PEFT adapter reader is ``ember.lora.adapter``
+(it needs torch, the handle does not)."""
 
-from ember.lora.adapter import LoRAAdapter, LoRAWeights, read_adapter, read_adapter_config
 from ember.lora.request import LoRARequest
 
-__all__ = ["LoRARequest", "LoRAAdapter", "LoRAWeights", "read_adapter", "read_adapter_config"]
+__all__ = ["LoRARequest"]

@@ -5,9 +5,7 @@ native_quantization() (the quantized layout it stores, if any), tokenizer()."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +16,11 @@ from ember.distributed import ParallelContext
 from ember.errors import ConfigError
 from ember.layers.linear import mkldnn_prepack_available
 from ember.model_loader.asmodel import AsModelCheckpoint
+from ember.model_loader.checkpoint import Checkpoint, model_config, needs_calibration, open_checkpoint
+from ember.model_loader.finalize import finalize
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint, read_all
-from ember.model_loader.trtllm import TRTLLMCheckpoint, trtllm_folder_kind
+from ember.model_loader.trtllm import TRTLLMCheckpoint
 from ember.models import resolve_architecture
 from ember.quantization import QUANT_ALGORITHMS, QuantConfig
 from ember.tokenizer import Tokenizer
@@ -61,38 +61,6 @@ class TokenizerInfo:
     eos_token_ids: tuple[int, ...]
 
 
-Checkpoint = HFCheckpoint | GGUFCheckpoint | AsModelCheckpoint | TRTLLMCheckpoint
-
-
-def open_checkpoint(path: str) -> Checkpoint:
-    """The checkpoint at path, by kind: a .gguf file, an .asmodel file, a TensorRT-LLM checkpoint folder (its
-    config.json has TensorRT-LLM's singular "architecture"), else a Hugging Face folder."""
-    if path.endswith(".gguf"):
-        try:
-            st = os.stat(path)
-        except OSError:
-            return GGUFCheckpoint(path)  # raises the reader's clear error
-        return _open_gguf(path, st.st_size, st.st_mtime_ns)
-    if path.endswith(".asmodel"):
-        return AsModelCheckpoint(path)
-    if trtllm_folder_kind(path) is not None:
-        return TRTLLMCheckpoint(path)  # an engine folder is refused there, clearly
-    return HFCheckpoint(path)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFCheckpoint:
-    """Parsing a GGUF file's metadata takes seconds (measured: 2.8 s for the default 135M model on 2 cores) and the
-    front end (tokenizer), the engine core (limits) and the worker (weights) each open it: they share one parse."""
-    return GGUFCheckpoint(path)
-
-
-def model_config(ckpt: Checkpoint) -> Any:
-    """The config the engine builds from: a GGUF file's comes from its metadata alone (transformers' config classes
-    take ~0.8 s to import, most of a CLI start-up), every other kind's is transformers' own."""
-    return ckpt.model_config() if isinstance(ckpt, GGUFCheckpoint) else ckpt.hf_config()
-
-
 def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext()) -> LoadedModel:
     """Build this rank's part of the model and read only its part of each weight."""
     ckpt = open_checkpoint(config.path)
@@ -118,14 +86,6 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     prepack = device.type == "cpu" and mkldnn_prepack_available(dtype)
     finalize(model, device, prepack, config.batch_invariant)
     return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
-
-
-def finalize(model: torch.nn.Module, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
-    """Lay every loaded weight out for the device's kernels (quantized paths, oneDNN's packed floats);
-    batch_invariant: quantized kernels whose rows do not depend on the batch (``QuantizedMatmul``)."""
-    for module in model.modules():  # embedding before LM head: a tied head reuses the finalized table
-        if hasattr(module, "finalize"):
-            module.finalize(device, prepack, batch_invariant)
 
 
 def weight_layout(config: ModelConfig, ckpt: Checkpoint, hf_config: Any) -> tuple[torch.dtype, QuantConfig | None]:
@@ -240,14 +200,6 @@ def default_mode(config: ModelConfig, ckpt: Checkpoint, native: QuantConfig, sto
     return "smoothquant" if holds else native.mode
 
 
-def needs_calibration(ckpt: Checkpoint, quant: QuantConfig | None) -> bool:
-    """Whether loading quant from ckpt runs its calibrated algorithm first: yes, unless the checkpoint is an
-    .asmodel that stores the weights already transformed and quantized (``ember convert --quantization awq``)."""
-    if quant is None or quant.algorithm is None:
-        return False
-    return not (isinstance(ckpt, AsModelCheckpoint) and ckpt.native_quantization() is not None)
-
-
 def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple[int, ...]:
     ids: list[int] = []
     for source in (tokenizer.eos_token_id, gen.get("eos_token_id"), getattr(hf_config, "eos_token_id", None)):
@@ -257,6 +209,6 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
     return tuple(ids)
 
 
-__all__ = ["Checkpoint", "LoadedModel", "TRTLLMCheckpoint", "TokenizerInfo", "check_parallel", "load_model",
-           "load_tokenizer", "open_checkpoint",
+__all__ = ["Checkpoint", "HFCheckpoint", "LoadedModel", "TRTLLMCheckpoint", "TokenizerInfo", "check_parallel",
+           "finalize", "load_model", "load_tokenizer", "model_config", "needs_calibration", "open_checkpoint",
            "read_shape", "resolve_quantization"]

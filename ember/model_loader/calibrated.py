@@ -171,7 +171,8 @@ def run_calibration(ckpt: Any, hf_config: Any, quant: QuantConfig, text: str, so
     builds it (the scales folded in, the decoder's linears quantized as quant says, the engine's own kernels; the
     table and LM head float). make(tensors, hf_config): another calibrator than quant's default one (tests,
     experiments)."""
-    from ember.model_loader import finalize, open_checkpoint
+    from ember.model_loader.checkpoint import open_checkpoint
+    from ember.model_loader.finalize import finalize
     from ember.models import resolve_architecture
 
     tok = (open_checkpoint(tokenizer) if tokenizer else ckpt).tokenizer()

@@ -5,12 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-QUANT_METHODS = ("int8", "int4", "w8a8")
-INT4_GROUP_SIZES = (32, 64, 128)
-# calibrated algorithms -> the method their transformed weights are quantized with (ember.quantization.awq,
-# ember.quantization.smoothquant)
-QUANT_ALGORITHMS = {"awq": "int4", "smoothquant": "w8a8"}
-QUANT_MODES = (*QUANT_METHODS, *QUANT_ALGORITHMS)  # what EngineConfig(quantization=...) takes, besides None / "none"
+from ember.config import INT4_GROUP_SIZES, QUANT_ALGORITHMS, QUANT_METHODS, QUANT_MODES
+
+__all__ = ["INT4_GROUP_SIZES", "QUANT_ALGORITHMS", "QUANT_METHODS", "QUANT_MODES", "QuantConfig"]
 
 
 @dataclass(slots=True, frozen=True)

@@ -2,13 +2,13 @@
 token budget; size the KV pool from what is left of the budget and check that it holds a sequence of
 max_model_len; add the host tier; warm up at the worst case: a decode step of max_num_seqs sequences x max_model_len
 of context and a full-budget prefill; on CUDA, capture the decode step's graphs. After that, serving allocates
-nothing the warm-up did not (``Worker.memory_report``)."""
+nothing the warm-up did not (``Worker.stats``)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -19,9 +19,6 @@ from ember.layers.attention import AttentionMetadata, PrefillSpan
 from ember.layers.kv_cache import KVCacheFormat
 from ember.model_loader import LoadedModel
 from ember.worker.memory import PeakMemory, fit_hint, host_tier_bytes, kv_pool_budget, reset_peak
-
-if TYPE_CHECKING:
-    from ember.worker.worker import Worker
 
 logger = logging.getLogger("ember")
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError from 2.5
@@ -37,6 +34,37 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_cache_dtype: str
     return 2 * loaded.local_layers * block_size * loaded.local_kv_heads * entry
 
 
+class Runner(Protocol):
+    """What start-up uses of a worker: its model, layers and device, pools to make and bind, the ranks' minimum."""
+
+    device: torch.device
+    loaded: LoadedModel
+    model: Any
+    layers: list[Any]
+    block_size: int
+
+    def new_pool(self, num_blocks: int, device: torch.device | None = None, pin: bool = False) -> torch.Tensor: ...
+
+    def bind(self, pool: torch.Tensor | None) -> None: ...
+
+    def agree_min(self, value: int) -> int: ...
+
+    def forward_stage(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Any: ...
+
+    def capture_graphs(self, max_num_seqs: int, max_len: int) -> None: ...
+
+
+def plan_num_blocks(budget_bytes: int, bytes_per_block: int, block_size: int, max_len: int, seats: int,
+                    max_tokens: int | None = None) -> int:
+    """The KV pool's blocks: what the budget holds, never more than every seat at full length needs (nor more than
+    ``max_tokens`` of KV when that is set)."""
+    blocks_per_seq = -(-max_len // block_size)
+    most = blocks_per_seq * seats
+    if max_tokens is not None:
+        most = min(most, -(-max_tokens // block_size))
+    return min(max(budget_bytes, 0) // bytes_per_block, most)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolPlan:
     """What start-up decided and measured; the engine core sizes its block manager from it."""
@@ -50,7 +78,10 @@ class PoolPlan:
     warmup_transient_bytes: int
 
 
-def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
+def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[PoolPlan, torch.Tensor,
+                                                                               torch.Tensor | None]:
+    """Measure a step's activations, size and allocate the KV pool (and the host tier), warm up at the worst case,
+    capture the CUDA graphs. Returns the plan, the pool (bound to the layers) and the host tier's pool, if any."""
     bs, max_len, seats = cache.block_size, sched.max_model_len, sched.max_num_seqs
     if cache.attention_window is not None:
         if any(layer.sliding_window for layer in worker.layers):
@@ -68,24 +99,22 @@ def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolP
 
     # 2. the pool: what the budget leaves, never more than every seat at full length needs
     budget = kv_pool_budget(cache, worker.device, act.bytes)
-    blocks_per_seq = -(-max_len // bs)
     # split over ranks, every rank holds the same block numbers: the smallest pool decides
-    most = blocks_per_seq * seats if cache.max_tokens is None else min(blocks_per_seq * seats,
-                                                                        -(-cache.max_tokens // bs))
-    num_blocks = worker.agree_min(min(max(budget.bytes, 0) // per_block, most))
-    if num_blocks < blocks_per_seq:
+    num_blocks = worker.agree_min(plan_num_blocks(budget.bytes, per_block, bs, max_len, seats, cache.max_tokens))
+    if num_blocks < -(-max_len // bs):
         raise DoesNotFitError(
             f"the KV pool cannot hold one sequence of max_model_len={max_len}: {budget.source} leaves "
             f"{max(budget.bytes, 0) / 2**20:.1f} MiB = {num_blocks * bs} tokens of KV ({per_block // bs} bytes a "
             f"token); {fit_hint(num_blocks * bs, max_len, seats)}; or raise the memory (kv_cache_memory, "
             f"kv_cache_memory_fraction or {envs.MEM_RATIO})")
-    worker.kv_cache = worker.new_pool(num_blocks)
-    worker.bind(worker.kv_cache)
+    kv_cache = worker.new_pool(num_blocks)
+    worker.bind(kv_cache)
 
     # 3. the host tier (CUDA): evicted prefix blocks wait there
     num_host = worker.agree_min(host_tier_bytes(cache, worker.device) // per_block)
+    host_cache = None
     if num_host:  # pinned on CUDA: the copies to and from the device run asynchronously
-        worker.host_cache = worker.new_pool(num_host, torch.device("cpu"), pin=worker.device.type == "cuda")
+        host_cache = worker.new_pool(num_host, torch.device("cpu"), pin=worker.device.type == "cuda")
 
     # 4. warm-up at the worst case: every seat decoding at max_model_len (block tables may repeat blocks:
     # the shapes and the memory are what is proved, not the values)
@@ -98,17 +127,17 @@ def start(worker: "Worker", cache: CacheConfig, sched: SchedulerConfig) -> PoolP
             f"the warm-up (max_num_seqs={seats} x max_model_len={max_len}, and {tokens} prefill tokens a step) ran "
             f"out of memory next to a KV pool of {num_blocks * bs} tokens; {fit_hint(num_blocks * bs, max_len, seats)}"
             "; or lower max_num_batched_tokens or the memory fraction") from e
-    worker.kv_cache.zero_()  # the dummy steps wrote finite garbage; padded decode reads must see zeros
+    kv_cache.zero_()  # the dummy steps wrote finite garbage; padded decode reads must see zeros
     worker.capture_graphs(seats, max_len)  # CUDA: decode graphs (their inputs touch no pool entry)
     reset_peak(worker.device)  # from here the peak is what serving needs: compare with warmup_peak_bytes
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) from %s; %d host blocks; warm-up peak %.0f MiB",
-                num_blocks, bs, worker.kv_cache.numel() * worker.kv_cache.element_size() / 2**20, budget.source,
-                num_host, warm.peak / 2**20)
-    return PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, warm.peak, warm.bytes)
+                num_blocks, bs, kv_cache.numel() * kv_cache.element_size() / 2**20, budget.source, num_host,
+                warm.peak / 2**20)
+    return PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, warm.peak, warm.bytes), kv_cache, host_cache
 
 
 @torch.inference_mode()
-def dummy_prefill(worker: "Worker", tokens: int, sample_rows: int) -> None:
+def dummy_prefill(worker: Runner, tokens: int, sample_rows: int) -> None:
     """One prompt of `tokens` tokens from position 0, then logits and log-softmax for sample_rows rows."""
     dev, bs = worker.device, worker.block_size
     pool_blocks = worker.layers[0].k_cache.shape[0]
@@ -125,7 +154,7 @@ def dummy_prefill(worker: "Worker", tokens: int, sample_rows: int) -> None:
 
 
 @torch.inference_mode()
-def dummy_decode(worker: "Worker", num_seqs: int, context: int) -> None:
+def dummy_decode(worker: Runner, num_seqs: int, context: int) -> None:
     """num_seqs sequences each decoding at position context - 1, their tables cycling over the pool."""
     dev, bs = worker.device, worker.block_size
     pool_blocks = worker.layers[0].k_cache.shape[0]

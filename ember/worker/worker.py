@@ -26,8 +26,8 @@ from ember.layers.lora import LoRABatch
 from ember.layers.sampler import Sampler, rank_logprobs
 from ember.lora.adapter import module_name, read_adapter
 from ember.model_loader import load_model
+from ember.protocol import BatchDescription, BlockCopy, CopyKind, LoRALoad, WorkerOutput, WorkerStats
 from ember.worker import startup
-from ember.worker.batch import COPY, SWAP_OUT, BatchDescription, LoRALoad, WorkerOutput
 from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.memory import memory_now
 
@@ -76,7 +76,7 @@ class Worker:
 
     def init_cache(self, sched: SchedulerConfig) -> startup.PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""
-        self.plan = startup.start(self, self.cache_config, sched)
+        self.plan, self.kv_cache, self.host_cache = startup.start(self, self.cache_config, sched)
         return self.plan
 
     def capture_graphs(self, max_num_seqs: int, max_len: int) -> None:
@@ -106,19 +106,19 @@ class Worker:
         for i, layer in enumerate(self.layers):
             layer.k_cache, layer.v_cache = (pool[0, i], pool[1, i]) if pool is not None else (torch.empty(0),) * 2
 
-    def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Run the block copies queued by the block manager (host tier, copy-on-write), in order (runs of one kind
         together)."""
         i = 0
         while i < len(copies):
             j = i
-            while j < len(copies) and copies[j][0] == copies[i][0]:
+            while j < len(copies) and copies[j].kind is copies[i].kind:
                 j += 1
-            src = torch.tensor([c[1] for c in copies[i:j]], dtype=torch.long)
-            dst = torch.tensor([c[2] for c in copies[i:j]], dtype=torch.long)
-            if copies[i][0] == COPY:  # within the pool: every layer's K and V of the block
+            src = torch.tensor([c.src for c in copies[i:j]], dtype=torch.long)
+            dst = torch.tensor([c.dst for c in copies[i:j]], dtype=torch.long)
+            if copies[i].kind is CopyKind.COPY:  # within the pool: every layer's K and V of the block
                 self.kv_cache.index_copy_(2, dst.to(self.device), self.kv_cache.index_select(2, src.to(self.device)))
-            elif copies[i][0] == SWAP_OUT:
+            elif copies[i].kind is CopyKind.SWAP_OUT:
                 blocks = self.kv_cache.index_select(2, src.to(self.device)).to("cpu")
                 self.host_cache.index_copy_(2, dst, blocks)
             else:
@@ -126,14 +126,15 @@ class Worker:
                 self.kv_cache.index_copy_(2, dst.to(self.device), blocks)
             i = j
 
-    def memory_report(self) -> dict[str, int]:
+    def stats(self) -> WorkerStats:
         """Memory now and the peak since warm-up, next to the warm-up's peak (CUDA: allocator; CPU: RSS)."""
         now, peak = memory_now(self.device)
         plan = self.plan
-        return {"memory_in_use_bytes": now, "serving_peak_bytes": peak,
-                "warmup_peak_bytes": plan.warmup_peak_bytes if plan else 0,
-                "activation_bytes": plan.activation_bytes if plan else 0,
-                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
+        return WorkerStats(kv_budget_source=plan.budget_source if plan else "",
+                           attention_backend=self.attention_backend.name, memory_in_use_bytes=now,
+                           serving_peak_bytes=peak, warmup_peak_bytes=plan.warmup_peak_bytes if plan else 0,
+                           activation_bytes=plan.activation_bytes if plan else 0,
+                           kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size())
 
     def agree_min(self, value: int) -> int:
         """The smallest value over every rank (the KV pool size all ranks can hold)."""

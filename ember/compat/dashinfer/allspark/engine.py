@@ -102,7 +102,7 @@ class Engine:
         self._ids = itertools.count()
 
     def get_version_full(self) -> str:
-        from ember import __version__
+        from ember.version import __version__
 
         return f"ember {__version__} (DashInfer allspark API)"
 

@@ -190,7 +190,8 @@ class LLM:
         """Write the loaded model as a folder ``ModelConfig(model_dir=engine_dir)`` loads without the source: the
         weights as this LLM holds them (quantized ones stay quantized, calibrated ones transformed), the tokenizer,
         and the settings that shape the engine (max_beam_width, the KV cache mode)."""
-        from ember.model_loader import asmodel, open_checkpoint, weight_layout
+        from ember.model_loader import open_checkpoint, weight_layout
+        from ember.model_loader.convert import convert
 
         model = self.engine_config.resolve().model
         ckpt = open_checkpoint(model.path)
@@ -199,9 +200,9 @@ class LLM:
         extra = {"tensorrt_llm": {"max_beam_width": self.config.max_beam_width,
                                   "kv_cache_dtype": self.engine_config.kv_cache_dtype
                                   if self.engine_config.kv_cache_dtype != "auto" else None}}
-        asmodel.convert(model.path, engine_dir, "model", dtype=dtype, quant_config=quant, extra=extra,
-                        calibration_data=self.engine_config.calibration_data if quant and quant.algorithm else None,
-                        tokenizer=model.tokenizer)
+        convert(model.path, engine_dir, "model", dtype=dtype, quant_config=quant, extra=extra,
+                calibration_data=self.engine_config.calibration_data if quant and quant.algorithm else None,
+                tokenizer=model.tokenizer)
         logger.info("saved the model to %s", engine_dir)
 
     def shutdown(self) -> None:

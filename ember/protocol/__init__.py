@@ -1,0 +1,25 @@
+"""The records and enums that cross a layer: what the front end sends the engine core, what the core answers, what
+the core sends its workers each step and what they answer. Plain, typed, picklable; no torch, no layer imported
+(``tests/test_architecture.py`` checks both), so a front end in another process, a rank, or a test with a fake
+executor speaks them without the engine."""
+
+from ember.protocol.batch import (
+                                  BatchDescription,
+                                  BlockCopy,
+                                  CopyKind,
+                                  LoRALoad,
+                                  PrefillChunk,
+                                  PromptLogprobsRows,
+                                  SamplingRow,
+                                  TokenMaskSource,
+                                  WorkerOutput,
+)
+from ember.protocol.info import ModelInfo
+from ember.protocol.outputs import EngineOutput, SampleOutput, TokenLogprobs
+from ember.protocol.requests import EngineRequest
+from ember.protocol.stats import EngineStats, SchedulerStats, WorkerStats
+from ember.protocol.status import FinishReason, RequestStatus
+
+__all__ = ["BatchDescription", "BlockCopy", "CopyKind", "EngineOutput", "EngineRequest", "EngineStats",
+           "FinishReason", "LoRALoad", "ModelInfo", "PrefillChunk", "PromptLogprobsRows", "RequestStatus",
+           "SampleOutput", "SamplingRow", "SchedulerStats", "TokenLogprobs", "TokenMaskSource", "WorkerOutput", "WorkerStats"]

@@ -1,0 +1,29 @@
+"""What a client may know about the loaded engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int
+    scheduling_policy: str
+    kv_cache_dtype: str
+    quantization: str | None  # the weight layout, described; None: float weights
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    executor: str = "uni"  # how the ranks run (EngineConfig.distributed_executor_backend, resolved)
+    attention_window: int | None = None  # StreamingLLM: KV tokens a sequence keeps (sinks included); None: all
+    sink_tokens: int = 0
+    max_loras: int = 0  # adapters resident at once (0: LoRA off)
+    max_lora_rank: int = 0

@@ -1,0 +1,19 @@
+"""What the front end sends the engine core for one request: its token ids and checked parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember.lora.request import LoRARequest
+from ember.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # validated, eos_token_ids filled in
+    max_num_tokens: int  # prompt + max_tokens, capped by max_model_len
+    cache_salt: str | None = None  # extra prefix-cache key (the adapter's id)
+    grammar: str | None = None  # structured output: the llguidance grammar text the front end compiled
+    lora: LoRARequest | None = None  # the adapter the request runs with (checked by the front end); None: base
