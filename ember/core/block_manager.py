@@ -199,7 +199,8 @@ class BlockManager:
             tokens = self.host.block_tokens[block]
             device_block = self._pop_free()
             self.ref_counts[device_block] = 1
-            self.pending_copies.append(BlockCopy(CopyKind.SWAP_IN, block, device_block))  # after that eviction's copy, in order
+            # after that eviction's copy, in order
+            self.pending_copies.append(BlockCopy(CopyKind.SWAP_IN, block, device_block))
             self.host.release(block)
             self.swapped_in += 1
             self.cached[h], self.block_hash[device_block], self.block_tokens[device_block] = device_block, h, tokens
