@@ -100,6 +100,12 @@ def test_templates_render_as_transformers_renders_them(tokenizers, name, templat
                      [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x", "reasoning": "think",
                        "tool_calls": [{"name": "f", "arguments": {"a": [1, 2.5, None, "é"]}}]}],
                      CONVERSATIONS[1][1:]]
+    # ember drops message keys set to None as newer transformers does (5.24 here; 5.17 still rendered them): with
+    # an older transformers the reference for the first conversation is the older behaviour, so it is left out
+    probe = hf.apply_chat_template([{"role": "user", "content": "x", "k": None}], tokenize=False,
+                                   chat_template="{{ messages[0].k is defined }}")
+    if probe.strip() != "False":
+        conversations = conversations[1:]
     for conversation in conversations:
         for generation_prompt in (True, False):
             want = hf.apply_chat_template(conversation, chat_template=template, tokenize=False,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs, in one call each (see docs/cuda.md):
 #   bash benchmarks/cuda/run.sh tests   # the suite on CUDA (device "auto" picks the GPU), log in $OUT
+#   bash benchmarks/cuda/run.sh latency # batch-1 latency alone (the last part of bench)
 #   bash benchmarks/cuda/run.sh bench   # ember (graphs on / off) vs transformers on CUDA: W1, batch-1 latency,
 #                                       # batch invariance; QUANT=1 adds the quantization modes
 #                                       # (BACKENDS=, REPEATS= narrow it)
@@ -44,15 +45,19 @@ tests)
         -k "not perplexity_of_every_mode_on_the_default_model and not default_model_keeps_its_gguf_footprint" \
         "${@:2}" 2>&1 | tee "$OUT/pytest.log"
     exit "${PIPESTATUS[0]}" ;;
-bench)
+bench|latency)
     M=/tmp/smollm2-random
     python3 benchmarks/cuda/random_smollm2.py $M --tokenizer-gguf .gpu/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+    common=(--model $M --backends "${BACKENDS:-ember,ember-eager,hf}" --python hf=python3 --device cuda
+            --dtype bfloat16 --repeats "${REPEATS:-3}")
+    if [ "$1" = latency ]; then
+        python3 -m ember.entrypoints.cli bench latency "${common[@]}" --runs 3 --out "$OUT/bench" 2>&1 | tail -20
+        exit 0
+    fi
     # the same greedy request alone, in batches, beside others: identical tokens and logprobs?
     python3 benchmarks/batch_invariance.py --model $M --device cuda --dtype bfloat16 --out "$OUT/invariance.json" \
         2>&1 | tail -24
     # ember-eager: the same engine without CUDA graphs (enforce_eager=True), in the same run
-    common=(--model $M --backends "${BACKENDS:-ember,ember-eager,hf}" --python hf=python3 --device cuda
-            --dtype bfloat16 --repeats "${REPEATS:-3}")
     python3 -m ember.entrypoints.cli bench throughput "${common[@]}" --workload W1 --out "$OUT/bench" 2>&1 | tail -20
     python3 -m ember.entrypoints.cli bench latency "${common[@]}" --runs 3 --out "$OUT/bench" 2>&1 | tail -20
     if [ -n "${QUANT:-}" ]; then
@@ -60,5 +65,5 @@ bench)
             --out "$OUT/bench/quantization.json" 2>&1 | tail -12
     fi
     ;;
-*) echo "usage: $0 prepare|tests|bench" >&2; exit 2 ;;
+*) echo "usage: $0 prepare|tests|bench|latency" >&2; exit 2 ;;
 esac
