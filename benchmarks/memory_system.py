@@ -18,7 +18,6 @@ import time
 
 from ember import LLM, SamplingParams
 from ember.benchmarks.workloads import WORKLOADS, build_requests, vocabulary
-from ember.worker.startup import kv_bytes_per_block
 
 
 def _params(reqs):
@@ -57,7 +56,7 @@ def main() -> None:
     hf = engines["cache_on"].tokenizer.hf
     vocab = vocabulary(len(hf), set(hf.added_tokens_decoder) | set(hf.all_special_ids))
     w1 = build_requests(WORKLOADS["W1"], vocab, seed=0)
-    per_block = kv_bytes_per_block(engines["cache_on"].client.engine_core.worker.loaded, 16)
+    per_block = engines["cache_on"].model_info.kv_block_bytes
     need = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // 16) for r in w1)
     quarter = need // 4 * per_block
     for name in ("max_utilization", "guaranteed_no_evict"):

@@ -33,7 +33,6 @@ from ember.benchmarks.perplexity import perplexity
 from ember.benchmarks.runner import run_driver
 from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests
 from ember.config import default_model_path
-from ember.worker.startup import kv_bytes_per_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -68,7 +67,7 @@ def accuracy(model: str, names: list[str]) -> dict[str, dict]:
         greedy = [o.outputs[0].token_ids for o in
                   llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)]
         total, linear = _weight_bytes(llm)
-        kv = kv_bytes_per_block(llm.client.engine_core.worker.loaded, 16, llm.config.kv_cache_dtype) // 16
+        kv = llm.model_info.kv_block_bytes // 16
         llm.shutdown()
         if base is None:
             base = (ppl, greedy)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import random_prompts
+from internals import core_of, worker_of
 
 from ember import LLM, SamplingParams
 
@@ -193,16 +194,16 @@ def test_a_worker_replays_unpickled_batches_to_the_same_tokens(llama_dir):
 
     llm = LLM(llama_dir, dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_memory="16MiB", device="cpu")
     try:
-        worker = llm.client.engine_core.worker
+        worker = worker_of(llm)
         seen: list[tuple[bytes, list[int]]] = []
-        run = worker.execute
+        run = worker.execute_model
 
         def recording(batch):
             out = run(batch)
             seen.append((pickle.dumps(batch), list(out.token_ids)))
             return out
 
-        worker.execute = recording
+        worker.execute_model = recording
         vocab = llm.model_info.vocab_size
         prompts = random_prompts(3, 5, 40, vocab, seed=51)
         params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -217,7 +218,7 @@ def test_a_worker_replays_unpickled_batches_to_the_same_tokens(llama_dir):
     fresh = Worker(resolved.model, resolved.cache)
     fresh.init_cache(SchedulerConfig.resolve(config, fresh.loaded.max_position))
     for blob, tokens in seen:
-        assert fresh.execute(pickle.loads(blob)).token_ids == tokens
+        assert fresh.execute_model(pickle.loads(blob)).token_ids == tokens
 
 
 @pytest.mark.parametrize("bad, field", [(dict(temperature=float("nan")), "temperature"),
@@ -284,11 +285,11 @@ def test_finished_requests_leave_no_state_behind(tiny_llm):
     stream = tiny_llm.stream([5, 6, 7], SamplingParams(temperature=0.7, seed=1, max_tokens=50))
     next(stream)
     stream.close()  # leaves early: the request is aborted
-    client, core = tiny_llm.client, tiny_llm.client.engine_core
+    client, core, worker = tiny_llm.client, core_of(tiny_llm), worker_of(tiny_llm)
     deadline = time.monotonic() + 10
-    while (core.worker.states or core.requests or client._outputs.states) and time.monotonic() < deadline:
+    while (worker.states or core.requests or client._outputs.states) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not core.worker.states and not core.requests and not client._outputs.states
+    assert not worker.states and not core.requests and not client._outputs.states
     with pytest.raises(BadRequestError, match="already in use"):  # ids are unique among requests in flight ...
         client.submit([[1], [2]], [None, None], lambda _: None, ["x", "x"])
     assert tiny_llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)[0].finished  # ... and reusable

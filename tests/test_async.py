@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from conftest import random_prompts
+from internals import core_of
 
 from ember import AsyncLLM, SamplingParams
 from ember.sampling_params import OutputKind
@@ -56,7 +57,7 @@ def test_breaking_out_aborts_and_delta_kind(engine):
                                        request_id="b"):
             break  # the loop closes the generator, which aborts the request
         for _ in range(200):
-            if "b" not in engine.client.engine_core.requests:
+            if "b" not in core_of(engine).requests:
                 break
             await asyncio.sleep(0.01)
         deltas = [d async for d in engine.generate(prompt, SamplingParams(

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import default_gguf, hf_float32, save_random_model
+from internals import worker_of
 from ember import LLM, SamplingParams
 from ember.quantization import QuantConfig, quantize_int4
 from ember.quantization.calibration import (DEFAULT_TEXT, calibration_sequences, fold_scales, read_calibration_text,
@@ -202,11 +203,11 @@ def test_convert_awq_stores_the_weights_that_loading_with_awq_builds(llama_dir, 
     monkeypatch.setattr(calibrated, "calibrate", no_calibration)  # convert calibrated once; loading reuses it
     live = LLM(llama_dir, dtype="float32", quantization="awq", calibration_data=calibration_file, max_num_seqs=4,
                max_model_len=128)
-    assert live.client.engine_core.worker.loaded.quant == QuantConfig.of("awq")
+    assert worker_of(live).loaded.quant == QuantConfig.of("awq")
     want = _tokens(live)
     live.shutdown()
     stored = LLM(dst, dtype="float32", max_num_seqs=4, max_model_len=128)  # no calibration: stored transformed
-    assert stored.client.engine_core.worker.loaded.quant.describe() == "int4 g128 (awq)"
+    assert stored.model_info.quantization == "int4 g128 (awq)"
     assert _tokens(stored) == want
     stored.shutdown()
     stored = LLM(dst, dtype="float32", quantization="awq", max_num_seqs=4, max_model_len=128)
@@ -280,7 +281,7 @@ def test_cached_scales_fold_into_the_tensors_calibration_changes(tiny_models, qw
 
 def test_smoothquant_loads_and_generates(llama_dir):
     llm = LLM(llama_dir, dtype="float32", quantization="smoothquant", max_num_seqs=4, max_model_len=128)
-    assert llm.client.engine_core.worker.loaded.quant.describe() == "w8a8 (smoothquant)"
+    assert llm.model_info.quantization == "w8a8 (smoothquant)"
     assert all(len(t) == GREEDY.max_tokens for t in _tokens(llm))
     llm.shutdown()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_float32, hf_greedy, random_prompts
+from internals import worker_of
 
 from ember import LLM, SamplingParams
 from ember.worker.cuda_graph import capture_sizes
@@ -99,7 +100,7 @@ def test_graph_replayed_decode_matches_eager_and_transformers(kind, tiny_models)
         llm = LLM(path, dtype="float32", device="cuda", kv_cache_memory="32MiB", max_num_seqs=16,
                   enforce_eager=eager)
         try:
-            worker = llm.client.engine_core.worker
+            worker = worker_of(llm)
             assert worker.attention_backend.name == "triton"
             assert (worker.graphs is None) == eager
             if not eager:

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from internals import worker_of
 
 from ember import LLM, SamplingParams
 from ember.compat.dashinfer import allspark
@@ -334,7 +335,7 @@ def test_internal_error_status(running):
     def broken(*a, **k):
         raise RuntimeError("injected failure")
 
-    native.engine_core.worker.execute = broken
+    worker_of(native).execute_model = broken
     gen = _greedy(loader, cfg, 0)
     gen["max_length"] = 10
     _, h, q = engine.start_request_ids("m", loader, [1, 2, 3], gen)

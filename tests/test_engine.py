@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 from conftest import hf_float32, hf_greedy, random_prompts
+from internals import core_of, worker_of
 
 from ember import LLM, ConfigError, SamplingParams
-from ember.worker.startup import kv_bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -42,10 +42,10 @@ def test_preemption_keeps_greedy_output(llama_dir, tiny_llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
     # 64 blocks of 16 tokens hold only ~1,000 tokens; the batch needs ~1,400
-    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
+    per_block = tiny_llm.model_info.kv_block_bytes
     small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=64 * per_block)
     try:
-        assert small.client.engine_core.block_manager.num_blocks == 64
+        assert core_of(small).block_manager.num_blocks == 64
         outs = small.generate(prompts, params, use_tqdm=False)
         assert small.stats()["preemptions"] > 0
         assert _tokens(outs) == expected
@@ -174,7 +174,7 @@ def test_engine_failure_reaches_every_consumer(llama_dir):
         def boom(batch):
             raise RuntimeError("simulated kernel failure")
 
-        llm.client.engine_core.worker.execute = boom
+        worker_of(llm).execute_model = boom
         with pytest.raises(EngineDeadError, match="simulated kernel failure"):
             llm.generate(["hello", "world"], GREEDY, use_tqdm=False)
         with pytest.raises(EngineDeadError):
@@ -207,7 +207,7 @@ def test_one_prefill_a_step_same_outputs(llama_dir, tiny_llm):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     one = LLM(llama_dir, dtype="float32", kv_cache_memory="32MiB", max_num_prefill_seqs=1)
     try:
-        core = one.client.engine_core
+        core = core_of(one)
         steps = []
         step = core.scheduler.schedule
 
@@ -276,7 +276,7 @@ def test_prefix_caching_with_preemption_in_a_tiny_pool(llama_dir, tiny_llm):
     prompts = [system + suffix for suffix in random_prompts(12, 5, 40, vocab, seed=25)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
-    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
+    per_block = tiny_llm.model_info.kv_block_bytes
     small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=40 * per_block,
                 max_num_batched_tokens=64)
     try:

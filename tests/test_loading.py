@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_float32, hf_greedy, random_prompts
+from internals import worker_of
 
 from ember import LLM, SamplingParams
 from ember.config import resolve_dtype
@@ -93,7 +94,7 @@ def test_gguf_file_matches_source_model(tiny_models, tokenizer_dir, tmp_path, ki
     prompt = random_prompts(1, 15, 15, hf.config.vocab_size, seed=42)[0]
     llm = LLM(path, tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
     try:
-        assert llm.client.engine_core.worker.loaded.architecture == hf.config.architectures[0]
+        assert llm.model_info.architecture == hf.config.architectures[0]
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 20)
     finally:
         llm.shutdown()
@@ -110,7 +111,7 @@ def test_quantized_gguf_matches_transformers_gguf_loader(tiny_models, tokenizer_
     prompt = random_prompts(1, 15, 15, src.config.vocab_size, seed=43)[0]
     llm = LLM(str(tmp_path / "m.gguf"), tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
     try:
-        ours = llm.client.engine_core.worker.loaded.model.model.layers[0].mlp.down_proj.weight.cpu()
+        ours = worker_of(llm).loaded.model.model.layers[0].mlp.down_proj.weight.cpu()
         orig = src.model.layers[0].mlp.down_proj.weight
         assert (ours - orig).abs().max() <= orig.abs().max() / 4  # 4-bit is coarse, but not garbage
         got = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -158,7 +159,7 @@ def test_requantized_gguf_blocks_score_as_the_blocks_do(llama_256, tokenizer_dir
                            ("bf16", dict(dtype="bfloat16", quantization="none")), ("float32", dict(dtype="float32"))):
         llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", **settings)
         try:
-            quant = llm.client.engine_core.worker.loaded.quant
+            quant = worker_of(llm).loaded.quant
             assert (quant.describe() if quant else None) == ("int8" if name == "int8" else None)
             assert quant is None or quant.embeddings
             out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
@@ -197,7 +198,7 @@ def test_gguf_int8_default_takes_int8_activations_only_within_the_budget(llama_2
         monkeypatch.setattr(calibrated, "NLL_BUDGET", budget)
         llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", dtype="bfloat16")
         try:
-            assert llm.client.engine_core.worker.loaded.quant.describe() == layout
+            assert llm.model_info.quantization == layout
             out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                                use_tqdm=False)[0]
             assert len(out.outputs[0].token_ids) == 4

@@ -7,9 +7,9 @@ import re
 
 import pytest
 from conftest import make_tiny_model, random_prompts
+from internals import core_of
 
 from ember import LLM, SamplingParams
-from ember.worker.startup import kv_bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -74,7 +74,7 @@ def test_configuration_that_cannot_fit_names_what_would(llama_dir):
 def kv_bytes_per_block_of(llama_dir) -> int:
     llm = LLM(llama_dir, dtype="float32", max_model_len=64, kv_cache_memory="1MiB")
     try:
-        return kv_bytes_per_block(llm.client.engine_core.worker.loaded, 16)
+        return llm.model_info.kv_block_bytes
     finally:
         llm.shutdown()
 
@@ -115,7 +115,7 @@ def test_policies_keep_greedy_outputs_in_a_tiny_pool(llama_dir, tiny_llm, policy
     prompts = random_prompts(16, 20, 60, tiny_llm.model_info.vocab_size, seed=41)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(tiny_llm.generate(prompts, params, use_tqdm=False))
-    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
+    per_block = tiny_llm.model_info.kv_block_bytes
     small = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=24 * per_block,
                 scheduling_policy=policy, max_num_batched_tokens=64)
     try:
@@ -155,7 +155,7 @@ def test_request_given_up_ends_interrupted_and_keeps_its_tokens(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 * per_block)
     try:
         holder = CoreRequest(EngineRequest("holder", [1], GREEDY, 128)).seqs[0]
-        llm.client.engine_core.block_manager.allocate(holder, 5 * 16)  # 5 of the 8 blocks: 48 tokens left
+        core_of(llm).block_manager.allocate(holder, 5 * 16)  # 5 of the 8 blocks: 48 tokens left
         long, short = llm.generate([[7] * 20, [8] * 4], [SamplingParams(temperature=0, max_tokens=100,
                                                                         ignore_eos=True), GREEDY], use_tqdm=False)
         assert long.finished and long.outputs[0].finish_reason == "interrupted"
@@ -175,7 +175,7 @@ def test_host_tier_serves_evicted_prefixes(llama_dir, tiny_llm, monkeypatch):
     first = [system + s for s in random_prompts(4, 8, 20, vocab, seed=43)]
     flood = random_prompts(12, 100, 120, vocab, seed=44)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    per_block = kv_bytes_per_block(tiny_llm.client.engine_core.worker.loaded, 16)
+    per_block = tiny_llm.model_info.kv_block_bytes
     cpu = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=24 * per_block,
               cpu_cache_memory=256 * per_block, device="cpu")
     try:
@@ -207,7 +207,7 @@ def test_4000_token_prompt_delays_no_decoding_request(long_llama_dir):
     llm = LLM(long_llama_dir, dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=512,
               max_model_len=4200)
     steps: list[tuple[set[int], list[int]]] = []
-    sched = llm.client.engine_core.scheduler
+    sched = core_of(llm).scheduler
     original = sched.schedule
 
     def recording():

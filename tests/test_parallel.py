@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from conftest import random_prompts
+from internals import core_of
 
 from ember import LLM, SamplingParams
 from ember.errors import ConfigError, EngineDeadError
@@ -78,7 +79,7 @@ def test_split_model_gives_the_tokens_of_one_rank(tiny_models, kind):
     for tp, pp in ((2, 1), (1, 2), (2, 2)):
         llm = _split_llm(model, tp, pp, 40, max_num_batched_tokens=64)
         try:
-            assert llm.model_info.executor == "mp" and llm.client.engine_core.block_manager.num_blocks == 40
+            assert llm.model_info.executor == "mp" and core_of(llm).block_manager.num_blocks == 40
             got = [_run(llm, prompts), _run(llm, prompts)]
             stats = llm.stats()
             assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
@@ -89,7 +90,7 @@ def test_split_model_gives_the_tokens_of_one_rank(tiny_models, kind):
             reports = llm.client.rank_reports()
             assert [r["rank"] for r in reports] == list(range(tp * pp))
             assert all(r["layers"] == 2 // pp and r["kv_heads"] == 2 // tp for r in reports)
-            pids = llm.client.engine_core.executor.pids
+            pids = core_of(llm).executor.pids
         finally:
             llm.shutdown()
         assert not _wait_gone(pids)
@@ -278,7 +279,7 @@ def test_ray_executor_gives_the_tokens_of_one_process(llama_dir):
 def test_a_killed_worker_ends_requests_with_an_error_and_leaves_nothing(llama_dir):
     llm = LLM(llama_dir, dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="16MiB",
               tensor_parallel_size=2)
-    pids = llm.client.engine_core.executor.pids
+    pids = core_of(llm).executor.pids
     errors: list[BaseException] = []
 
     def run() -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import default_gguf
+from internals import worker_of
 from ember import LLM, SamplingParams
 from ember.benchmarks.perplexity import perplexity
 from ember.layers.kv_cache import KVCacheFormat
@@ -307,7 +308,7 @@ def _weight_bytes(llm) -> tuple[int, int]:
     """(all weight bytes, bytes of the decoder's linear weights), each tensor counted once."""
     from ember.layers.linear import Linear
 
-    model = llm.client.engine_core.worker.loaded.model
+    model = worker_of(llm).loaded.model
     seen, total, linear = set(), 0, 0
     for module in model.modules():
         held = list(module.parameters(recurse=False))
@@ -331,7 +332,7 @@ def test_default_model_keeps_its_gguf_footprint_and_int4_is_under_0_3x_of_bf16()
     # the embedded Q4_1 GGUF, dtype auto: bf16 with the GGUF's blocks kept where the CPU has fast bf16; a CPU
     # without it (AVX2) runs float32 dequantized by default, and keeps the blocks when asked for bf16
     llm = LLM(max_num_seqs=2, max_model_len=256, **({} if cpu_has_fast_bf16() else {"dtype": "bfloat16"}))
-    quant = llm.client.engine_core.worker.loaded.model.quant
+    quant = worker_of(llm).loaded.model.quant
     assert quant is not None and quant.method == "int4" and quant.group_size == 32 and quant.embeddings
     total, g32 = _weight_bytes(llm)
     assert total < 110 * 2**20, total  # the .gguf file is 94 MiB; dequantized to bf16 it is 270 MiB
@@ -350,7 +351,7 @@ def test_quantized_layers_replace_the_float_weights(llama_dir):
     from ember.layers.linear import Linear
 
     llm = LLM(llama_dir, quantization="int8", max_num_seqs=2, max_model_len=128)
-    layers = [m for m in llm.client.engine_core.worker.loaded.model.modules() if isinstance(m, Linear)]
+    layers = [m for m in worker_of(llm).loaded.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight is None and m.qmm is not None for m in layers)
     llm.shutdown()
 
@@ -380,7 +381,7 @@ def test_convert_stores_int4_and_loads_back_to_the_same_tokens(llama_dir, tmp_pa
     assert "model.layers.0.mlp.down_proj.weight" not in tensors
     params = SamplingParams(temperature=0, max_tokens=12)
     stored = LLM(str(tmp_path / "q.asmodel"), dtype="float32", max_num_seqs=2, max_model_len=128)
-    assert stored.client.engine_core.worker.loaded.model.quant.describe() == "int4 g32"
+    assert worker_of(stored).loaded.model.quant.describe() == "int4 g32"
     a = [o.outputs[0].token_ids for o in stored.generate(PROMPTS[:4], params, use_tqdm=False)]
     stored.shutdown()
     live = LLM(llama_dir, dtype="float32", quantization="int4", quant_group_size=32, max_num_seqs=2,
@@ -420,7 +421,7 @@ def test_dashinfer_quantization_switches(llama_dir, tmp_path):
     engine.install_model(cfg)
     engine.start_model("tq")
     native = engine._models["tq"].engine
-    worker = native.engine_core.worker
+    worker = worker_of(native)
     assert worker.kv_format.kind == "uint4" and worker.loaded.model.quant.method == "int4"
     engine.stop_model("tq")
     engine.release_model("tq")

@@ -28,7 +28,7 @@ def test_convert_cli_then_native_load_gives_the_sources_tokens(kind, tiny_models
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     for model in (dst, str(tmp_path)):  # the file, or a folder holding one .asmodel
         with LLM(model, max_num_seqs=2, kv_cache_memory="16MiB") as llm:  # auto: the stored float32
-            assert llm.client.engine_core.worker.loaded.dtype.is_floating_point and str(llm.client.engine_core.worker.loaded.dtype) == "torch.float32"
+            assert llm.model_info.dtype == "float32"
             got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
             assert llm.tokenizer.has_chat_template
         assert got == want

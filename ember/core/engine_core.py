@@ -1,6 +1,7 @@
 """The engine core: requests in, one step at a time, outputs out. It owns the scheduler, the block manager and the
-after-step work, and drives its workers, through an executor (one rank in process, or a model split over many),
-with plain batch descriptions. It runs on one thread (``EngineLoop``) and knows nothing of tokenizers, text or
+after-step work, and drives its workers through an executor (one rank in process, or a model split over many)
+with plain batch descriptions; what it knows of the model and the KV pool came back from the workers as data
+(``WorkerInfo``, ``PoolPlan``). It runs on one thread (``EngineLoop``) and knows nothing of tokenizers, text or
 output streams.
 """
 
@@ -18,8 +19,7 @@ from ember.core.lora_slots import LoRASlots
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.core.window import KVWindow
-from ember.dtypes import name_of
-from ember.executor import make_executor
+from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, read_shape
 from ember.protocol import (
@@ -29,23 +29,40 @@ from ember.protocol import (
     EngineStats,
     FinishReason,
     ModelInfo,
+    PoolPlan,
     SchedulerStats,
+    WorkerInfo,
 )
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, resolved: ResolvedConfig, grammars: GrammarSource | None = None) -> None:
-        # the limits are settled from the checkpoint's config before the weights load: a bad max_model_len fails fast
-        self.sched_config = sched = SchedulerConfig.resolve(config, read_shape(resolved.model.path).max_position)
-        par = resolved.parallel  # and a split that cannot work fails before any process starts
+    # what a client may call by name between steps (``EngineLoop.utility``), with plain arguments
+    UTILITIES = frozenset({"add_lora", "remove_lora", "rank_reports", "stats"})
+
+    @classmethod
+    def start(cls, config: EngineConfig, resolved: ResolvedConfig,
+              grammars: GrammarSource | None = None) -> "EngineCore":
+        """Settle the limits and check the split from the checkpoint's config (a bad max_model_len or split fails
+        before any weight loads or process starts), then start the executor's ranks and the core over them."""
+        sched = SchedulerConfig.resolve(config, read_shape(resolved.model.path).max_position)
+        par = resolved.parallel
         check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
-        self.executor = make_executor(resolved)
-        self.worker = worker = self.executor.driver  # rank 0's worker: model facts, device, memory figures
+        executor = make_executor(resolved)
         try:
-            plan = self.executor.init_cache(sched)
+            return cls(executor, sched, resolved, grammars)
         except BaseException:
-            self.executor.shutdown()
+            executor.shutdown()
             raise
+
+    def __init__(self, executor: Executor, sched: SchedulerConfig, resolved: ResolvedConfig,
+                 grammars: GrammarSource | None = None) -> None:
+        """Over a started executor (any that speaks ``Executor``: tests give a scripted one): size the KV pool on
+        every rank, then build the block manager and scheduler from the plan and model facts they return."""
+        self.sched_config = sched
+        self.executor = executor
+        plan: PoolPlan = executor.collective_rpc("init_cache", (sched,))[0]
+        info: WorkerInfo = executor.collective_rpc("info")[0]
+        par = resolved.parallel
         cache = resolved.cache
         window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
@@ -58,16 +75,16 @@ class EngineCore:
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
         self.guides = Guides(grammars)
         self.requests: dict[str, CoreRequest] = {}
-        loaded = worker.loaded
         self.model_info = ModelInfo(
-            model=resolved.model.path, architecture=loaded.architecture, dtype=name_of(loaded.dtype),
-            device=str(worker.device), vocab_size=loaded.shape.vocab_size, max_model_len=sched.max_model_len,
+            model=resolved.model.path, architecture=info.architecture, dtype=info.dtype,
+            device=info.device, vocab_size=info.vocab_size, max_model_len=sched.max_model_len,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             block_size=cache.block_size, num_kv_blocks=plan.num_blocks, scheduling_policy=sched.policy,
-            kv_cache_dtype=cache.kv_cache_dtype, quantization=loaded.quant.describe() if loaded.quant else None,
+            kv_cache_dtype=cache.kv_cache_dtype, quantization=info.quantization,
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
             executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens,
-            max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0)
+            max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0,
+            kv_block_bytes=info.kv_bytes_per_block)
 
     def add(self, record: EngineRequest) -> None:
         req = CoreRequest(record)
@@ -79,7 +96,7 @@ class EngineCore:
         in_use = {s.request.lora_id for s in self.scheduler.running}
         if self.loras.can_take(lora.lora_int_id, in_use):
             self.loras.take(lora, in_use)
-            self.executor.execute(BatchDescription(lora_loads=self.loras.take_loads()))
+            self.executor.execute_model(BatchDescription(lora_loads=self.loras.take_loads()))
 
     def remove_lora(self, lora_id: int) -> None:
         """Free an adapter's slot, unless running requests use it (they finish with it, and the slot is reused
@@ -115,7 +132,7 @@ class EngineCore:
         self.guides.release(released)
         if not batch.seqs:
             if batch.copies or released:
-                self.executor.execute(BatchDescription(copies=batch.copies, released=released))
+                self.executor.execute_model(BatchDescription(copies=batch.copies, released=released))
         else:
             now = time.time()
             for seq in batch.seqs:
@@ -124,7 +141,7 @@ class EngineCore:
             bm = self.block_manager
             description, sampled = describe(batch, bm.block_size, released, bm.window, self.loras)
             description.token_masks = self.guides.masks(sampled)  # computed while the model runs
-            result = self.executor.execute(description)
+            result = self.executor.execute_model(description)
             self.guides.advance(sampled, result.token_ids, description.token_masks)
             self.decoding.after_step(batch, sampled, result, outputs)
         self._forget_finished(self.requests[rid] for rid in outputs if rid in self.requests)
@@ -140,8 +157,12 @@ class EngineCore:
         self.guides.shutdown()
         self.executor.shutdown()
 
+    def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
+        """Every rank's place, weight and KV bytes and time in collectives, rank 0 first; reset: zero the times."""
+        return self.executor.collective_rpc("report", (reset,))
+
     def stats(self) -> EngineStats:
-        """Engine counters (thread-safe enough for monitoring: plain reads of ints and lists)."""
+        """The scheduler's counters and rank 0's memory figures."""
         bm, sched, guides = self.block_manager, self.scheduler, self.guides
         host = bm.host
         on_cpu = self.model_info.device == "cpu"
@@ -159,4 +180,4 @@ class EngineCore:
             guided_steps=guides.steps, guided_rows=guides.masked_rows, guided_mask_seconds=guides.mask_seconds,
             guided_mask_wait_seconds=guides.wait_seconds,
             lora_slots=tuple(self.loras.resident) if self.loras else None,
-            lora_swaps=self.loras.swaps if self.loras else None), self.worker.stats())
+            lora_swaps=self.loras.swaps if self.loras else None), self.executor.collective_rpc("stats")[0])

@@ -1,9 +1,10 @@
 """The engine core's thread: it builds the worker and the core, then runs schedule -> run the model -> sample ->
 after-step work -> hand the outputs over, for as long as there is work; idle, it waits for a command.
 
-Callers on any thread send requests and aborts through a thread-safe inbox. Each step's outputs go to one
-``OutputHandler`` (the front end), called on this thread before the next step is scheduled; it answers with the
-samples it found a stop string in, which are finished at once.
+Callers on any thread send commands (``ember.protocol.commands``: requests, aborts, utility calls by name with
+plain arguments) through a thread-safe inbox; a utility call's answer comes back by its call id. Each step's
+outputs go to one ``OutputHandler`` (the front end), called on this thread before the next step is scheduled; it
+answers with the samples it found a stop string in, which are finished at once.
 
 All torch work stays on this one thread. That matters on CPU: OpenMP gives each thread that runs parallel ops its
 own team, and once the teams hold more threads than there are cores, libgomp stops spinning between ops and every
@@ -12,11 +13,11 @@ small op pays a wake-up (measured: a tiny softmax 3 us -> 60 us).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
@@ -25,7 +26,17 @@ from ember.config import EngineConfig, ResolvedConfig
 from ember.core.engine_core import EngineCore
 from ember.core.guided import GrammarSource
 from ember.errors import EngineDeadError
-from ember.protocol import EngineOutput, EngineRequest, EngineStats, ModelInfo
+from ember.protocol import (
+    AbortRequest,
+    AddRequests,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    ModelInfo,
+    StopSample,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = logging.getLogger("ember")
 _STOP = object()
@@ -52,6 +63,8 @@ class EngineLoop:
         self.core: EngineCore | None = None
         self.dead: EngineDeadError | None = None  # set once the loop has stopped, with why
         self._inbox: queue.Queue = queue.Queue()
+        self._calls = itertools.count()
+        self._pending: dict[int, Future] = {}  # utility calls sent, by id, until their result comes back
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, args=(config, resolved, grammars),
@@ -72,37 +85,46 @@ class EngineLoop:
     def add(self, requests: list[EngineRequest]) -> None:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        self._inbox.put(("add", requests))
+        self._inbox.put(AddRequests(tuple(requests)))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
 
     def shutdown(self) -> None:
         self._finalizer()
 
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        return self.utility("stats")
 
     def is_alive(self) -> bool:
         return self.dead is None and self._thread.is_alive()
 
-    def call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run fn(core) on the loop's thread between steps and return its result: anything that talks to a split
-        model's ranks must, since the ranks follow one sequence of collectives."""
+    def utility(self, method: str, *args: Any) -> Any:
+        """Run one of the core's ``UTILITIES`` on the loop's thread between steps and return its result: anything
+        that talks to a split model's ranks must, since the ranks follow one sequence of collectives."""
+        if method not in EngineCore.UTILITIES:
+            raise ValueError(f"{method!r} is not an engine utility; allowed: {sorted(EngineCore.UTILITIES)}")
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
+        if threading.current_thread() is self._thread:  # from an output sink, between steps: waiting would deadlock
+            return getattr(self.core, method)(*args)
         done: Future = Future()
-        self._inbox.put(("call", (fn, done)))
-        while True:  # the loop may stop after the check above and before it takes the call: do not wait forever
-            try:
-                return done.result(timeout=0.5)
-            except FutureTimeout:
-                if not self._thread.is_alive():
-                    raise EngineDeadError(str(self.dead or "the engine has stopped")) from None
+        call = UtilityCall(next(self._calls), method, args)
+        self._pending[call.call_id] = done
+        self._inbox.put(call)
+        try:
+            while True:  # the loop may stop after the check above and before it takes the call: do not wait forever
+                try:
+                    return done.result(timeout=0.5)
+                except FutureTimeout:
+                    if not self._thread.is_alive():
+                        raise EngineDeadError(str(self.dead or "the engine has stopped")) from None
+        finally:
+            self._pending.pop(call.call_id, None)
 
     def _main(self, config: EngineConfig, resolved: ResolvedConfig, grammars: GrammarSource | None) -> None:
         try:
-            self.core = EngineCore(config, resolved, grammars)
+            self.core = EngineCore.start(config, resolved, grammars)
         except BaseException as e:
             self._init_error = e
             self._ready.set()
@@ -133,20 +155,7 @@ class EngineLoop:
                 self.handler.fail_all(self.dead)
                 self._cancel_calls()
                 return False
-            kind, payload = item
-            if kind == "add":
-                for record in payload:
-                    core.add(record)
-            elif kind == "call":
-                fn, done = payload
-                try:
-                    done.set_result(fn(core))
-                except Exception as e:
-                    done.set_exception(e)
-            else:
-                out = core.abort(payload)
-                if out is not None:
-                    self._deliver([out])
+            self._handle(core, item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -155,6 +164,32 @@ class EngineLoop:
             self._deliver(core.step())
         return True
 
+    def _handle(self, core: EngineCore, command: AddRequests | AbortRequest | StopSample | UtilityCall) -> None:
+        if isinstance(command, AddRequests):
+            for record in command.requests:
+                core.add(record)
+        elif isinstance(command, AbortRequest):
+            out = core.abort(command.request_id)
+            if out is not None:
+                self._deliver([out])
+        elif isinstance(command, StopSample):
+            core.stop_sample(command.request_id, command.index)
+        else:
+            try:
+                result = UtilityResult(command.call_id, getattr(core, command.method)(*command.args))
+            except Exception as e:
+                result = UtilityResult(command.call_id, error=e)
+            self._answer(result)
+
+    def _answer(self, result: UtilityResult) -> None:
+        done = self._pending.get(result.call_id)
+        if done is None:  # the caller gave up (the engine died while it waited)
+            return
+        if result.error is not None:
+            done.set_exception(result.error)
+        else:
+            done.set_result(result.value)
+
     def _cancel_calls(self) -> None:
         """Calls still queued when the loop ends fail with the reason, instead of waiting forever."""
         while True:
@@ -162,10 +197,10 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is not _STOP and item[0] == "call":
-                item[1][1].set_exception(self.dead)
+            if isinstance(item, UtilityCall):
+                self._answer(UtilityResult(item.call_id, error=self.dead))
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         if outputs:
             for request_id, index in self.handler.process(outputs):
-                self.core.stop_sample(request_id, index)
+                self._handle(self.core, StopSample(request_id, index))

@@ -1,26 +1,21 @@
-"""What the engine core asks of its executor, whatever runs the ranks."""
+"""What the engine core asks of its executor, whatever runs the ranks: steps, and a few worker methods run on
+every rank by name. Everything that crosses is data (``ember.protocol``): the core never holds a worker."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ember.config import SchedulerConfig
 from ember.protocol import BatchDescription, WorkerOutput
-from ember.worker.startup import PoolPlan
-from ember.worker.worker import Worker
 
 
 class Executor(Protocol):
-    driver: Worker  # rank 0's worker, in the engine's process: model facts, device, memory figures
+    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
+        """Run one step on every rank; the sampling rank's tokens."""
 
-    def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
-        """Size and allocate every rank's KV pool (the same number of blocks on each), then warm up."""
-
-    def execute(self, batch: BatchDescription) -> WorkerOutput:
-        """Run one step on every rank; the sampled tokens."""
-
-    def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
-        """Every rank's place, weight and KV bytes and time in collectives, rank 0 first; reset: zero the times."""
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Run the worker method (one of ``Worker.RPC``) on every rank, in the order the core calls; each rank's
+        result, rank 0 first. ``init_cache`` sizes every rank's KV pool alike; ``info`` and ``stats`` are read from
+        rank 0's; ``report`` is every rank's."""
 
     def shutdown(self) -> None:
         """Stop every rank and free what they hold; safe to call twice."""

@@ -1,8 +1,9 @@
 """Rank 0 of a split model, in the engine's process: its own share of the model, and the calls to the other ranks.
 
 A call is one broadcast of ``(method, args)`` on the control group (the step's ``BatchDescription`` for
-``execute``: each step's metadata goes out once, every rank builds its tensors from it); rank 0 then runs the same
-method on its own worker. With several stages the sampled tokens come back from the sampling rank as one object.
+``execute_model``: each step's metadata goes out once, every rank builds its tensors from it); rank 0 then runs the
+same method on its own worker. With several stages a step's sampled tokens come back from the sampling rank as one
+object; any other call's results are gathered from every rank.
 A rank that dies makes the next collective fail (gloo sees the connection close), which ends the engine with an
 ``EngineDeadError`` that says which rank died; subclasses start and stop the other ranks.
 """
@@ -14,13 +15,12 @@ from typing import Any
 
 import torch
 
-from ember.config import ResolvedConfig, SchedulerConfig
+from ember.config import ResolvedConfig
 from ember.distributed import ParallelContext, groups
 from ember.distributed.comm import COMM
 from ember.errors import EngineDeadError
 from ember.executor.rank import STOP, RankSpec, checked_in, rank_model_config
 from ember.protocol import BatchDescription, WorkerOutput
-from ember.worker.startup import PoolPlan
 from ember.worker.worker import Worker
 
 
@@ -41,7 +41,7 @@ class DistributedExecutor:
             self.ctx: ParallelContext = groups.init(0, par.tensor_parallel_size, par.pipeline_parallel_size,
                                                     resolved.model.device.split(":")[0], store)
             model = rank_model_config(resolved.model, par.local_rank, self._ranks_on_node())
-            self.driver = Worker(model, resolved.cache, self.ctx)
+            self._worker = Worker(model, resolved.cache, self.ctx)
         except BaseException as e:
             raised = self._fail(e)
             self._close()
@@ -85,17 +85,22 @@ class DistributedExecutor:
             time.sleep(0.05)
 
     # --- the executor ---
-    def _call(self, method: str, *args: Any) -> Any:
-        """Run method on every rank. Any failure ends the executor: a rank that died is named; rank 0's own error
-        (a DoesNotFitError every rank raised alike, an out-of-memory) is raised as it is."""
+    def _call(self, method: str, args: tuple[Any, ...]) -> Any:
+        """Run method on every rank: a step's output (from the sampling rank), or every rank's result, rank 0 first.
+        Any failure ends the executor: a rank that died is named; rank 0's own error (a DoesNotFitError every rank
+        raised alike, an out-of-memory) is raised as it is."""
         import torch.distributed as dist
 
         if self.dead is not None:
             raise self.dead
         try:
             dist.broadcast_object_list([(method, args)], src=0, group=self.ctx.control_group)
-            result = getattr(self.driver, method)(*args)
-            if method == "execute" and not self.ctx.is_sampler:
+            result = getattr(self._worker, method)(*args)
+            if method != "execute_model":
+                results: list = [None] * self.world
+                dist.gather_object(result, results, dst=0, group=self.ctx.control_group)
+                return results
+            if not self.ctx.is_sampler:
                 start = time.perf_counter()  # rank 0 idles here while the later stages finish: the bubble
                 box = [None]
                 dist.recv_object_list(box, src=self.ctx.sampler_rank, group=self.ctx.control_group)
@@ -131,27 +136,14 @@ class DistributedExecutor:
             return error
         return self.dead
 
-    def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
-        return self._call("init_cache", sched)
+    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
+        return self._call("execute_model", (batch,))
 
-    def execute(self, batch: BatchDescription) -> WorkerOutput:
-        return self._call("execute", batch)
-
-    def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
-        import torch.distributed as dist
-
-        if self.dead is not None:
-            raise self.dead
-        try:
-            dist.broadcast_object_list([("report", (reset,))], src=0, group=self.ctx.control_group)
-            reports: list = [None] * self.world
-            dist.gather_object(self.driver.report(reset), reports, dst=0, group=self.ctx.control_group)
-        except BaseException as e:
-            raised = self._fail(e)
-            if raised is e:
-                raise
-            raise raised from e
-        return reports
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if method not in Worker.RPC:
+            raise ValueError(f"collective_rpc: {method!r} is not a worker method one may call; allowed: "
+                             f"{sorted(Worker.RPC)}")
+        return self._call(method, args)
 
     def shutdown(self) -> None:
         if self._closed:

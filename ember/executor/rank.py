@@ -2,7 +2,8 @@
 
 Every executor's other ranks run ``run_rank``: spawned processes (``python -m ember.executor.rank``, their
 ``RankSpec`` pickled on stdin), launched processes, Ray actors. Calls arrive as one broadcast object each
-(``(method, args)``) on the control group; ``execute`` on the sampling rank sends its output back to rank 0.
+(``(method, args)``) on the control group; ``execute_model`` on the sampling rank sends its output back to rank 0,
+any other call's result is gathered to rank 0.
 """
 
 from __future__ import annotations
@@ -77,11 +78,10 @@ def serve(worker, ctx: ParallelContext) -> None:
         method, args = box[0]
         if method == STOP:
             return
-        if method == "report":
-            dist.gather_object(worker.report(*args), None, dst=0, group=ctx.control_group)
-            continue
         result = getattr(worker, method)(*args)
-        if method == "execute" and ctx.is_sampler:
+        if method != "execute_model":
+            dist.gather_object(result, None, dst=0, group=ctx.control_group)
+        elif ctx.is_sampler:
             dist.send_object_list([result], dst=0, group=ctx.control_group)
 
 

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.config import ResolvedConfig, SchedulerConfig
+from ember.config import ResolvedConfig
 from ember.protocol import BatchDescription, WorkerOutput
-from ember.worker.startup import PoolPlan
 from ember.worker.worker import Worker
 
 
 class UniprocExecutor:
     def __init__(self, resolved: ResolvedConfig) -> None:
-        self.driver = Worker(resolved.model, resolved.cache)
+        self._worker = Worker(resolved.model, resolved.cache)
 
-    def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
-        return self.driver.init_cache(sched)
+    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
+        return self._worker.execute_model(batch)
 
-    def execute(self, batch: BatchDescription) -> WorkerOutput:
-        return self.driver.execute(batch)
-
-    def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
-        return [self.driver.report(reset)]
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if method not in Worker.RPC:
+            raise ValueError(f"collective_rpc: {method!r} is not a worker method one may call; allowed: "
+                             f"{sorted(Worker.RPC)}")
+        return [getattr(self._worker, method)(*args)]
 
     def shutdown(self) -> None:
         pass

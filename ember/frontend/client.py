@@ -98,14 +98,14 @@ class EngineClient:
     def add_lora(self, lora: LoRARequest) -> bool:
         """Check an adapter and load it now (into a free or idle slot) rather than at its first request."""
         lora = self.adapters.check(lora)
-        self._loop.call(lambda core: core.add_lora(lora))
+        self._loop.utility("add_lora", lora)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter (requests running with it finish with it); False if the id is unknown."""
         if not self.adapters.remove(lora_id):
             return False
-        self._loop.call(lambda core: core.remove_lora(lora_id))
+        self._loop.utility("remove_lora", lora_id)
         return True
 
     def list_loras(self) -> list[LoRARequest]:
@@ -123,13 +123,8 @@ class EngineClient:
     def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
         """Every rank's place, its weight and KV bytes and its seconds in collectives since the last reset (rank 0
         first; one entry for a single-rank engine)."""
-        return self._loop.call(lambda core: core.executor.rank_reports(reset))
+        return self._loop.utility("rank_reports", reset)
 
     def shutdown(self) -> None:
         """Stop the engine loop and join its thread; requests still open end with EngineDeadError."""
         self._loop.shutdown()
-
-    # for tests of the internals and benchmarks that measure them; front ends never use these
-    @property
-    def engine_core(self):
-        return self._loop.core

@@ -108,6 +108,7 @@ class OutputProcessor:
                 ss = st.samples[so.index] = SampleState(self._detokenizer(st))
             reason, stop_reason, stop_str = so.finish_reason, so.stop_reason, None
             new_lps: list[PositionLogprobs] = []
+            kept = so.new_token_ids  # up to the token that completes a stop string: the rest is not the answer
             for j, token in enumerate(so.new_token_ids):
                 ss.num_tokens += 1
                 if metrics.first_token_time is None:
@@ -117,6 +118,9 @@ class OutputProcessor:
                     ss.cumulative_logprob += lp.logprob
                     new_lps.append(self._position(token, lp))
                 stop_str = ss.detokenizer.add(token, check_stop=ss.num_tokens >= params.min_tokens)
+                if stop_str is not None:
+                    kept = so.new_token_ids[:j + 1]
+                    break
             # the core's token stops come first, then a stop string, then the length limit
             if stop_str is not None and reason in (None, FinishReason.LENGTH):
                 if reason is None:
@@ -127,7 +131,7 @@ class OutputProcessor:
             ss.finish_reason = reason
             text = ss.detokenizer.delta(reason is not None)
             completions.append(CompletionOutput(
-                index=so.index, text=text, token_ids=list(so.new_token_ids), logprobs=new_lps if wants_lp else None,
+                index=so.index, text=text, token_ids=list(kept), logprobs=new_lps if wants_lp else None,
                 cumulative_logprob=ss.cumulative_logprob if wants_lp else so.cumulative_logprob,
                 finish_reason=reason.value if reason is not None else None, stop_reason=stop_reason))
         prompt_lp, st.prompt_logprobs = st.prompt_logprobs, None

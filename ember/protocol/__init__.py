@@ -14,12 +14,16 @@ from ember.protocol.batch import (
                                   TokenMaskSource,
                                   WorkerOutput,
 )
+from ember.protocol.commands import AbortRequest, AddRequests, EngineCommand, StopSample, UtilityCall, UtilityResult
 from ember.protocol.info import ModelInfo
 from ember.protocol.outputs import EngineOutput, SampleOutput, TokenLogprobs
 from ember.protocol.requests import EngineRequest
 from ember.protocol.stats import EngineStats, SchedulerStats, WorkerStats
 from ember.protocol.status import FinishReason, RequestStatus
+from ember.protocol.worker import PoolPlan, WorkerInfo
 
-__all__ = ["BatchDescription", "BlockCopy", "CopyKind", "EngineOutput", "EngineRequest", "EngineStats",
-           "FinishReason", "LoRALoad", "ModelInfo", "PrefillChunk", "PromptLogprobsRows", "RequestStatus",
-           "SampleOutput", "SamplingRow", "SchedulerStats", "TokenLogprobs", "TokenMaskSource", "WorkerOutput", "WorkerStats"]
+__all__ = ["AbortRequest", "AddRequests", "BatchDescription", "BlockCopy", "CopyKind", "EngineCommand", "EngineOutput",
+           "EngineRequest", "EngineStats", "FinishReason", "LoRALoad", "ModelInfo", "PoolPlan", "PrefillChunk",
+           "PromptLogprobsRows", "RequestStatus", "SampleOutput", "SamplingRow", "SchedulerStats", "StopSample",
+           "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo", "WorkerOutput",
+           "WorkerStats"]

@@ -27,3 +27,4 @@ class ModelInfo:
     sink_tokens: int = 0
     max_loras: int = 0  # adapters resident at once (0: LoRA off)
     max_lora_rank: int = 0
+    kv_block_bytes: int = 0  # one block of the KV pool on rank 0 (its stage's layers, its KV heads)

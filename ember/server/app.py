@@ -222,7 +222,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        # the engines' figures are read between their steps: wait for them off the event loop
+        return Response(await asyncio.to_thread(state.metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ember.errors import EngineDeadError
+
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -101,7 +103,11 @@ class _EngineCollector:
         rows = []
         for e in self.engines:
             in_flight, capacity = e.admitted()
-            rows.append((e.model_name, {**e.stats(), "in_flight": in_flight, "capacity": capacity}))
+            try:
+                stats = e.stats()
+            except EngineDeadError:  # a stopped engine has no state to show; /health says it stopped
+                continue
+            rows.append((e.model_name, {**stats, "in_flight": in_flight, "capacity": capacity}))
         for table, family in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
             for name, doc, key in table:
                 m = family(name, doc, labels=["model_name"])

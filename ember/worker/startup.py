@@ -7,7 +7,6 @@ nothing the warm-up did not (``Worker.stats``)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +17,7 @@ from ember.errors import ConfigError, DoesNotFitError
 from ember.layers.attention import AttentionMetadata, PrefillSpan
 from ember.layers.kv_cache import KVCacheFormat
 from ember.model_loader import LoadedModel
+from ember.protocol import PoolPlan
 from ember.worker.memory import PeakMemory, fit_hint, host_tier_bytes, kv_pool_budget, reset_peak
 
 logger = logging.getLogger("ember")
@@ -63,19 +63,6 @@ def plan_num_blocks(budget_bytes: int, bytes_per_block: int, block_size: int, ma
     if max_tokens is not None:
         most = min(most, -(-max_tokens // block_size))
     return min(max(budget_bytes, 0) // bytes_per_block, most)
-
-
-@dataclass(frozen=True, slots=True)
-class PoolPlan:
-    """What start-up decided and measured; the engine core sizes its block manager from it."""
-
-    num_blocks: int
-    num_host_blocks: int
-    block_size: int
-    activation_bytes: int
-    budget_source: str
-    warmup_peak_bytes: int
-    warmup_transient_bytes: int
 
 
 def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[PoolPlan, torch.Tensor,

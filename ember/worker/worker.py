@@ -17,6 +17,7 @@ import torch
 
 from ember.config import CacheConfig, ModelConfig, SchedulerConfig
 from ember.distributed import ParallelContext, comm
+from ember.dtypes import name_of
 from ember.kernels import kernels_for
 from ember.layers.attention import AttentionMetadata, PrefillSpan, bind_attention_backend
 from ember.layers.embedding import VocabEmbedding
@@ -26,7 +27,16 @@ from ember.layers.lora import LoRABatch
 from ember.layers.sampler import Sampler, rank_logprobs
 from ember.lora.adapter import module_name, read_adapter
 from ember.model_loader import load_model
-from ember.protocol import BatchDescription, BlockCopy, CopyKind, LoRALoad, WorkerOutput, WorkerStats
+from ember.protocol import (
+    BatchDescription,
+    BlockCopy,
+    CopyKind,
+    LoRALoad,
+    PoolPlan,
+    WorkerInfo,
+    WorkerOutput,
+    WorkerStats,
+)
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.memory import memory_now
@@ -43,6 +53,9 @@ def micro_batches(num_tokens: int, parts: int) -> list[tuple[int, int]]:
 
 
 class Worker:
+    # what an executor may run on every rank by name (``Executor.collective_rpc``); steps go through execute_model
+    RPC = frozenset({"init_cache", "info", "stats", "report"})
+
     def __init__(self, model_config: ModelConfig, cache: CacheConfig,
                  parallel: ParallelContext = ParallelContext()) -> None:
         if model_config.num_threads is not None:
@@ -72,9 +85,18 @@ class Worker:
                                                         batch_invariant=model_config.batch_invariant)
         self.kv_cache = torch.empty(0)
         self.host_cache: torch.Tensor | None = None
-        self.plan: startup.PoolPlan | None = None
+        self.plan: PoolPlan | None = None
 
-    def init_cache(self, sched: SchedulerConfig) -> startup.PoolPlan:
+    def info(self) -> WorkerInfo:
+        """The loaded model's facts, as data for the engine core."""
+        loaded = self.loaded
+        return WorkerInfo(architecture=loaded.architecture, dtype=name_of(loaded.dtype), device=str(self.device),
+                          vocab_size=loaded.shape.vocab_size,
+                          quantization=loaded.quant.describe() if loaded.quant else None,
+                          kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
+                                                                        self.cache_config.kv_cache_dtype))
+
+    def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""
         self.plan, self.kv_cache, self.host_cache = startup.start(self, self.cache_config, sched)
         return self.plan
@@ -232,7 +254,7 @@ class Worker:
         return torch.cat(outs) if outs else None
 
     @torch.inference_mode()
-    def execute(self, batch: BatchDescription) -> WorkerOutput | None:
+    def execute_model(self, batch: BatchDescription) -> WorkerOutput | None:
         """The sampled tokens on the sampling rank; None on every other rank."""
         for handle in batch.released:
             self.states.pop(handle, None)

@@ -1,0 +1,70 @@
+"""An executor with no model: it answers the engine core as a worker would (``PoolPlan``, ``WorkerInfo``,
+``WorkerOutput``) with tokens a script chooses, and keeps every batch it was given. Over it the core's scheduling,
+stop rules, n > 1, beam search, aborts and preemption are tested in milliseconds (``tests/unit``), and the core's
+own cost a step is measured without a model's (``benchmarks/core_step.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ember.protocol import (
+    BatchDescription,
+    PoolPlan,
+    SamplingRow,
+    TokenLogprobs,
+    WorkerInfo,
+    WorkerOutput,
+    WorkerStats,
+)
+
+EOS = 2
+VOCAB = 1000
+
+
+def default_script(row: SamplingRow) -> int:
+    """A token that depends only on the sample and how far it is: never EOS, so samples run to their length."""
+    return 100 + (row.handle * 7 + row.num_output_tokens) % 500
+
+
+class ScriptedExecutor:
+    def __init__(self, num_blocks: int, block_size: int = 16, num_host_blocks: int = 0,
+                 script: Callable[[SamplingRow], int] = default_script) -> None:
+        self.plan = PoolPlan(num_blocks, num_host_blocks, block_size, 0, "scripted", 0, 0)
+        self.script = script
+        self.keep_batches = True  # False: keep none (long measurements)
+        self.batches: list[BatchDescription] = []
+        self.live: set[int] = set()  # sample handles whose sampling state a worker would hold
+        self.closed = False
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if method == "init_cache":
+            return [self.plan]
+        if method == "info":
+            return [WorkerInfo("Scripted", "float32", "cpu", VOCAB, None, 1024)]
+        if method == "stats":
+            return [WorkerStats("scripted", "none", 0, 0, 0, 0, 0)]
+        if method == "report":
+            return [{"rank": 0}]
+        raise ValueError(method)
+
+    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
+        if self.keep_batches:
+            self.batches.append(batch)
+        self.live.difference_update(batch.released)
+        tokens, lps, beams = [], [], {}
+        for i, row in enumerate(batch.sampling):
+            self.live.add(row.handle)
+            token = self.script(row)
+            tokens.append(token)
+            lps.append(TokenLogprobs(-1.0, 1, [token], [-1.0]) if row.params.logprobs is not None else None)
+            if row.params.use_beam_search:  # candidates best first, scores a function of the token
+                k = row.params.beam_candidates
+                ids = [token + j for j in range(k)]
+                beams[i] = (ids, [-0.1 * (j + 1) - 0.01 * (t % 7) for j, t in enumerate(ids)])
+        prompt_lps = {rows.handle: [TokenLogprobs(-2.0, 1, [], []) for _ in rows.targets]
+                      for rows in batch.prompt_logprobs}
+        return WorkerOutput(tokens, lps, prompt_lps, beams)
+
+    def shutdown(self) -> None:
+        self.closed = True

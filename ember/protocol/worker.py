@@ -1,0 +1,31 @@
+"""What a worker reports to the engine core as data: the loaded model's facts and the KV pool start-up planned.
+The core builds its block manager and ``ModelInfo`` from these and never holds a worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Rank 0's model as loaded."""
+
+    architecture: str
+    dtype: str  # torch's name without the prefix: "float32", "bfloat16"
+    device: str
+    vocab_size: int
+    quantization: str | None  # the weight layout, described; None: float weights
+    kv_bytes_per_block: int  # one block of this rank's KV pool (its stage's layers, its KV heads)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """What start-up decided and measured; the engine core sizes its block manager from it."""
+
+    num_blocks: int
+    num_host_blocks: int
+    block_size: int
+    activation_bytes: int
+    budget_source: str
+    warmup_peak_bytes: int
+    warmup_transient_bytes: int

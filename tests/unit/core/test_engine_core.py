@@ -1,0 +1,154 @@
+"""The engine core over a scripted executor (``tests/unit/fakes.py``): scheduling, stop rules, n > 1, beam search,
+aborts, preemption and the outputs the core sends, without a model (each test runs in milliseconds)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from unit.fakes import EOS, default_script, make_core, request, run, samples
+
+from ember.protocol import FinishReason
+
+
+def default_script_for(handle: int, num_output_tokens: int) -> int:
+    class Row:  # the two fields the default script reads
+        pass
+
+    row = Row()
+    row.handle, row.num_output_tokens = handle, num_output_tokens
+    return default_script(row)
+
+
+def _all_free(core) -> bool:
+    bm = core.block_manager
+    return bm.num_used == 0 and not core.requests and not core.executor.live
+
+
+def test_a_request_runs_to_max_tokens_and_frees_everything():
+    core = make_core()
+    core.add(request("a", list(range(10, 50)), max_tokens=5))
+    got = samples(run(core)["a"])
+    tokens, reasons = got[0]
+    assert len(tokens) == 5 and reasons == [FinishReason.LENGTH]
+    handle = core.executor.batches[0].sampling[0].handle
+    assert tokens == [default_script_for(handle, i) for i in range(5)]
+    assert _all_free(core)
+
+
+def test_eos_and_stop_ids_end_a_sample_with_its_stop_reason():
+    def script(row):
+        return EOS if row.num_output_tokens == 3 else 7 if row.num_output_tokens == 1 else 50
+
+    core = make_core(script=script)
+    core.add(request("eos", [5, 6, 7], max_tokens=10))
+    core.add(request("stop-id", [5, 6, 8], max_tokens=10, stop_token_ids=[7]))
+    core.add(request("ignore", [5, 6, 9], max_tokens=6, ignore_eos=True))
+    out = run(core)
+    assert samples(out["eos"])[0] == ([50, 7, 50, EOS], [FinishReason.STOP])
+    assert samples(out["stop-id"])[0] == ([50, 7], [FinishReason.STOP])
+    stop_reasons = [s.stop_reason for o in out["stop-id"] for s in o.samples if s.finish_reason]
+    assert stop_reasons == [7]
+    assert samples(out["ignore"])[0] == ([50, 7, 50, EOS, 50, 50], [FinishReason.LENGTH])
+    assert _all_free(core)
+
+
+def test_n_samples_share_the_prompt_and_end_once_each():
+    core = make_core()
+    prompt = list(range(100, 164))  # four full blocks
+    core.add(request("n", prompt, n=3, max_tokens=4, temperature=1.0, seed=1))
+    got = samples(run(core)["n"])
+    assert sorted(got) == [0, 1, 2]
+    assert all(len(t) == 4 and r == [FinishReason.LENGTH] for t, r in got.values())
+    handles = {row.handle for b in core.executor.batches for row in b.sampling}
+    assert len(handles) == 3
+    prefilled = sum(p.length for b in core.executor.batches for p in b.prefills)
+    assert prefilled < 2 * len(prompt)  # the siblings start on the parent's cached prompt blocks
+    assert _all_free(core)
+
+
+def test_abort_ends_every_sample_and_the_others_go_on():
+    core = make_core()
+    core.add(request("keep", [1, 3, 5, 7], max_tokens=6))
+    core.add(request("drop", [2, 4, 6, 8], n=2, max_tokens=50, temperature=1.0))
+    early = [o for _ in range(3) for o in core.step()]
+    out = core.abort("drop")
+    assert sorted(s.index for s in out.samples) == [0, 1]
+    assert all(s.finish_reason == FinishReason.ABORT for s in out.samples)
+    assert core.abort("drop") is None and core.abort("never-seen") is None
+    rest = run(core)
+    assert "drop" not in rest
+    assert samples([o for o in early if o.request_id == "keep"] + rest["keep"])[0][1] == [FinishReason.LENGTH]
+    assert len(samples([o for o in early if o.request_id == "keep"] + rest["keep"])[0][0]) == 6
+    assert _all_free(core)
+
+
+def test_a_stop_string_found_by_the_front_end_finishes_the_sample_before_the_next_step():
+    core = make_core()
+    core.add(request("s", [1, 2, 3], max_tokens=20))
+    core.step()
+    core.step()
+    core.stop_sample("s", 0)
+    assert not core.requests and core.step() == []
+    assert _all_free(core) or core.has_work()  # the released handle goes to the worker with the next batch
+    run(core)
+    assert _all_free(core)
+
+
+def test_a_pool_too_small_for_every_sequence_preempts_and_recomputes_to_the_same_tokens():
+    core = make_core(num_blocks=12, max_num_seqs=6)
+    for i in range(6):
+        core.add(request(f"r{i}", [10 + i] * 40, max_tokens=40))
+    out = run(core)
+    assert core.stats().scheduler.preemptions > 0
+    for i in range(6):
+        tokens, reasons = samples(out[f"r{i}"])[0]
+        assert reasons == [FinishReason.LENGTH] and len(tokens) == 40
+        assert len(set(tokens)) > 1
+    assert _all_free(core)
+
+
+def test_beam_search_returns_one_final_output_with_the_best_beams():
+    core = make_core()
+    core.add(request("b", [4, 5, 6], beam_width=3, n=2, max_tokens=4))
+    out = run(core)["b"]
+    final = [o for o in out if any(s.finish_reason for s in o.samples)]
+    assert len(final) == 1
+    beams = sorted(final[0].samples, key=lambda s: s.index)
+    assert [s.index for s in beams] == [0, 1]
+    assert all(len(s.new_token_ids) == 4 and s.cumulative_logprob is not None for s in beams)
+    assert beams[0].cumulative_logprob >= beams[1].cumulative_logprob
+    assert _all_free(core)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(6, 40),
+       reqs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(1, 3),
+                               st.one_of(st.none(), st.integers(0, 8))), min_size=1, max_size=8))
+def test_every_sample_ends_exactly_once_and_the_pool_is_whole_after(num_blocks, reqs):
+    """Random prompts, lengths, n and aborts over a random pool: every sample of every request ends with exactly one
+    finish reason, never past max_tokens, and nothing stays allocated or live in the worker."""
+    core = make_core(num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    aborts: dict[int, list[str]] = {}
+    for i, (plen, max_tokens, n, abort_at) in enumerate(reqs):
+        rid = f"r{i}"
+        core.add(request(rid, [(i * 31 + j) % 900 + 3 for j in range(plen)], max_tokens=max_tokens, n=n,
+                         temperature=1.0 if n > 1 else 0.0))
+        if abort_at is not None:
+            aborts.setdefault(abort_at, []).append(rid)
+    seen: dict[str, list] = {}
+    step = 0
+    while core.has_work() or any(s >= step for s in aborts):
+        for rid in aborts.pop(step, []):
+            out = core.abort(rid)
+            if out is not None:
+                seen.setdefault(rid, []).append(out)
+        for out in core.step():
+            seen.setdefault(out.request_id, []).append(out)
+        step += 1
+        assert step < 5000
+    for i, (_, max_tokens, n, _) in enumerate(reqs):
+        got = samples(seen.get(f"r{i}", []))
+        assert sorted(got) == list(range(n)), (i, got)
+        for tokens, reasons in got.values():
+            assert len(reasons) == 1 and len(tokens) <= max_tokens
+    assert _all_free(core)

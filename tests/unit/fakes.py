@@ -1,0 +1,56 @@
+"""The engine core over ``ember.executor.scripted.ScriptedExecutor``, built without a model, and helpers to run it
+and read its outputs (``tests/unit/core``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ember.config import CacheConfig, ModelConfig, ParallelConfig, ResolvedConfig, SchedulerConfig
+from ember.core.engine_core import EngineCore
+from ember.executor.scripted import EOS, ScriptedExecutor, default_script
+from ember.protocol import EngineOutput, EngineRequest, SamplingRow
+from ember.sampling_params import SamplingParams
+
+__all__ = ["EOS", "ScriptedExecutor", "default_script", "make_core", "request", "run", "samples"]
+
+
+def make_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int = 256,
+              max_num_batched_tokens: int = 256, chunked_prefill: bool = True, prefix_caching: bool = True,
+              policy: str = "max_utilization", script: Callable[[SamplingRow], int] = default_script) -> EngineCore:
+    """An engine core over a ``ScriptedExecutor`` (``core.executor``) with these limits."""
+    model = ModelConfig("scripted", None, "float32", "cpu", None, None, None, 0, None)
+    cache = CacheConfig(block_size, "auto", None, None, "default", None, None, prefix_caching, None)
+    sched = SchedulerConfig(max_num_seqs, max_model_len, max_num_batched_tokens, chunked_prefill, policy)
+    return EngineCore(ScriptedExecutor(num_blocks, block_size, script=script), sched,
+                      ResolvedConfig(model, cache, ParallelConfig()))
+
+
+def request(request_id: str, prompt: list[int], max_model_len: int = 256, **params: Any) -> EngineRequest:
+    """A request as the front end would hand it over: parameters validated, EOS filled in."""
+    sp = SamplingParams(**params)
+    sp.eos_token_ids = (EOS,)
+    return EngineRequest(request_id, list(prompt), sp, min(len(prompt) + sp.max_tokens, max_model_len))
+
+
+def run(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[EngineOutput]]:
+    """Step until the core has no work; every output, by request."""
+    seen: dict[str, list[EngineOutput]] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            return seen
+        for out in core.step():
+            seen.setdefault(out.request_id, []).append(out)
+    raise AssertionError(f"the core still had work after {max_steps} steps")
+
+
+def samples(outputs: list[EngineOutput]) -> dict[int, tuple[list[int], list[Any]]]:
+    """A request's outputs joined: sample index -> (tokens, finish reasons seen, in order)."""
+    joined: dict[int, tuple[list[int], list[Any]]] = {}
+    for out in outputs:
+        for s in out.samples:
+            tokens, reasons = joined.setdefault(s.index, ([], []))
+            tokens.extend(s.new_token_ids)
+            if s.finish_reason is not None:
+                reasons.append(s.finish_reason)
+    return joined

@@ -1,0 +1,75 @@
+"""The front end's output processing without an engine: the core's records in (``EngineOutput``), text, stop
+strings, finish reasons and ``RequestOutput`` deltas out, with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.frontend.output_processor import OutputProcessor, RequestState
+from ember.protocol import EngineOutput, FinishReason, SampleOutput, TokenLogprobs
+from ember.sampling_params import SamplingParams
+from ember.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir) -> Tokenizer:
+    return Tokenizer.load(tokenizer_dir)
+
+
+def _start(proc: OutputProcessor, tok: Tokenizer, rid: str = "r", **params) -> list:
+    got: list = []
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    proc.register([RequestState(rid, "The answer:", prompt, SamplingParams(**params), got.append)])
+    return got
+
+
+def _step(rid: str, *samples: SampleOutput) -> EngineOutput:
+    return EngineOutput(rid, list(samples), num_cached_tokens=0)
+
+
+def test_a_stop_string_cuts_the_text_and_is_reported_back_to_the_core(tok):
+    """Several tokens in one step (a beam's answer; speculative decoding's accepted tokens): the text and the
+    tokens end at the stop string."""
+    proc = OutputProcessor(tok)
+    got = _start(proc, tok, stop=["world"], max_tokens=20)
+    ids = tok.encode(" Hello world and more", add_special_tokens=False)
+    stops = proc.process([_step("r", SampleOutput(0, ids))])
+    assert stops == [("r", 0)]  # the core finishes the sample before its next step
+    (out,) = got
+    assert out.finished and out.outputs[0].text == " Hello "
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "world"
+    assert tok.decode(out.outputs[0].token_ids) == " Hello world"  # tokens after the stop string are dropped
+    assert "r" not in proc.states  # the id is free again
+
+
+def test_a_request_of_n_samples_ends_when_the_last_one_does(tok):
+    proc = OutputProcessor(tok)
+    got = _start(proc, tok, n=2, temperature=1.0, max_tokens=2)
+    a, b = tok.encode(" yes", add_special_tokens=False), tok.encode(" no", add_special_tokens=False)
+    proc.process([_step("r", SampleOutput(0, a + a, finish_reason=FinishReason.LENGTH), SampleOutput(1, b))])
+    assert not got[-1].finished and [c.index for c in got[-1].outputs] == [0, 1]
+    proc.process([_step("r", SampleOutput(1, b, finish_reason=FinishReason.LENGTH))])
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "length"
+    assert got[-1].metrics.num_generated_tokens == len(a + a) + len(b + b)
+
+
+def test_logprobs_are_decoded_and_summed_and_an_abort_ends_the_request(tok):
+    proc = OutputProcessor(tok)
+    got = _start(proc, tok, logprobs=1, max_tokens=10)
+    t = tok.encode(" yes", add_special_tokens=False)[0]
+    lp = TokenLogprobs(-0.5, 1, [t], [-0.5])
+    proc.process([_step("r", SampleOutput(0, [t, t], new_logprobs=[lp, lp]))])
+    first = got[-1].outputs[0]
+    assert first.cumulative_logprob == pytest.approx(-1.0)
+    assert first.logprobs[0][t].decoded_token == tok.decode([t], skip_special_tokens=False)
+    proc.process([_step("r", SampleOutput(0, [], finish_reason=FinishReason.ABORT))])
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "abort"
+
+
+def test_outputs_of_unknown_requests_are_ignored_and_fail_all_reaches_every_sink(tok):
+    proc = OutputProcessor(tok)
+    got = _start(proc, tok)
+    assert proc.process([_step("someone-else", SampleOutput(0, [5]))]) == []
+    error = RuntimeError("engine stopped")
+    proc.fail_all(error)
+    assert got == [error] and not proc.states
