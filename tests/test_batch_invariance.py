@@ -17,14 +17,18 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import default_gguf, save_random_model
+from internals import worker_of
+from invariance import check
+
 from ember import LLM, ConfigError, SamplingParams
 from ember.kernels import cpu_kernels, emulated_kernels
+from ember.layers import linear as linear_module
+from ember.layers.embedding import LMHead, VocabEmbedding
+from ember.layers.linear import Linear, MergedLinear, mkldnn_prepack_available
 from ember.quantization import QuantizedMatmul
 from ember.quantization.kernels import _scale_zeros, pack_cpu_int4
 from ember.quantization.tensor import quantize_int4, quantize_int8
-from invariance import check
 
 HERE = os.path.dirname(__file__)
 
@@ -87,6 +91,95 @@ def test_w8a8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512):
     alone = _rows_alone(lambda r: avx512.w8a8_linear(r, qt.data, s), x)
     for m in (2, 4, 5, 17, 40):
         assert torch.equal(avx512.w8a8_linear(x[:m], qt.data, s), alone[:m]), f"{m} rows"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(77, 100), (9, 40), (130, 576), (64, 33), (17, 7)])
+def test_dense_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, dtype, n, k):
+    """ember's fixed-order dense GEMM (float weights of invariant layers on AVX-512 CPUs): odd output counts, inputs
+    that are not multiples of 16 / 32, 1 to 130 rows. Against float64: every output's error is bounded by its
+    summation depth (K / 16 + 4 float32 additions a product, 2e-5 of sum |x_k w_k| at these K), plus, for bf16, the
+    one rounding of the output (2^-8 of it)."""
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(130, k, generator=g).to(dtype)
+    alone = _rows_alone(lambda r: avx512.dense_gemm(r, w), x)
+    assert alone.dtype == dtype and alone.shape == (130, n)
+    for m in (1, *ROW_COUNTS):
+        assert torch.equal(avx512.dense_gemm(x[:m], w), alone[:m]), f"{m} rows"
+        assert torch.equal(avx512.dense_gemm(x[-m:], w), alone[-m:]), f"last {m} rows"
+    ref = x.double() @ w.double().t()
+    bound = 2e-5 * (x.double().abs() @ w.double().abs().t())
+    if dtype == torch.bfloat16:
+        bound += 2.0 ** -8 * ref.abs()
+    assert ((alone.double() - ref).abs() <= bound).all()
+
+
+def test_dense_kernel_edge_shapes(avx512):
+    w = torch.randn(5, 20)
+    assert avx512.dense_gemm(torch.randn(0, 20), w).shape == (0, 5)
+    assert torch.equal(avx512.dense_gemm(torch.randn(3, 0), torch.randn(5, 0)), torch.zeros(3, 5))
+    x = torch.randn(6, 40)[:, ::2]  # not contiguous
+    assert torch.equal(avx512.dense_gemm(x, w), avx512.dense_gemm(x.contiguous(), w))
+    with pytest.raises(RuntimeError, match="both float32 or both bf16"):
+        avx512.dense_gemm(x.bfloat16(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_layers_of_an_invariant_model_use_the_dense_kernel_on_avx512(avx512, monkeypatch, dtype):
+    """Linear (and its fused subclasses) and the tied LM head, finalized batch-invariant on a CPU whose kernels
+    have AVX512-BF16 (this machine's, or the emulated module put in their place), run ``dense_gemm``, bias added
+    after; batch_invariant=False keeps oneDNN / F.linear."""
+    monkeypatch.setattr(linear_module, "cpu_kernels", lambda: avx512)
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 100, generator=g).to(dtype)
+    merged = MergedLinear(100, {"gate": 40, "up": 37}, True, dtype)
+    merged.weight.data.copy_(torch.randn(77, 100, generator=g))
+    merged.bias.data.copy_(torch.randn(77, generator=g))
+    merged.finalize(cpu, mkldnn_prepack_available(dtype), batch_invariant=True)
+    assert merged.dense is avx512 and merged.prepacked is None
+    y = merged(x)
+    assert torch.equal(y, avx512.dense_gemm(x, merged.weight) + merged.bias)
+    assert torch.equal(_rows_alone(merged, x), y)
+
+    emb = VocabEmbedding(50, 100, dtype)
+    emb.load_weight(torch.randn(50, 100, generator=g))
+    head = LMHead(50, 100, dtype, tied_to=emb)
+    for module in (emb, head):
+        module.finalize(cpu, mkldnn_prepack_available(dtype), batch_invariant=True)
+    assert head.dense is avx512
+    logits = head(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, avx512.dense_gemm(x, emb.weight).float())
+
+    variant = Linear(100, 77, False, dtype)
+    variant.weight.data.copy_(merged.weight)
+    variant.finalize(cpu, mkldnn_prepack_available(dtype), batch_invariant=False)
+    assert variant.dense is None and (variant.prepacked is not None) == mkldnn_prepack_available(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: both round the same float32 sum once
+    torch.testing.assert_close(variant(x).float(), avx512.dense_gemm(x, variant.weight).float(), rtol=tol, atol=tol)
+
+
+def test_float_layers_keep_onednn_where_the_kernels_have_no_avx512(monkeypatch):
+    """An AVX2 machine (oneDNN's fp32 rows are invariant there, measured), a CUDA layer or fp16 weights: no dense
+    kernel."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(linear_module, "cpu_kernels", lambda: None)
+    assert linear_module.dense_kernels(cpu, torch.float32, True) is None
+
+    class Avx2:
+        @staticmethod
+        def has_avx512_bf16() -> bool:
+            return False
+
+    monkeypatch.setattr(linear_module, "cpu_kernels", lambda: Avx2)
+    assert linear_module.dense_kernels(cpu, torch.float32, True) is None
+    monkeypatch.setattr(Avx2, "has_avx512_bf16", staticmethod(lambda: True))
+    assert linear_module.dense_kernels(cpu, torch.float32, True) is Avx2
+    assert linear_module.dense_kernels(cpu, torch.bfloat16, True) is Avx2
+    assert linear_module.dense_kernels(cpu, torch.float16, True) is None
+    assert linear_module.dense_kernels(cpu, torch.float32, False) is None
+    assert linear_module.dense_kernels(torch.device("cuda"), torch.float32, True) is None
 
 
 def _attention_cases(kernels, dtype, heads, kv_heads, d, bs, ctx=100):
@@ -219,7 +312,7 @@ def test_batch_invariant_is_a_bool_and_false_still_serves(quantizable_model):
         LLM(quantizable_model, batch_invariant="yes")
     llm = LLM(quantizable_model, batch_invariant=False, quantization="int4", max_model_len=256)
     try:
-        assert llm.client.engine_core.worker.attention_backend.batch_invariant is False
+        assert worker_of(llm).attention_backend.batch_invariant is False
         out = llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     finally:

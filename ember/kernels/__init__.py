@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder and cached.
 
 Only what eager torch does badly lives here: paged decode and prefill attention that read the block pool in place,
-the int4 / int8 weight-only GEMM (torch's packed ops cost the same per row at any batch), w8a8's per-token
-quantization and rescale fused around torch's int8 GEMM, and one-pass RoPE, K/V write, SiLU-and-mul and residual
-add + RMSNorm (eager torch spends several small ops on each, every layer).
+the int4 / int8 weight-only GEMM (torch's packed ops cost the same per row at any batch), a fixed-order float32 /
+bf16 dense GEMM for the float weights of batch-invariant layers on AVX-512 CPUs (oneDNN's rows depend on the batch
+there), w8a8's per-token quantization and rescale fused around torch's int8 GEMM, and one-pass RoPE, K/V write,
+SiLU-and-mul and residual add + RMSNorm (eager torch spends several small ops on each, every layer).
 The AVX512-BF16 kernels compile only where the build machine has the instructions (``has_avx512_bf16()``).
 Every kernel has a torch fallback: no compiler, a CUDA device or EMBER_CPU_KERNELS=0 select it, so the kernels
 are an optimisation, never a requirement. ``emulated_kernels()`` (and EMBER_EMULATE_AVX512=1 for the engine) builds
@@ -19,8 +20,12 @@ import logging
 import os
 import threading
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from ember import envs
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("ember")
 _lock = threading.Lock()
@@ -28,7 +33,7 @@ _module: ModuleType | None = None
 _failed = False
 _emulated: ModuleType | None = None
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp", "elementwise.cpp",
-            "prefill_attention.cpp", "w8a8.cpp")
+            "prefill_attention.cpp", "w8a8.cpp", "dense_gemm.cpp")
 _HEADERS = ("avx512_util.h", "avx512_emulation.h")  # part of the cache key only
 _READY = "ready"  # written once a build has loaded: holds the library's path
 # reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning

@@ -45,6 +45,7 @@ struct alignas(16) V128 {
   };
 };
 using M16 = uint16_t;
+using M32 = uint32_t;
 using M64 = uint64_t;
 
 #define EMU_MAP16(expr) \
@@ -137,6 +138,20 @@ inline V512 maskz_loadu_epi8(M64 k, const void* p) {  // reads only the bytes th
   const uint8_t* s = static_cast<const uint8_t*>(p);
   for (int j = 0; j < 64; ++j)
     if ((k >> j) & 1) r.ub[j] = s[j];
+  return r;
+}
+inline V512 maskz_loadu_ps(M16 k, const void* p) {  // reads only the floats the mask selects, zeros elsewhere
+  V512 r = zero();
+  const uint8_t* s = static_cast<const uint8_t*>(p);
+  for (int j = 0; j < 16; ++j)
+    if ((k >> j) & 1) std::memcpy(r.ub + 4 * j, s + 4 * j, 4);
+  return r;
+}
+inline V512 maskz_loadu_epi16(M32 k, const void* p) {  // reads only the words the mask selects, zeros elsewhere
+  V512 r = zero();
+  const uint8_t* s = static_cast<const uint8_t*>(p);
+  for (int j = 0; j < 32; ++j)
+    if ((k >> j) & 1) std::memcpy(r.ub + 2 * j, s + 2 * j, 2);
   return r;
 }
 
@@ -248,6 +263,7 @@ EMBER_FIXED_ORDER_END
 #define __m256bh ember_emu::V256
 #define __m128i ember_emu::V128
 #define __mmask16 ember_emu::M16
+#define __mmask32 ember_emu::M32
 #define __mmask64 ember_emu::M64
 
 #define _mm512_setzero_ps ember_emu::zero
@@ -299,6 +315,8 @@ EMBER_FIXED_ORDER_END
 #define _mm512_maskz_mov_ps ember_emu::maskz_mov_ps
 #define _mm512_mask_blend_ps ember_emu::mask_blend_ps
 #define _mm512_maskz_loadu_epi8 ember_emu::maskz_loadu_epi8
+#define _mm512_maskz_loadu_ps ember_emu::maskz_loadu_ps
+#define _mm512_maskz_loadu_epi16 ember_emu::maskz_loadu_epi16
 #define _mm512_cvtepi32_ps ember_emu::cvtepi32_ps
 #define _mm512_cvtps_epi32 ember_emu::cvtps_epi32
 #define _mm512_cvtepi8_epi32 ember_emu::cvtepi8_epi32

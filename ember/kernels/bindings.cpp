@@ -15,6 +15,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
 #ifdef EMBER_AVX512_BF16
 torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
+torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w);
 #endif
 void add_rms_norm_(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 
@@ -32,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "in place: k/v rows into the pools at their slots");
 #ifdef EMBER_AVX512_BF16
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of a bf16 [rows, 2I] projection (AVX512)");
+  m.def("dense_gemm", &dense_gemm, "x [M, K] . w [N, K]^T, both float32 or both bf16, each output one fixed-order "
+        "chain whatever M is (AVX512)", py::arg("x"), py::arg("w"));
 #endif
   m.def("rotary_", &rotary_, "in place: rotate-half RoPE of x [T, H, D] by cos/sin [T, D]");
   m.def("add_rms_norm_", &add_rms_norm_, "in place: residual += x (if given); x = rms_norm(residual or x) * w");

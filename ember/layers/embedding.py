@@ -15,7 +15,7 @@ from torch import nn
 from ember.distributed import ParallelContext
 from ember.distributed.comm import all_reduce, gather_last_dim
 from ember.layers.base import Layer
-from ember.layers.linear import PrepackedWeight, linear, load_float
+from ember.layers.linear import PrepackedWeight, dense_kernels, linear, load_float
 from ember.quantization import QuantizedMatmul, QuantizedTensor, concat_rows, requantize
 
 
@@ -83,6 +83,7 @@ class LMHead(VocabEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
         self.prepacked: PrepackedWeight | None = None
+        self.dense = None  # as ``Linear.dense``: ember's fixed-order dense GEMM for a float table
         self.qmm: QuantizedMatmul | None = None
 
     def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
@@ -92,7 +93,9 @@ class LMHead(VocabEmbedding):
         if table is not None:
             # shares the int8 table with the embedding when tied
             self.qmm = QuantizedMatmul("int8", table, batch_invariant=batch_invariant)
-        elif prepack:
+            return
+        self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
+        if prepack and self.dense is None:
             self.prepacked = PrepackedWeight(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -101,7 +104,7 @@ class LMHead(VocabEmbedding):
         if self.qmm is not None:
             logits = self.qmm(hidden).float()
         else:
-            logits = linear(hidden, self.weight, None, self.prepacked).float()
+            logits = linear(hidden, self.weight, None, self.prepacked, self.dense).float()
         if self.parallel.tp_size == 1:
             return logits
         full = gather_last_dim(logits, self.parallel)

@@ -4,6 +4,10 @@ decoder layer does two matmuls for attention input and MLP input instead of five
 A layer built with a QuantConfig holds no float weight: each loaded part (a float tensor, or a QuantizedTensor from
 GGUF blocks or an .asparam file) is brought to the layer's layout as it arrives, and ``finalize`` lays the whole
 weight out for the device's kernel (``ember.quantization.kernels``).
+
+Float weights on CPU run oneDNN's pre-packed linear (or F.linear), except in a batch-invariant engine on an
+AVX512-BF16 CPU: there oneDNN rounds a row differently with the rows beside it, and ember's fixed-order
+``dense_gemm`` (``ember/kernels/dense_gemm.cpp``) takes float32 and bf16 weights instead (``dense_kernels``).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember import envs
-from ember.dtypes import cpu_has_fast_bf16
 from ember.distributed import ParallelContext
 from ember.distributed.comm import all_reduce
+from ember.dtypes import cpu_has_fast_bf16
+from ember.kernels import cpu_kernels
 from ember.layers.base import Layer
 from ember.layers.lora import LoRABatch, LoRAStack
 from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
@@ -42,8 +47,30 @@ class PrepackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
+def dense_kernels(device: torch.device, dtype: torch.dtype, batch_invariant: bool):
+    """The CPU kernel module whose ``dense_gemm`` a float layer runs, or None for oneDNN / F.linear.
+
+    Only for batch-invariant layers on a CPU whose kernels were built with AVX512-BF16, float32 or bf16 weights:
+    oneDNN's linear (and F.linear) round a row differently with the rows beside it there (an Intel Xeon with
+    AVX512-BF16 / AMX, weight 576 x 1536), while on AVX2 CPUs oneDNN's fp32 rows are equal to the bit at the models'
+    shapes (measured) and oneDNN stays. fp16 weights keep F.linear everywhere."""
+    if not batch_invariant or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.has_avx512_bf16() else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           prepacked: PrepackedWeight | None) -> torch.Tensor:
+           prepacked: PrepackedWeight | None, dense=None) -> torch.Tensor:
+    """x W^T (+ b): ember's fixed-order ``dense_gemm`` where ``dense`` (a kernel module from ``dense_kernels``) is
+    given, bias added after; else oneDNN's packed weight; else F.linear."""
+    if dense is not None:
+        if x.dim() == 2 and x.dtype == weight.dtype:
+            y = dense.dense_gemm(x, weight)
+        else:
+            y = dense.dense_gemm(x.reshape(-1, x.shape[-1]).to(weight.dtype), weight)
+            y = y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
     if prepacked is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x, prepacked.packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -79,6 +106,7 @@ class Linear(Layer):
                                                                   requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.prepacked: PrepackedWeight | None = None
+        self.dense = None  # the kernel module whose dense_gemm runs the float weight (``dense_kernels``)
         self.qmm: QuantizedMatmul | None = None
         self.lora: LoRAStack | None = None  # resident adapters (``enable_lora``); None: no LoRA on this projection
         self._parts: list[tuple[int, QuantizedTensor]] = []  # quantized row blocks as loaded, until finalize
@@ -94,12 +122,15 @@ class Linear(Layer):
             self._parts.append((offset, requantize(value, self.kind, self.group_size)))
 
     def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
-        """After loading: lay the weight out for the device (quantized kernel, or oneDNN's packed float)."""
+        """After loading: lay the weight out for the device (quantized kernel; a float weight: ember's fixed-order
+        dense GEMM where ``dense_kernels`` gives it, else oneDNN's packed float)."""
         if self.quant is not None:
             qt = concat_rows([p for _, p in sorted(self._parts, key=lambda p: p[0])]).to(device)
             self._parts = []
             self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant)
-        elif prepack:
+            return
+        self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
+        if prepack and self.dense is None:
             self.prepacked = PrepackedWeight(self.weight)
 
     @property
@@ -116,7 +147,7 @@ class Linear(Layer):
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = linear(x, self.weight, self.bias, self.prepacked)
+            y = linear(x, self.weight, self.bias, self.prepacked, self.dense)
         return y if lora is None or self.lora is None else self.lora.apply(x, y, lora)
 
 
@@ -139,7 +170,7 @@ class RowParallelLinear(Linear):
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        y = self.qmm(x) if self.qmm is not None else linear(x, self.weight, None, self.prepacked)
+        y = self.qmm(x) if self.qmm is not None else linear(x, self.weight, None, self.prepacked, self.dense)
         if lora is not None and self.lora is not None:  # x holds this rank's inputs, A its columns: a partial sum
             y = self.lora.apply(x, y, lora)
         y = all_reduce(y, self.parallel)
