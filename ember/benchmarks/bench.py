@@ -1,6 +1,7 @@
 """``ember bench throughput | latency | serving``: the orchestration. Backends run interleaved (the order rotates
 every repeat, so drift in the machine's speed spreads over all of them); medians over the repeats; ratios are
-ember's figure over the backend's."""
+ember's figure over the backend's. ``ember bench report`` (current.py) turns the records into docs/benchmarks.md's
+tables."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def add_bench_parser(sub) -> None:
     tp = modes.add_parser("throughput", help="all requests at once: requests/s, tokens/s, peak memory")
     lat = modes.add_parser("latency", help="one request at a time: TTFT and time per output token")
     srv = modes.add_parser("serving", help="Poisson arrivals through AsyncLLM: TTFT/TPOT/ITL/E2E, goodput")
+    from ember.benchmarks import current
+
+    current.add_parser(modes)
     for p in (tp, lat, srv):
         g = p.add_argument_group("common")
         g.add_argument("--model", default=None, help=".gguf file or Hugging Face folder (default: the embedded "
@@ -190,8 +194,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     base = os.path.join(args.out, tag)
     report.write_json(record, base + ".json")
     chart = report.write_chart(record, base + ".png")
-    table = {"throughput": report.throughput_table, "latency": report.latency_table,
-             "serving": report.serving_table}[args.mode](record)
+    table = report.TABLES[args.mode](record)
     print(table)
     print(f"\nwrote {base}.json" + (f" and {base}.png" if chart else ""))
     return record
@@ -226,6 +229,10 @@ def _ratios(mode: str, med: dict) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.mode == "report":
+        from ember.benchmarks import current
+
+        return current.main(args)
     try:
         run_bench(args)
     except (BenchError, ValueError) as e:

@@ -1,5 +1,5 @@
 """What ``ember bench`` writes: a JSON record (machine, arguments, every run, medians, ratios), a PNG chart and a
-Markdown table for docs/benchmarks.md."""
+Markdown table (the tables docs/benchmarks.md shows: ``ember bench report``, ember/benchmarks/current.py)."""
 
 from __future__ import annotations
 
@@ -35,40 +35,63 @@ def write_json(record: dict, path: str) -> None:
         json.dump(record, f, indent=2)
 
 
+def _name(backend: str) -> str:
+    return BACKEND_NAMES.get(backend, backend)
+
+
+def _ratio(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _runs(record: dict, backend: str, pick) -> str:
+    """Each repeat's figure, in the order the repeats ran: ``(701, 696, 685)``, or nothing if not recorded."""
+    try:
+        return " (" + ", ".join(pick(r) for r in record["runs"][backend]) + ")"
+    except (KeyError, TypeError):
+        return ""
+
+
 def throughput_table(record: dict) -> str:
     rows = ["| backend | output tok/s | requests/s | total tok/s | wall s | peak RSS MiB | ember / backend |",
             "|---|---|---|---|---|---|---|"]
     for b, fig in record["median"].items():
-        runs = ", ".join(f"{r['output_tokens_per_s']:.0f}" for r in record["runs"][b])
-        rows.append(f"| {BACKEND_NAMES[b]} | {fig['output_tokens_per_s']:.1f} ({runs}) | {fig['requests_per_s']:.2f} "
+        runs = _runs(record, b, lambda r: f"{r['output_tokens_per_s']:.0f}")
+        rows.append(f"| {_name(b)} | {fig['output_tokens_per_s']:.1f}{runs} | {fig['requests_per_s']:.2f} "
                     f"| {fig['total_tokens_per_s']:.0f} | {fig['wall_s']:.1f} | {fig['peak_rss_mib']:.0f} "
-                    f"| {record['ember_over'].get(b, float('nan')):.2f}x |")
+                    f"| {_ratio(record.get('ember_over', {}).get(b))} |")
     return "\n".join(rows)
 
 
 def latency_table(record: dict) -> str:
-    rows = ["| backend | prompt | TTFT ms (median / p99) | TPOT ms (median / p99) | decode tok/s | ember / backend |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| backend | prompt | TTFT ms (median / p99) | TPOT ms (median / p99) | decode tok/s | peak RSS MiB "
+            "| ember / backend |", "|---|---|---|---|---|---|---|"]
     for b, fig in record["median"].items():
+        rss = f"{fig['peak_rss_mib']:.0f}" if "peak_rss_mib" in fig else "n/a"
         for key, f in fig.items():
             if not key.startswith("prompt_"):
                 continue
-            ratio = record["ember_over"].get(b, {}).get(key, float("nan"))
-            rows.append(f"| {BACKEND_NAMES[b]} | {key[7:]} | {f['ttft_ms_median']:.1f} / {f['ttft_ms_p99']:.1f} | "
-                        f"{f['tpot_ms_median']:.2f} / {f['tpot_ms_p99']:.2f} | {f['decode_tokens_per_s']:.1f} | "
-                        f"{ratio:.2f}x |")
+            runs = _runs(record, b, lambda r: f"{r[key]['decode_tokens_per_s']:.1f}")
+            ratio = _ratio(record.get("ember_over", {}).get(b, {}).get(key))
+            rows.append(f"| {_name(b)} | {key[7:]} | {f['ttft_ms_median']:.1f} / {f['ttft_ms_p99']:.1f} | "
+                        f"{f['tpot_ms_median']:.2f} / {f['tpot_ms_p99']:.2f} | {f['decode_tokens_per_s']:.1f}{runs} | "
+                        f"{rss} | {ratio} |")
     return "\n".join(rows)
 
 
 def serving_table(record: dict) -> str:
     rows = ["| backend | req/s | out tok/s | goodput req/s | TTFT ms p50/p99 | TPOT ms p50/p99 | ITL ms p50/p99 "
-            "| E2E s p50/p99 |", "|---|---|---|---|---|---|---|---|"]
+            "| E2E s p50/p99 | ember / backend |", "|---|---|---|---|---|---|---|---|---|"]
     for b, f in record["median"].items():
-        rows.append(f"| {BACKEND_NAMES[b]} | {f['requests_per_s']:.2f} | {f['output_tokens_per_s']:.0f} | "
+        runs = _runs(record, b, lambda r: f"{r['output_tokens_per_s']:.0f}")
+        rows.append(f"| {_name(b)} | {f['requests_per_s']:.2f} | {f['output_tokens_per_s']:.0f}{runs} | "
                     f"{f['goodput_requests_per_s']:.2f} | {f['ttft_ms_p50']:.0f} / {f['ttft_ms_p99']:.0f} | "
                     f"{f['tpot_ms_p50']:.1f} / {f['tpot_ms_p99']:.1f} | {f['itl_ms_p50']:.1f} / {f['itl_ms_p99']:.1f} "
-                    f"| {f['e2e_ms_p50'] / 1e3:.2f} / {f['e2e_ms_p99'] / 1e3:.2f} |")
+                    f"| {f['e2e_ms_p50'] / 1e3:.2f} / {f['e2e_ms_p99'] / 1e3:.2f} "
+                    f"| {_ratio(record.get('ember_over', {}).get(b))} |")
     return "\n".join(rows)
+
+
+TABLES = {"throughput": throughput_table, "latency": latency_table, "serving": serving_table}
 
 
 def write_chart(record: dict, path: str) -> bool:
@@ -82,7 +105,7 @@ def write_chart(record: dict, path: str) -> bool:
         log.warning("matplotlib is not installed: no chart written (pip install 'ember[bench]')")
         return False
     mode, med = record["mode"], record["median"]
-    names = [BACKEND_NAMES[b] for b in med]
+    names = [_name(b) for b in med]
     fig, ax = plt.subplots(figsize=(7, 4))
     if mode == "throughput":
         values = [f["output_tokens_per_s"] for f in med.values()]
