@@ -2,7 +2,7 @@
 
 - perplexity on tests/data/alice_ch1.txt (20 kB of public-domain English; windows of 500 tokens prefilled in
   128-token chunks, so later chunks read the KV cache) and greedy agreement with float32 over the 16 prompts of
-  tests/test_quantization.py, each mode run in float32 activations as the tests do;
+  tests/e2e/test_quantization.py, each mode run in float32 activations as the tests do;
 - weight bytes (all, and the decoder's linear layers) and KV bytes per token, in the accuracy runs (float32
   activations: the float modes hold fp32 weights and KV, bf16 holds bf16);
 - speed with the project's benchmark (``ember bench``'s driver, one process a run, modes interleaved, medians):

@@ -3,7 +3,7 @@
 transformers' ``apply_chat_template`` compiles the template in a sandboxed jinja2 environment (trim_blocks,
 lstrip_blocks, loop controls, a ``generation`` tag) with a few helpers (tojson that keeps non-ASCII text,
 raise_exception, strftime_now), drops message keys whose value is None and renders with the tokenizer's special
-tokens as variables. This module sets up the same environment; tests/test_chat_template.py renders templates of
+tokens as variables. This module sets up the same environment; tests/unit/frontend/test_chat_template.py renders templates of
 several families against transformers. What it does not cover (callable tools, continue_final_message, named
 templates, assistant masks, non-JSON values) raises ``Unsupported`` and the caller uses transformers instead.
 """

@@ -64,7 +64,7 @@ class Tokenizer:
     @classmethod
     def _from_folder(cls, folder: str) -> "Tokenizer | None":
         """The fast path for a folder of transformers' generic class whose encode and decode are the library's
-        unchanged (tests/test_chat_template.py compares them); None when the folder needs transformers."""
+        unchanged (tests/unit/frontend/test_chat_template.py compares them); None when the folder needs transformers."""
         try:
             with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
                 config = json.load(f)

@@ -11,6 +11,7 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB_TOKENIZER_DIR = "tokenizer"
+TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: data/, the scripts and helper modules
 
 
 def default_gguf() -> str:

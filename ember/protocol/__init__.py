@@ -1,6 +1,6 @@
 """The records and enums that cross a layer: what the front end sends the engine core, what the core answers, what
 the core sends its workers each step and what they answer. Plain, typed, picklable; no torch, no layer imported
-(``tests/test_architecture.py`` checks both), so a front end in another process, a rank, or a test with a fake
+(``tests/unit/test_architecture.py`` checks both), so a front end in another process, a rank, or a test with a fake
 executor speaks them without the engine."""
 
 from ember.protocol.batch import (

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import default_gguf, random_prompts, save_random_model
+from conftest import TESTS, default_gguf, random_prompts, save_random_model
 
 from ember import LLM as NativeLLM
 from ember import SamplingParams
@@ -22,9 +22,9 @@ from ember.compat.tensorrt_llm import LLM, ModelConfig
 from ember.compat.tensorrt_llm.hlapi import GenerationOutput, SamplingConfig, StreamingLLMParam
 from ember.compat.tensorrt_llm.quantization import QuantAlgo
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "compat_scripts"))
+sys.path.insert(0, os.path.join(TESTS, "compat_scripts"))
 spec = importlib.util.spec_from_file_location("trtllm_hlapi_examples", os.path.join(
-    os.path.dirname(__file__), "compat_scripts", "trtllm_hlapi_examples.py"))
+    TESTS, "compat_scripts", "trtllm_hlapi_examples.py"))
 ex = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ex)
 

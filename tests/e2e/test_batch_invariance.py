@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import default_gguf, save_random_model
+from conftest import TESTS, default_gguf, save_random_model
 from internals import worker_of
 from invariance import check
 
@@ -30,7 +30,7 @@ from ember.quantization import QuantizedMatmul
 from ember.quantization.kernels import _scale_zeros, pack_cpu_int4
 from ember.quantization.tensor import quantize_int4, quantize_int8
 
-HERE = os.path.dirname(__file__)
+HERE = TESTS
 
 
 def _native_avx512() -> bool:

@@ -7,12 +7,12 @@ import pickle
 from pathlib import Path
 
 import pytest
-from conftest import random_prompts
+from conftest import TESTS, random_prompts
 from internals import core_of, worker_of
 
 from ember import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent / "ember"
+ROOT = Path(TESTS).parent / "ember"
 
 # lowest first: a module may import its own layer and the layers below it, never one above
 LAYERS = [

@@ -8,11 +8,12 @@ import os
 import re
 
 import pytest
+from conftest import TESTS
 
 from ember.benchmarks import current
 from ember.entrypoints.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
 DOCS = os.path.join(ROOT, "docs")
 BENCH = os.path.join(DOCS, "bench")
 DOC = os.path.join(DOCS, "benchmarks.md")

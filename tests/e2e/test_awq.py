@@ -13,14 +13,14 @@ import os
 import pytest
 import torch
 
-from conftest import default_gguf, hf_float32, save_random_model
+from conftest import TESTS, default_gguf, hf_float32, save_random_model
 from internals import worker_of
 from ember import LLM, SamplingParams
 from ember.quantization import QuantConfig, quantize_int4
 from ember.quantization.calibration import (DEFAULT_TEXT, calibration_sequences, fold_scales, read_calibration_text,
                                             scale_groups)
 
-TEXT = os.path.join(os.path.dirname(__file__), "data", "alice_ch1.txt")
+TEXT = os.path.join(TESTS, "data", "alice_ch1.txt")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Water boils at"]
 

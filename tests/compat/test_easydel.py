@@ -18,13 +18,13 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import default_gguf, hf_float32, hf_greedy
+from conftest import TESTS, default_gguf, hf_float32, hf_greedy
 from server_utils import metric_sum, running_server
 
 import ember.compat.easydel as ed
 from ember.errors import ConfigError
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "compat_scripts")
+SCRIPTS = os.path.join(TESTS, "compat_scripts")
 PROMPT = "USER:What is the capital of France?\nASSISTANT:"
 
 

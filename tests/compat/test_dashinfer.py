@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from conftest import TESTS
 from internals import worker_of
 
 from ember import LLM, SamplingParams
@@ -25,7 +26,7 @@ from ember.compat.dashinfer.allspark.engine import engine_config
 from ember.config import default_model_path
 from ember.model_loader import asmodel
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "compat_scripts")
+SCRIPTS = os.path.join(TESTS, "compat_scripts")
 
 
 def _run_script(name: str, tmp_path, monkeypatch, capsys) -> dict:

@@ -14,13 +14,13 @@ import time
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import TESTS, random_prompts
 from internals import core_of
 
 from ember import LLM, SamplingParams
 from ember.errors import ConfigError, EngineDeadError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS
 SCRIPTS = os.path.join(HERE, "parallel_scripts")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
 

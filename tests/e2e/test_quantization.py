@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import default_gguf
+from conftest import TESTS, default_gguf
 from internals import worker_of
 from ember import LLM, SamplingParams
 from ember.benchmarks.perplexity import perplexity
@@ -19,7 +19,7 @@ from ember.layers.kv_cache import KVCacheFormat
 from ember.quantization import QuantConfig, QuantizedMatmul, from_gguf, quantize_int4, quantize_int8
 from ember.quantization.kernels import pack_cpu_int4, torch_int4_block_rows, unpack_cpu_int4
 
-TEXT = os.path.join(os.path.dirname(__file__), "data", "alice_ch1.txt")
+TEXT = os.path.join(TESTS, "data", "alice_ch1.txt")
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "The three primary colors are",
            "Water boils at", "import numpy as np\n", "My favourite food is", "The quick brown fox",
            "In 1492, Columbus", "To make tea, first", "The largest planet is", "SELECT * FROM",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import make_tiny_model, random_prompts
+from conftest import TESTS, make_tiny_model, random_prompts
 from internals import core_of
 
 from ember import LLM, SamplingParams
@@ -97,11 +97,10 @@ def test_serving_needs_no_more_memory_than_the_warm_up(llama_dir):
     step) then raise the process's peak RSS by no more than noise. RSS belongs to the whole process, so this runs
     in a fresh one: what earlier tests left in the heap would otherwise decide it."""
     import json
-    import os
     import subprocess
     import sys
 
-    here = os.path.dirname(__file__)
+    here = TESTS
     run = subprocess.run([sys.executable, "-c", _SERVE_AFTER_WARMUP, llama_dir, here], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
