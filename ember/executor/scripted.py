@@ -41,12 +41,13 @@ class ScriptedExecutor:
         if method == "init_cache":
             return [self.plan]
         if method == "info":
-            return [WorkerInfo("Scripted", "float32", "cpu", VOCAB, None, 1024)]
+            return [WorkerInfo("Scripted", "float32", "cpu", VOCAB, None, kv_bytes_per_block=1024)]
         if method == "stats":
             return [WorkerStats("scripted", "none", 0, 0, 0, 0, 0)]
         if method == "report":
             return [{"rank": 0}]
-        raise ValueError(method)
+        raise ValueError(f"collective_rpc: {method!r} is not a worker method the scripted executor answers; allowed: "
+                         "init_cache, info, stats, report")
 
     def execute_model(self, batch: BatchDescription) -> WorkerOutput:
         if self.keep_batches:
