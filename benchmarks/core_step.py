@@ -18,9 +18,8 @@ import time
 
 
 def measure(rows: int, context: int, penalties: bool, steps: int, block_size: int = 16) -> dict[str, float]:
-    from ember.config import CacheConfig, ModelConfig, ParallelConfig, ResolvedConfig, SchedulerConfig
     from ember.core.engine_core import EngineCore
-    from ember.executor.scripted import EOS, ScriptedExecutor
+    from ember.executor.scripted import EOS, ScriptedExecutor, scripted_configs
     from ember.protocol import EngineRequest
     from ember.sampling_params import SamplingParams
 
@@ -28,10 +27,8 @@ def measure(rows: int, context: int, penalties: bool, steps: int, block_size: in
     blocks = rows * (-(-max_len // block_size)) + 8
     executor = ScriptedExecutor(blocks, block_size)
     executor.keep_batches = False
-    model = ModelConfig("scripted", None, "float32", "cpu", None, None, None, 0, None)
-    cache = CacheConfig(block_size, "auto", None, None, "default", None, None, False, None)
-    sched = SchedulerConfig(rows, max_len, max(2048, rows), True, "max_utilization")
-    core = EngineCore(executor, sched, ResolvedConfig(model, cache, ParallelConfig()))
+    sched, resolved = scripted_configs(rows, max_len, max(2048, rows), block_size, prefix_caching=False)
+    core = EngineCore(executor, sched, resolved)
     extra = dict(repetition_penalty=1.1, presence_penalty=0.2) if penalties else {}
     for i in range(rows):
         sp = SamplingParams(temperature=0.0, max_tokens=steps + 32, ignore_eos=True, **extra)

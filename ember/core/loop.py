@@ -29,6 +29,7 @@ from ember.errors import EngineDeadError
 from ember.protocol import (
     AbortRequest,
     AddRequests,
+    EngineCommand,
     EngineOutput,
     EngineRequest,
     EngineStats,
@@ -164,7 +165,7 @@ class EngineLoop:
             self._deliver(core.step())
         return True
 
-    def _handle(self, core: EngineCore, command: AddRequests | AbortRequest | StopSample | UtilityCall) -> None:
+    def _handle(self, core: EngineCore, command: EngineCommand) -> None:
         if isinstance(command, AddRequests):
             for record in command.requests:
                 core.add(record)

@@ -140,10 +140,7 @@ class DistributedExecutor:
         return self._call("execute_model", (batch,))
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        if method not in Worker.RPC:
-            raise ValueError(f"collective_rpc: {method!r} is not a worker method one may call; allowed: "
-                             f"{sorted(Worker.RPC)}")
-        return self._call(method, args)
+        return self._call(Worker.check_rpc(method), args)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ember.config import CacheConfig, ModelConfig, ParallelConfig, ResolvedConfig, SchedulerConfig
 from ember.protocol import (
     BatchDescription,
     PoolPlan,
@@ -69,3 +70,13 @@ class ScriptedExecutor:
 
     def shutdown(self) -> None:
         self.closed = True
+
+
+def scripted_configs(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int = 16,
+                     chunked_prefill: bool = True, prefix_caching: bool = True,
+                     policy: str = "max_utilization") -> tuple[SchedulerConfig, ResolvedConfig]:
+    """The settings an engine core over a ``ScriptedExecutor`` runs with: these limits, no checkpoint, one rank."""
+    model = ModelConfig("scripted", None, "float32", "cpu", None, None, None, 0, None)
+    cache = CacheConfig(block_size, "auto", None, None, "default", None, None, prefix_caching, None)
+    sched = SchedulerConfig(max_num_seqs, max_model_len, max_num_batched_tokens, chunked_prefill, policy)
+    return sched, ResolvedConfig(model, cache, ParallelConfig())

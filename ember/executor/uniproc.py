@@ -17,10 +17,7 @@ class UniprocExecutor:
         return self._worker.execute_model(batch)
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        if method not in Worker.RPC:
-            raise ValueError(f"collective_rpc: {method!r} is not a worker method one may call; allowed: "
-                             f"{sorted(Worker.RPC)}")
-        return [getattr(self._worker, method)(*args)]
+        return [getattr(self._worker, Worker.check_rpc(method))(*args)]
 
     def shutdown(self) -> None:
         pass

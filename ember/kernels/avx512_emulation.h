@@ -133,27 +133,18 @@ inline M16 cmpge_epi32_mask(V512 a, V512 b) {
 inline V512 mask_mov_ps(V512 src, M16 k, V512 a) { EMU_MAP16(r.f[j] = (k >> j) & 1 ? a.f[j] : src.f[j]); }
 inline V512 maskz_mov_ps(M16 k, V512 a) { EMU_MAP16(r.u[j] = (k >> j) & 1 ? a.u[j] : 0u); }
 inline V512 mask_blend_ps(M16 k, V512 a, V512 b) { EMU_MAP16(r.f[j] = (k >> j) & 1 ? b.f[j] : a.f[j]); }
-inline V512 maskz_loadu_epi8(M64 k, const void* p) {  // reads only the bytes the mask selects
+// zero-masked loads of N elements of W bytes: reads only the elements the mask selects, zeros elsewhere
+template <int W, int N, class M>
+inline V512 maskz_loadu(M k, const void* p) {
   V512 r = zero();
   const uint8_t* s = static_cast<const uint8_t*>(p);
-  for (int j = 0; j < 64; ++j)
-    if ((k >> j) & 1) r.ub[j] = s[j];
+  for (int j = 0; j < N; ++j)
+    if ((k >> j) & 1) std::memcpy(r.ub + W * j, s + W * j, W);
   return r;
 }
-inline V512 maskz_loadu_ps(M16 k, const void* p) {  // reads only the floats the mask selects, zeros elsewhere
-  V512 r = zero();
-  const uint8_t* s = static_cast<const uint8_t*>(p);
-  for (int j = 0; j < 16; ++j)
-    if ((k >> j) & 1) std::memcpy(r.ub + 4 * j, s + 4 * j, 4);
-  return r;
-}
-inline V512 maskz_loadu_epi16(M32 k, const void* p) {  // reads only the words the mask selects, zeros elsewhere
-  V512 r = zero();
-  const uint8_t* s = static_cast<const uint8_t*>(p);
-  for (int j = 0; j < 32; ++j)
-    if ((k >> j) & 1) std::memcpy(r.ub + 2 * j, s + 2 * j, 2);
-  return r;
-}
+inline V512 maskz_loadu_epi8(M64 k, const void* p) { return maskz_loadu<1, 64>(k, p); }
+inline V512 maskz_loadu_epi16(M32 k, const void* p) { return maskz_loadu<2, 32>(k, p); }
+inline V512 maskz_loadu_ps(M16 k, const void* p) { return maskz_loadu<4, 16>(k, p); }
 
 inline V512 cvtepi32_ps(V512 a) { EMU_MAP16(r.f[j] = static_cast<float>(a.i[j])); }
 inline V512 cvtps_epi32(V512 a) {  // round to nearest even; out of range -> the integer indefinite

@@ -56,6 +56,14 @@ class Worker:
     # what an executor may run on every rank by name (``Executor.collective_rpc``); steps go through execute_model
     RPC = frozenset({"init_cache", "info", "stats", "report"})
 
+    @classmethod
+    def check_rpc(cls, method: str) -> str:
+        """method, if it is one of ``RPC``; else a ValueError naming what is allowed."""
+        if method not in cls.RPC:
+            raise ValueError(f"collective_rpc: {method!r} is not a worker method one may call; allowed: "
+                             f"{sorted(cls.RPC)}")
+        return method
+
     def __init__(self, model_config: ModelConfig, cache: CacheConfig,
                  parallel: ParallelContext = ParallelContext()) -> None:
         if model_config.num_threads is not None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ember.config import CacheConfig, ModelConfig, ParallelConfig, ResolvedConfig, SchedulerConfig
 from ember.core.engine_core import EngineCore
-from ember.executor.scripted import EOS, ScriptedExecutor, default_script
+from ember.executor.scripted import EOS, ScriptedExecutor, default_script, scripted_configs
 from ember.protocol import EngineOutput, EngineRequest, SamplingRow
 from ember.sampling_params import SamplingParams
 
@@ -19,11 +18,9 @@ def make_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8,
               max_num_batched_tokens: int = 256, chunked_prefill: bool = True, prefix_caching: bool = True,
               policy: str = "max_utilization", script: Callable[[SamplingRow], int] = default_script) -> EngineCore:
     """An engine core over a ``ScriptedExecutor`` (``core.executor``) with these limits."""
-    model = ModelConfig("scripted", None, "float32", "cpu", None, None, None, 0, None)
-    cache = CacheConfig(block_size, "auto", None, None, "default", None, None, prefix_caching, None)
-    sched = SchedulerConfig(max_num_seqs, max_model_len, max_num_batched_tokens, chunked_prefill, policy)
-    return EngineCore(ScriptedExecutor(num_blocks, block_size, script=script), sched,
-                      ResolvedConfig(model, cache, ParallelConfig()))
+    sched, resolved = scripted_configs(max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
+                                       chunked_prefill, prefix_caching, policy)
+    return EngineCore(ScriptedExecutor(num_blocks, block_size, script=script), sched, resolved)
 
 
 def request(request_id: str, prompt: list[int], max_model_len: int = 256, **params: Any) -> EngineRequest:

@@ -7,16 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from unit.fakes import EOS, default_script, make_core, request, run, samples
 
-from ember.protocol import FinishReason
+from ember.protocol import FinishReason, SamplingRow
+from ember.sampling_params import SamplingParams
 
 
 def default_script_for(handle: int, num_output_tokens: int) -> int:
-    class Row:  # the two fields the default script reads
-        pass
-
-    row = Row()
-    row.handle, row.num_output_tokens = handle, num_output_tokens
-    return default_script(row)
+    return default_script(SamplingRow(handle, SamplingParams(), None, num_output_tokens))
 
 
 def _all_free(core) -> bool:
