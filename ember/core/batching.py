@@ -1,52 +1,61 @@
-"""The scheduler's choice for a step, written as the worker's ``BatchDescription``: one flat ragged batch,
-decode rows first, then prefill chunks; which rows are sampled and which score prompt tokens."""
+"""The scheduler's choice for a step, written as the workers' ``SchedulerOutput``: a sequence the workers do not
+hold goes out in full (``NewSequence``), the others as the tokens and blocks appended since they last ran. Rows are
+ordered decodes first, then prefill chunks."""
 
 from __future__ import annotations
 
 from ember.core.lora_slots import LoRASlots
 from ember.core.request import Sequence
 from ember.core.scheduler import ScheduledBatch
-from ember.core.window import KVWindow
-from ember.protocol import BatchDescription, PrefillChunk, PromptLogprobsRows, SamplingRow
+from ember.protocol import NewSequence, SchedulerOutput
 
 
-def describe(batch: ScheduledBatch, block_size: int, released: list[int], window: KVWindow | None = None,
-             loras: LoRASlots | None = None) -> tuple[BatchDescription, list[Sequence]]:
-    """The description, and the sequences that sample a token (aligned with its sampling rows). Under a KV window
-    positions map to ring slots and a decode reads the filled slots only. With LoRA every row names its adapter's
-    slot (-1: the base model), and adapters the scheduler just made resident are loaded first."""
-    d = BatchDescription(copies=batch.copies, released=released)
-    ids, positions, slots, bs = d.input_ids, d.positions, d.slots, block_size
-    adapted = loras is not None and any(s.request.lora_id for s in batch.seqs)
-    if adapted:
-        d.lora_slots, d.lora_loads = [], loras.take_loads()
-    sampled: list[Sequence] = []
-    for i in sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1):  # decodes first
-        seq, n = batch.seqs[i], batch.num_tokens[i]
-        start, c = len(ids), seq.num_computed_tokens
-        ids.extend(seq.token_ids[c:c + n])
-        positions.extend(range(c, c + n))
-        if adapted:
-            d.lora_slots.extend([loras.slot_of(seq.request.lora_id) if seq.request.lora_id else -1] * n)
-        table = seq.block_table
-        where = range(c, c + n) if window is None else [window.slot(p) for p in range(c, c + n)]
-        slots.extend(table[p // bs] * bs + p % bs for p in where)
-        if n == 1:
-            d.decode_block_tables.append(table)
-            d.decode_context_lens.append(c + 1 if window is None else window.kept(c + 1))
-        else:
-            d.prefills.append(PrefillChunk(start, n, c + n, table))
+class StepWriter:
+    """Remembers, per sequence the workers hold, how many of its tokens and blocks they have."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[int]] = {}  # handle -> [tokens sent, blocks sent]
+
+    def write(self, batch: ScheduledBatch, finished: list[int],
+              loras: LoRASlots | None = None) -> tuple[SchedulerOutput, list[Sequence]]:
+        """The step's message, and the sequences that sample a token (aligned with the workers' sampling rows).
+        ``finished``: handles the workers may drop with their sampling state. A preempted sequence is dropped too
+        (its blocks are gone) and sent in full when it resumes."""
+        out = SchedulerOutput(copies=batch.copies, finished=finished)
+        sent = self.sent
+        for handle in finished:
+            sent.pop(handle, None)
+        for seq in batch.preempted:
+            if sent.pop(seq.seq_id, None) is not None:
+                out.preempted.append(seq.seq_id)
+        if loras is not None:
+            out.lora_loads = loras.take_loads()
+        sampled: list[Sequence] = []
+        for i in sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1):  # decodes first
+            seq, n = batch.seqs[i], batch.num_tokens[i]
+            handle, tokens, table = seq.seq_id, seq.token_ids, seq.block_table
+            mark = sent.get(handle)
+            if mark is None:
+                out.new.append(self._new(seq, loras))
+                sent[handle] = [len(tokens), len(table)]
+            else:
+                if len(tokens) > mark[0]:
+                    out.new_token_ids[handle] = tokens[mark[0]:]
+                    mark[0] = len(tokens)
+                if len(table) > mark[1]:
+                    out.new_block_ids[handle] = table[mark[1]:]
+                    mark[1] = len(table)
+            out.handles.append(handle)
+            out.num_tokens.append(n)
+            if seq.num_computed_tokens + n == len(tokens):
+                sampled.append(seq)
+        return out, sampled
+
+    @staticmethod
+    def _new(seq: Sequence, loras: LoRASlots | None) -> NewSequence:
         req = seq.request
-        if c + n == seq.num_tokens:
-            p = req.params
-            history = SamplingRow.reads_history(p)
-            d.sample_rows.append(start + n - 1)
-            d.sampling.append(SamplingRow(seq.seq_id, p, req.seed_of(seq), seq.num_output_tokens,
-                                          seq.token_ids if history else None, seq.num_prompt_tokens))
-            sampled.append(seq)
-        if seq.index == 0 and req.wants_prompt_logprobs and c < seq.num_prompt_tokens:
-            # rows at positions c..end-1 predict prompt tokens c+1..end
-            end = min(c + n, seq.num_prompt_tokens - 1)
-            d.prompt_logprobs.append(PromptLogprobsRows(seq.seq_id, start, seq.token_ids[c + 1:end + 1],
-                                                        req.params.prompt_logprobs))
-    return d, sampled
+        lora_id = req.lora_id
+        k = req.params.prompt_logprobs if seq.index == 0 and req.wants_prompt_logprobs else None
+        return NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
+                           list(seq.block_table), req.params, req.seed_of(seq),
+                           loras.slot_of(lora_id) if loras is not None and lora_id else -1, k)

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ember.core.request import Sequence
-from ember.core.window import KVWindow
+from ember.protocol import KVWindow
 from ember.protocol import BlockCopy, CopyKind
 
 

@@ -1,8 +1,8 @@
 """The engine core: requests in, one step at a time, outputs out. It owns the scheduler, the block manager and the
 after-step work, and drives its workers through an executor (one rank in process, or a model split over many)
-with plain batch descriptions; what it knows of the model and the KV pool came back from the workers as data
-(``WorkerInfo``, ``PoolPlan``). It runs on one thread (``EngineLoop``) and knows nothing of tokenizers, text or
-output streams.
+with ``SchedulerOutput`` messages (new sequences once, then diffs); what it knows of the model and the KV pool
+came back from the workers as data (``WorkerInfo``, ``PoolPlan``). It runs on one thread (``EngineLoop``) and
+knows nothing of tokenizers, text or output streams.
 """
 
 from __future__ import annotations
@@ -11,25 +11,25 @@ import time
 from typing import Any
 
 from ember.config import EngineConfig, ResolvedConfig, SchedulerConfig
-from ember.core.batching import describe
+from ember.core.batching import StepWriter
 from ember.core.block_manager import BlockManager
 from ember.core.decoding import Decoding
 from ember.core.guided import GrammarSource, Guides
 from ember.core.lora_slots import LoRASlots
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
-from ember.core.window import KVWindow
 from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, read_shape
 from ember.protocol import (
-    BatchDescription,
     EngineOutput,
     EngineRequest,
     EngineStats,
     FinishReason,
+    KVWindow,
     ModelInfo,
     PoolPlan,
+    SchedulerOutput,
     SchedulerStats,
     WorkerInfo,
 )
@@ -74,6 +74,7 @@ class EngineCore:
                                    self.loras)
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
         self.guides = Guides(grammars)
+        self.writer = StepWriter()
         self.requests: dict[str, CoreRequest] = {}
         self.model_info = ModelInfo(
             model=resolved.model.path, architecture=info.architecture, dtype=info.dtype,
@@ -96,7 +97,7 @@ class EngineCore:
         in_use = {s.request.lora_id for s in self.scheduler.running}
         if self.loras.can_take(lora.lora_int_id, in_use):
             self.loras.take(lora, in_use)
-            self.executor.execute_model(BatchDescription(lora_loads=self.loras.take_loads()))
+            self.executor.execute_model(SchedulerOutput(lora_loads=self.loras.take_loads()))
 
     def remove_lora(self, lora_id: int) -> None:
         """Free an adapter's slot, unless running requests use it (they finish with it, and the slot is reused
@@ -131,18 +132,17 @@ class EngineCore:
         released = self.decoding.take_released()
         self.guides.release(released)
         if not batch.seqs:
-            if batch.copies or released:
-                self.executor.execute_model(BatchDescription(copies=batch.copies, released=released))
+            if batch.copies or released or batch.preempted:
+                self.executor.execute_model(self.writer.write(batch, released, self.loras)[0])
         else:
             now = time.time()
             for seq in batch.seqs:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
-            bm = self.block_manager
-            description, sampled = describe(batch, bm.block_size, released, bm.window, self.loras)
-            description.token_masks = self.guides.masks(sampled)  # computed while the model runs
-            result = self.executor.execute_model(description)
-            self.guides.advance(sampled, result.token_ids, description.token_masks)
+            message, sampled = self.writer.write(batch, released, self.loras)
+            message.token_masks = self.guides.masks(sampled)  # computed while the model runs
+            result = self.executor.execute_model(message)
+            self.guides.advance(sampled, result.token_ids, message.token_masks)
             self.decoding.after_step(batch, sampled, result, outputs)
         self._forget_finished(self.requests[rid] for rid in outputs if rid in self.requests)
         return list(outputs.values())

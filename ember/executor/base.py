@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ember.protocol import BatchDescription, WorkerOutput
+from ember.protocol import SchedulerOutput, WorkerOutput
 
 
 class Executor(Protocol):
-    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
+    def execute_model(self, batch: SchedulerOutput) -> WorkerOutput:
         """Run one step on every rank; the sampling rank's tokens."""
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

@@ -1,7 +1,8 @@
 """Rank 0 of a split model, in the engine's process: its own share of the model, and the calls to the other ranks.
 
-A call is one broadcast of ``(method, args)`` on the control group (the step's ``BatchDescription`` for
-``execute_model``: each step's metadata goes out once, every rank builds its tensors from it); rank 0 then runs the
+A call is one broadcast of ``(method, args)`` on the control group (the step's ``SchedulerOutput`` for
+``execute_model``: new sequences in full, then per step only what changed; every rank's model runner keeps the
+sequences and builds its tensors from them); rank 0 then runs the
 same method on its own worker. With several stages a step's sampled tokens come back from the sampling rank as one
 object; any other call's results are gathered from every rank.
 A rank that dies makes the next collective fail (gloo sees the connection close), which ends the engine with an
@@ -20,7 +21,7 @@ from ember.distributed import ParallelContext, groups
 from ember.distributed.comm import COMM
 from ember.errors import EngineDeadError
 from ember.executor.rank import STOP, RankSpec, checked_in, rank_model_config
-from ember.protocol import BatchDescription, WorkerOutput
+from ember.protocol import SchedulerOutput, WorkerOutput
 from ember.worker.worker import Worker
 
 
@@ -136,7 +137,7 @@ class DistributedExecutor:
             return error
         return self.dead
 
-    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
+    def execute_model(self, batch: SchedulerOutput) -> WorkerOutput:
         return self._call("execute_model", (batch,))
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

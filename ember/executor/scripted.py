@@ -1,5 +1,6 @@
 """An executor with no model: it answers the engine core as a worker would (``PoolPlan``, ``WorkerInfo``,
-``WorkerOutput``) with tokens a script chooses, and keeps every batch it was given. Over it the core's scheduling,
+``WorkerOutput``) with tokens a script chooses. It holds the sequences and plans each step's rows as a model runner
+does (``InputBatch``), and keeps every message and plan it saw. Over it the core's scheduling,
 stop rules, n > 1, beam search, aborts and preemption are tested in milliseconds (``tests/unit``), and the core's
 own cost a step is measured without a model's (``benchmarks/core_step.py``)."""
 
@@ -10,14 +11,15 @@ from typing import Any
 
 from ember.config import CacheConfig, ModelConfig, ParallelConfig, ResolvedConfig, SchedulerConfig
 from ember.protocol import (
-    BatchDescription,
     PoolPlan,
     SamplingRow,
+    SchedulerOutput,
     TokenLogprobs,
     WorkerInfo,
     WorkerOutput,
     WorkerStats,
 )
+from ember.worker.input_batch import InputBatch, StepRows
 
 EOS = 2
 VOCAB = 1000
@@ -33,8 +35,10 @@ class ScriptedExecutor:
                  script: Callable[[SamplingRow], int] = default_script) -> None:
         self.plan = PoolPlan(num_blocks, num_host_blocks, block_size, 0, "scripted", 0, 0)
         self.script = script
-        self.keep_batches = True  # False: keep none (long measurements)
-        self.batches: list[BatchDescription] = []
+        self.keep = True  # False: keep no message nor plan (long measurements)
+        self.messages: list[SchedulerOutput] = []
+        self.steps: list[StepRows] = []  # the rows each step with sequences to run planned
+        self.input_batch = InputBatch(block_size)
         self.live: set[int] = set()  # sample handles whose sampling state a worker would hold
         self.closed = False
 
@@ -50,10 +54,17 @@ class ScriptedExecutor:
         raise ValueError(f"collective_rpc: {method!r} is not a worker method the scripted executor answers; allowed: "
                          "init_cache, info, stats, report")
 
-    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
-        if self.keep_batches:
-            self.batches.append(batch)
-        self.live.difference_update(batch.released)
+    def execute_model(self, message: SchedulerOutput) -> WorkerOutput:
+        if self.keep:
+            self.messages.append(message)
+        self.live.difference_update(message.finished)
+        self.input_batch.update(message)
+        self.input_batch.take_table_writes()
+        if not message.handles:
+            return WorkerOutput([], [], {})
+        batch = self.input_batch.plan(message)
+        if self.keep:
+            self.steps.append(batch)
         tokens, lps, beams = [], [], {}
         for i, row in enumerate(batch.sampling):
             self.live.add(row.handle)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ember.config import ResolvedConfig
-from ember.protocol import BatchDescription, WorkerOutput
+from ember.protocol import SchedulerOutput, WorkerOutput
 from ember.worker.worker import Worker
 
 
@@ -13,7 +13,7 @@ class UniprocExecutor:
     def __init__(self, resolved: ResolvedConfig) -> None:
         self._worker = Worker(resolved.model, resolved.cache)
 
-    def execute_model(self, batch: BatchDescription) -> WorkerOutput:
+    def execute_model(self, batch: SchedulerOutput) -> WorkerOutput:
         return self._worker.execute_model(batch)
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from ember.core.block_manager import blocks_for, request_blocks
-from ember.core.window import KVWindow
+from ember.protocol import KVWindow
 from ember.errors import BadRequestError, DoesNotFitError
 from ember.frontend.adapters import Adapters
 from ember.frontend.structured_output import Grammars

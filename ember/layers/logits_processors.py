@@ -10,7 +10,7 @@
   the sequence ends with the rest of it).
 
 Each sits behind one protocol, ``LogitsProcessor``: it says which rows want it and rewrites their logits. What a
-processor remembers between steps (the n-gram index, later a grammar matcher) lives in the row's ``RowState``,
+processor remembers between steps (the penalties' token counts, the n-gram index) lives in the row's ``RowState``,
 which belongs to the sample: the worker keeps it under the sample's handle until the engine core releases it.
 """
 
@@ -27,11 +27,27 @@ from ember.sampling_params import SamplingParams
 class RowState:
     """What a sample's sampling remembers between steps: its generator and the processors' state."""
 
-    __slots__ = ("generator", "ngram")
+    __slots__ = ("generator", "ngram", "counts", "counted")
 
     def __init__(self, seed: int | None) -> None:
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.ngram: NGramIndex | None = None
+        self.counts: torch.Tensor | None = None  # penalties: [2, V] counts of every token and of output tokens
+        self.counted = 0  # tokens of the sample already in counts
+
+    def token_counts(self, row: SamplingRow, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[2, V]: how often each token occurs in the whole sequence and in its output, updated in place with the
+        tokens added since the last step (a step costs O(new tokens), not O(length))."""
+        if self.counts is None:
+            self.counts = torch.zeros(2, vocab_size, dtype=torch.float32, device=device)
+        tokens, start = row.token_ids, self.counted
+        if len(tokens) > start:
+            new = torch.tensor(tokens[start:], dtype=torch.long, device=device)
+            self.counts[0].index_add_(0, new, torch.ones(len(new), device=device))
+            out = new[max(0, row.num_prompt_tokens - start):]
+            self.counts[1].index_add_(0, out, torch.ones(len(out), device=device))
+            self.counted = len(tokens)
+        return self.counts
 
 
 class LogitsProcessor(Protocol):
@@ -54,15 +70,6 @@ def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presenc
                              frequency: torch.Tensor) -> torch.Tensor:
     """counts [B, V] of output tokens; presence/frequency [B]."""
     return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts
-
-
-def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
-    for row, ids in enumerate(token_lists):
-        if ids:
-            t = torch.tensor(ids, dtype=torch.long, device=device)
-            counts[row].index_add_(0, t, torch.ones(len(ids), device=device))
-    return counts
 
 
 def mask_tokens(logits: torch.Tensor, rows: list[int], token_lists: list[list[int]]) -> None:
@@ -116,16 +123,16 @@ class Penalties:
         idx = torch.tensor(rows, device=device)
         sub = logits[idx]
         f32 = dict(dtype=torch.float32, device=device)
+        counts = torch.stack([states[i].token_counts(batch[i], vocab, device) for i in rows])  # [R, 2, V]
         rep = torch.tensor([p.repetition_penalty for p in params], **f32)
         if bool((rep != 1).any()):
-            seen = token_counts([batch[i].output_token_ids if p.repetition_penalty_output_only
-                                 else batch[i].token_ids for i, p in zip(rows, params)], vocab, device) > 0
+            which = torch.tensor([1 if p.repetition_penalty_output_only else 0 for p in params], device=device)
+            seen = counts[torch.arange(len(rows), device=device), which] > 0
             sub = apply_repetition_penalty(sub, seen, rep)
         pres = torch.tensor([p.presence_penalty for p in params], **f32)
         freq = torch.tensor([p.frequency_penalty for p in params], **f32)
         if bool((pres != 0).any() or (freq != 0).any()):
-            counts = token_counts([batch[i].output_token_ids for i in rows], vocab, device)
-            sub = apply_presence_frequency(sub, counts, pres, freq)
+            sub = apply_presence_frequency(sub, counts[:, 1], pres, freq)
         return logits.index_copy(0, idx, sub)
 
 

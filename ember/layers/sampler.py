@@ -40,6 +40,28 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor)
     return logits.index_copy(0, idx, logits[idx].masked_fill(~allowed[:, :V], float("-inf")))
 
 
+_CHUNK = 1024
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first maximal index of each row, NaN counting as the maximum), faster on CPU:
+    torch's CPU argmax does not vectorize (3 ms for 64 rows of 49k logits, 15x a sum), so the rows are cut into
+    1,024-logit chunks, the chunks' maxima (a fast reduction) pick each row's chunk, and argmax runs on that one."""
+    B, V = logits.shape
+    n = V // _CHUNK
+    if logits.device.type != "cpu" or B < 4 or n < 2:
+        return logits.argmax(dim=-1)
+    head = logits[:, :n * _CHUNK].reshape(B, n, _CHUNK)
+    chunk_max = head.amax(dim=-1)  # [B, n]
+    chunk = chunk_max.argmax(dim=-1)  # the first chunk holding the row's maximum
+    best = chunk_max.gather(1, chunk[:, None]).squeeze(1)
+    tokens = chunk * _CHUNK + head[torch.arange(B, device=logits.device), chunk].argmax(dim=-1)
+    if n * _CHUNK < V:  # the tail wins only with a larger value (or NaN where the head has none)
+        tail_val, tail_idx = logits[:, n * _CHUNK:].max(dim=-1)
+        tokens = torch.where((tail_val > best) | (tail_val.isnan() & ~best.isnan()), n * _CHUNK + tail_idx, tokens)
+    return tokens
+
+
 _CANDIDATES = 512  # top-k/top-p look at this many best tokens and rank a whole row only if they fall short
 
 
@@ -128,7 +150,7 @@ class Sampler:
             wanted = [i for i, p in enumerate(params) if proc.wants(p)]
             if wanted:
                 logits = proc(logits, wanted, rows, states)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy and not p.use_beam_search]
         # rows that filter their candidates, and rows that draw from the whole vocabulary, go separately
         filtered = [i for i in rand_rows if params[i].top_k > 0 or params[i].top_p < 1]

@@ -4,13 +4,13 @@ the core sends its workers each step and what they answer. Plain, typed, picklab
 executor speaks them without the engine."""
 
 from ember.protocol.batch import (
-                                  BatchDescription,
                                   BlockCopy,
                                   CopyKind,
                                   LoRALoad,
-                                  PrefillChunk,
+                                  NewSequence,
                                   PromptLogprobsRows,
                                   SamplingRow,
+                                  SchedulerOutput,
                                   TokenMaskSource,
                                   WorkerOutput,
 )
@@ -20,10 +20,11 @@ from ember.protocol.outputs import EngineOutput, SampleOutput, TokenLogprobs
 from ember.protocol.requests import EngineRequest
 from ember.protocol.stats import EngineStats, SchedulerStats, WorkerStats
 from ember.protocol.status import FinishReason, RequestStatus
+from ember.protocol.window import KVWindow
 from ember.protocol.worker import PoolPlan, WorkerInfo
 
-__all__ = ["AbortRequest", "AddRequests", "BatchDescription", "BlockCopy", "CopyKind", "EngineCommand", "EngineOutput",
-           "EngineRequest", "EngineStats", "FinishReason", "LoRALoad", "ModelInfo", "PoolPlan", "PrefillChunk",
-           "PromptLogprobsRows", "RequestStatus", "SampleOutput", "SamplingRow", "SchedulerStats", "StopSample",
-           "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo", "WorkerOutput",
-           "WorkerStats"]
+__all__ = ["AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "EngineCommand", "EngineOutput", "EngineRequest",
+           "EngineStats", "FinishReason", "KVWindow", "LoRALoad", "ModelInfo", "NewSequence", "PoolPlan",
+           "PromptLogprobsRows", "RequestStatus", "SampleOutput", "SamplingRow", "SchedulerOutput", "SchedulerStats",
+           "StopSample", "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo",
+           "WorkerOutput", "WorkerStats"]

@@ -1,8 +1,10 @@
 """What the engine core sends its workers each step, and what comes back: plain lists and numbers, picklable.
 
-This is exactly what a tensor-parallel broadcast or a pipeline stage carries; the worker builds every tensor from
-it. Rows are ordered decodes first, then prefill chunks. The one field that is not plain data is ``token_masks``
-(structured output): a handle whose bitmask is filled while the model runs and sent filled when pickled.
+``SchedulerOutput`` is exactly what a tensor-parallel broadcast or a pipeline stage carries: a sequence's tokens,
+blocks and sampling parameters go out once, then only what changes (vLLM v1's ``SchedulerOutput`` does the same);
+each worker's model runner keeps the rest. The one field that is not plain data is ``token_masks`` (structured
+output): a handle whose bitmask is filled while the model runs and sent filled when pickled. ``SamplingRow`` and
+``PromptLogprobsRows`` are what a runner hands its sampler, built from what it holds.
 """
 
 from __future__ import annotations
@@ -28,14 +30,6 @@ class BlockCopy:
     kind: CopyKind
     src: int
     dst: int
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    start: int  # first row of this sequence in the flat batch
-    length: int  # query tokens this step
-    context_len: int  # tokens in the cache after this step, these included
-    block_table: list[int]
 
 
 @dataclass(slots=True)
@@ -87,30 +81,43 @@ class TokenMaskSource(Protocol):
     def get(self) -> Any: ...
 
 
+@dataclass(frozen=True, slots=True)
+class NewSequence:
+    """A sequence the workers do not hold (just admitted, a forked sample or beam, or resumed after a preemption):
+    everything about it, once. Later steps send only what changed (``SchedulerOutput``)."""
+
+    handle: int  # the sample's id: keys its state in the workers
+    token_ids: list[int]  # prompt + what it generated so far
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose KV is already in the cache (a prefix hit, a fork's shared blocks)
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int | None  # the sample's own seed (params.seed + its index); None: the sampler's own generator
+    lora_slot: int = -1  # the adapter's slot, -1 for the base model
+    prompt_logprobs: int | None = None  # k: score the prompt tokens it computes (the top k of each too)
+
+
 @dataclass(slots=True)
-class BatchDescription:
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # flat KV slot of every token
-    decode_block_tables: list[list[int]] = field(default_factory=list)  # one per decode row (the first rows)
-    decode_context_lens: list[int] = field(default_factory=list)
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)  # the flat row whose logits each sampled token uses
-    sampling: list[SamplingRow] = field(default_factory=list)  # aligned with sample_rows
-    prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
+class SchedulerOutput:
+    """One step, as the core sends it to every worker: new sequences in full, the others as diffs (tokens and KV
+    blocks appended since the last step they ran in), then which sequences run and how many tokens each computes.
+    Rows are ordered decodes first, then prefill chunks. A worker applies ``finished`` and ``preempted`` first, then
+    ``new`` and the diffs; a sequence's computed tokens advance by what it ran, which the core counts alike."""
+
+    new: list[NewSequence] = field(default_factory=list)
+    new_token_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> tokens appended (sampled, a beam's)
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> blocks appended to its table
+    handles: list[int] = field(default_factory=list)  # the sequences this step runs, in row order
+    num_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
+    finished: list[int] = field(default_factory=list)  # drop the sequence and its sampling state
+    preempted: list[int] = field(default_factory=list)  # drop the sequence, keep its sampling state: it comes back new
     copies: list[BlockCopy] = field(default_factory=list)  # KV block copies, run first
-    released: list[int] = field(default_factory=list)  # handles whose sampling state the worker may drop
-    lora_slots: list[int] | None = None  # LoRA: the adapter slot of each row, -1 for the base model; None: no adapter
     lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters to read into their slots before the step
     token_masks: TokenMaskSource | None = None  # structured output: the guided sampling rows' allowed tokens
 
     @property
-    def num_decode(self) -> int:
-        return len(self.decode_block_tables)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
 
 
 @dataclass(slots=True)

@@ -75,17 +75,16 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, width: int) -> bool:
         return num_seqs <= self.sizes[-1] and width <= self.max_blocks
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: torch.Tensor,
             lens: list[int]) -> torch.Tensor:
-        """Hidden states [len(ids), hidden] of a decode-only batch (``fits`` said yes)."""
+        """Hidden states [len(ids), hidden] of a decode-only batch (``fits`` said yes); tables: the rows' block
+        tables [len(ids), width] on the host."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         pad = size - n
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, lens + [0] * pad],
                             dtype=torch.long)
         self.inputs[:, :size].copy_(host, non_blocking=True)
-        width = max(len(t) for t in tables)
-        rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        self.tables[:n, :width].copy_(rows, non_blocking=True)
+        self.tables[:n, :tables.shape[1]].copy_(tables, non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:n]

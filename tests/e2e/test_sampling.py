@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from ember.layers.logits_processors import apply_presence_frequency, apply_repetition_penalty, token_counts
+from ember.layers.logits_processors import RowState, apply_presence_frequency, apply_repetition_penalty
 from ember.layers.sampler import filter_candidates
+from ember.protocol import SamplingRow
 
 V = 257
 
@@ -95,19 +96,39 @@ def test_warpers_per_row_in_one_batch():
 def test_repetition_penalty_matches_transformers(seed, penalty, ids):
     logits = _logits(seed)
     ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids]), logits.clone())
-    seen = token_counts([ids], V, logits.device) > 0
+    seen = torch.bincount(torch.tensor(ids), minlength=V)[None] > 0
     torch.testing.assert_close(apply_repetition_penalty(logits, seen, torch.tensor([penalty])), ref)
 
 
 def test_presence_frequency_openai_definition():
     logits = _logits(1)
     out_ids = [3, 3, 3, 9, 200]
-    got = apply_presence_frequency(logits, token_counts([out_ids], V, logits.device), torch.tensor([0.5]),
+    counts = torch.bincount(torch.tensor(out_ids), minlength=V)[None].float()
+    got = apply_presence_frequency(logits, counts, torch.tensor([0.5]),
                                    torch.tensor([0.25]))
     expected = logits.clone()
     for t in set(out_ids):
         expected[0, t] -= 0.5 + 0.25 * out_ids.count(t)
     torch.testing.assert_close(got, expected)
+
+
+@settings(max_examples=30, deadline=None)
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=20),
+       steps=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=4), max_size=6))
+def test_penalty_counts_kept_between_steps_equal_counting_the_whole_history(prompt, steps):
+    """A sample's token counts are updated with each step's new tokens only; they must equal counting the whole
+    sequence (and its output) from scratch at every step."""
+    from ember import SamplingParams
+
+    state, tokens = RowState(None), list(prompt)
+    for new in [[]] + steps:
+        tokens.extend(new)
+        row = SamplingRow(0, SamplingParams(repetition_penalty=1.2), None, len(tokens) - len(prompt), tokens,
+                          len(prompt))
+        counts = state.token_counts(row, V, torch.device("cpu"))
+        assert counts[0].tolist() == torch.bincount(torch.tensor(tokens), minlength=V).float().tolist()
+        out = torch.bincount(torch.tensor(tokens[len(prompt):], dtype=torch.long), minlength=V).float()
+        assert counts[1].tolist() == out.tolist()
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),

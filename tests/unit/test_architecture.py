@@ -187,8 +187,9 @@ def test_facades_write_no_environment_variables():
 
 
 def test_a_worker_replays_unpickled_batches_to_the_same_tokens(llama_dir):
-    """The batch description is all a worker needs: every batch an engine ran, pickled and run again on a fresh
-    worker, gives the same sampled tokens (greedy, and seeded sampling through the worker's own generators)."""
+    """The messages are all a worker needs: every ``SchedulerOutput`` an engine sent, pickled and replayed in order
+    on a fresh worker, gives the same sampled tokens (greedy, and seeded sampling through the worker's own
+    generators). A sequence goes out in full once; later steps carry only what changed."""
     from ember.config import SchedulerConfig
     from ember.worker.worker import Worker
 
@@ -214,7 +215,12 @@ def test_a_worker_replays_unpickled_batches_to_the_same_tokens(llama_dir):
         config, resolved = llm.config, llm.config.resolve()
     finally:
         llm.shutdown()
-    assert len(seen) > 3 and any(b"PromptLogprobsRows" in blob for blob, _ in seen)
+    messages = [pickle.loads(blob) for blob, _ in seen]
+    assert len(seen) > 3 and any(new.prompt_logprobs == 2 for m in messages for new in m.new)
+    sent_new = [new.handle for m in messages for new in m.new]
+    assert len(sent_new) == len(set(sent_new))  # no preemption here: every sequence is sent in full once
+    decodes = [m for m in messages if m.handles and not m.new]
+    assert decodes and all(set(m.new_token_ids) == set(m.handles) for m in decodes)
     fresh = Worker(resolved.model, resolved.cache)
     fresh.init_cache(SchedulerConfig.resolve(config, fresh.loaded.max_position))
     for blob, tokens in seen:
@@ -287,9 +293,9 @@ def test_finished_requests_leave_no_state_behind(tiny_llm):
     stream.close()  # leaves early: the request is aborted
     client, core, worker = tiny_llm.client, core_of(tiny_llm), worker_of(tiny_llm)
     deadline = time.monotonic() + 10
-    while (worker.states or core.requests or client._outputs.states) and time.monotonic() < deadline:
+    while (worker.runner.states or core.requests or client._outputs.states) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not worker.states and not core.requests and not client._outputs.states
+    assert not worker.runner.states and not core.requests and not client._outputs.states
     with pytest.raises(BadRequestError, match="already in use"):  # ids are unique among requests in flight ...
         client.submit([[1], [2]], [None, None], lambda _: None, ["x", "x"])
     assert tiny_llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)[0].finished  # ... and reusable

@@ -26,7 +26,7 @@ def test_a_request_runs_to_max_tokens_and_frees_everything():
     got = samples(run(core)["a"])
     tokens, reasons = got[0]
     assert len(tokens) == 5 and reasons == [FinishReason.LENGTH]
-    handle = core.executor.batches[0].sampling[0].handle
+    handle = core.executor.steps[0].sampling[0].handle
     assert tokens == [default_script_for(handle, i) for i in range(5)]
     assert _all_free(core)
 
@@ -55,9 +55,9 @@ def test_n_samples_share_the_prompt_and_end_once_each():
     got = samples(run(core)["n"])
     assert sorted(got) == [0, 1, 2]
     assert all(len(t) == 4 and r == [FinishReason.LENGTH] for t, r in got.values())
-    handles = {row.handle for b in core.executor.batches for row in b.sampling}
+    handles = {row.handle for b in core.executor.steps for row in b.sampling}
     assert len(handles) == 3
-    prefilled = sum(p.length for b in core.executor.batches for p in b.prefills)
+    prefilled = sum(p.length for b in core.executor.steps for p in b.prefills)
     assert prefilled < 2 * len(prompt)  # the siblings start on the parent's cached prompt blocks
     assert _all_free(core)
 
