@@ -115,12 +115,12 @@ class BeamSearch:
                 h.logprob
         self._release(beams, group, FinishReason.STOP)
         for seq in req.seqs:
-            seq.pending_fork = 0
+            seq.extra_seats = 0
 
     def _release(self, beams: list[Sequence], group: BeamGroup, reason: FinishReason) -> None:
         """The beams are done with (replaced by their children, or the search ended): their blocks and state go."""
         for seq in beams:
-            seq.pending_fork = 0
+            seq.extra_seats = 0
             seq.finish(reason)
             self.scheduler.finish(seq)
             self.released.append(seq.seq_id)

@@ -1,8 +1,10 @@
 """Paged KV cache bookkeeping: fixed-size blocks, a block table per sequence, reference counts, prefix caching,
 and an optional second tier of blocks in host memory.
 
-Blocks are shared by reference count: the siblings of an n > 1 request point at the prompt's full blocks, and with
-prefix caching any request whose prompt starts with the same full blocks as an earlier one reuses their KV.
+Blocks are shared by reference count: new beams point at their parent's blocks, and with prefix caching any request
+whose prompt starts with the same full blocks as an earlier one reuses their KV. The samples of an n > 1 request
+share their prompt that way too, also when prefix caching is off: their sequences cache their blocks anyway
+(``Sequence.caches_prefix``), under a key only they use.
 
 Prefix caching (vLLM's design): once a block is full and computed it gets a hash of (parent block's hash, its token
 ids, extra keys such as a LoRA name); a new sequence walks its full blocks and takes every block whose hash is
@@ -160,7 +162,7 @@ class BlockManager:
     def lookup(self, seq: Sequence) -> PrefixHit:
         """Cached blocks that hold seq's leading full blocks; at least one token is always left to compute."""
         hit = PrefixHit()
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+        if not (self.enable_prefix_caching or seq.caches_prefix) or seq.num_computed_tokens or seq.block_table:
             return hit
         bs, parent, extra = self.block_size, None, seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
@@ -208,9 +210,10 @@ class BlockManager:
         bs, host = self.block_size, hit.num_host * self.block_size
         cached = hit.num_blocks * bs
         seq.num_hashed_blocks = hit.num_blocks
-        self.queried_tokens += seq.num_tokens
-        self.hit_tokens += cached
-        self.host_hit_tokens += host
+        if self.enable_prefix_caching:  # the counters describe the prefix cache users turned on
+            self.queried_tokens += seq.num_tokens
+            self.hit_tokens += cached
+            self.host_hit_tokens += host
         return cached - host, host
 
     def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
@@ -222,7 +225,7 @@ class BlockManager:
         sound because every layer writes the whole batch's K/V before any row attends, and a batch's rows run in
         scheduling order on every pipeline stage (micro-batches included); the blocks are referenced by their
         sequence until the step has run, so they cannot be evicted first, and a failed step stops the engine."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching or seq.caches_prefix):
             return
         bs = self.block_size
         done = seq.num_computed_tokens if num_tokens is None else num_tokens

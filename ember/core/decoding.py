@@ -1,10 +1,9 @@
 """The after-step work, in one place: count the tokens a step computed (the scheduler registered their blocks in the
-prefix cache as it scheduled them), fork the samples of n > 1 requests once their prompt is in the cache, append
-sampled tokens and end the samples that stop (``stop.check_stop``). Stop *strings* need text, so the front end
+prefix cache as it scheduled them), append sampled tokens and end the samples that stop (``stop.check_stop``). Stop *strings* need text, so the front end
 checks them and finishes the sample through ``EngineCore.stop_sample`` before the next step is scheduled.
 
-``Decoding`` is the strategy for n independent samples; beam-search requests hand their rows to ``BeamSearch``
-(its own fork and finish rules).
+``Decoding`` is the strategy for one sample a request (n > 1 fans out in the front end); beam-search requests hand
+their rows to ``BeamSearch`` (its own rules for new beams and for finishing).
 """
 
 from __future__ import annotations
@@ -46,21 +45,11 @@ class Decoding:
                 out.prompt_logprobs, out.prompt_logprobs_start = chunk, start
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     req.prompt_logprobs_done = out.prompt_logprobs_done = True
-            if seq.pending_fork and seq.num_computed_tokens >= seq.num_prompt_tokens and req.beams is None:
-                self.fork(seq)
         for i, (seq, token, lp) in enumerate(zip(sampled, result.token_ids, result.logprobs)):
             if seq.request.beams is not None:
                 self.beam_search.collect(seq, result.beams[i], outputs)
             else:
                 self.append(seq, token, lp, seq.request.output_in(outputs))
-
-    def fork(self, parent: Sequence) -> None:
-        """The prompt is in the cache: start the other n - 1 samples on its full blocks."""
-        shared = self.bm.shared_prompt_blocks(parent.num_prompt_tokens) * self.bm.block_size
-        for child in parent.request.fork(parent):
-            self.bm.share(parent, child, shared)
-            child.num_computed_tokens = shared
-            self.scheduler.add_running(child)
 
     def append(self, seq: Sequence, token: int, lp: TokenLogprobs | None, out: EngineOutput) -> None:
         """Add a sampled token, finishing the sample if it stops."""
@@ -83,8 +72,7 @@ class Decoding:
             sample.finish_reason, sample.stop_reason = reason, stop_reason
 
     def interrupted(self, seq: Sequence, outputs: dict[str, EngineOutput]) -> None:
-        """The policy gave seq up (the scheduler freed it): it ends INTERRUPTED, keeping its tokens; siblings that
-        never started end with it."""
+        """The policy gave seq up (the scheduler freed it): it ends INTERRUPTED, keeping its tokens."""
         req = seq.request
         logger.warning("request %s: sample %d interrupted (it no longer fits the KV pool)", req.request_id, seq.index)
         out = req.output_in(outputs)
@@ -93,20 +81,13 @@ class Decoding:
             self.beam_search.end(req, FinishReason.INTERRUPTED, out)
             return
         out.sample(seq.index).finish_reason = FinishReason.INTERRUPTED
-        if seq.pending_fork:
-            for child in req.fork(seq):
-                child.finish(FinishReason.INTERRUPTED)
-                out.sample(child.index).finish_reason = FinishReason.INTERRUPTED
 
     def abort(self, req: CoreRequest) -> EngineOutput:
-        """End every sample not yet finished (siblings not yet forked included) with ABORT."""
+        """End the request's sample (a beam search: all of it) with ABORT."""
         out = req.output_in({})
         if req.beams is not None:
             self.beam_search.end(req, FinishReason.ABORT, out)
             return out
-        for s in list(req.seqs):
-            if s.pending_fork:
-                req.fork(s)
         for s in req.seqs:
             if not s.is_finished:
                 self.finish(s, FinishReason.ABORT, None, out)

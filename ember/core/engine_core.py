@@ -88,7 +88,20 @@ class EngineCore:
             kv_block_bytes=info.kv_bytes_per_block)
 
     def add(self, record: EngineRequest) -> None:
+        """Queue one request: one sample, or one beam search. A sample of an n > 1 request (``prefix_group``) caches
+        its prompt's full blocks even when prefix caching is off (then under a key only its group shares), so the
+        samples queued behind the first take its blocks, in the step that computes them or later."""
+        p = record.params
+        if p.n != 1 and not p.use_beam_search:
+            raise ValueError(f"n={p.n}: a core request is one sample; fan n > 1 out in the front end "
+                             "(ember.frontend.parallel_sampling.fan_out)")
         req = CoreRequest(record)
+        bm = self.block_manager
+        if record.prefix_group is not None and bm.window is None:  # a window's ring overwrites its blocks
+            seq = req.seqs[0]
+            seq.caches_prefix = True
+            if not bm.enable_prefix_caching:
+                seq.cache_salt = (record.cache_salt, "group", record.prefix_group)
         self.requests[record.request_id] = req
         self.scheduler.add(req.seqs[0])
 

@@ -1,12 +1,12 @@
 """A request inside the engine core: its record, its samples (``Sequence``) and what the core tracks for its
 outputs.
 
-A ``Sequence`` is one sample as the scheduler sees it: its tokens, how many of them have KV in the cache, its block
-table and its status. Nothing there is sampling or output state: the sampler's state lives in the worker under
-``seq_id`` and the text in the front end. A request with n > 1 starts as one sequence; once its prompt is prefilled
-the after-step work forks the other n - 1, which share the prompt's full KV blocks. ``num_computed_tokens`` is
-written by the scheduler (a prefix hit, a preemption) and by the after-step work (the tokens a step computed, a
-fork), nowhere else.
+A core request is one sample (n > 1 fans out in the front end, ``frontend.parallel_sampling``), or one beam
+search, whose beams are sequences of the one request. A ``Sequence`` is what the scheduler sees: its tokens, how
+many of them have KV in the cache, its block table and its status. Nothing there is sampling or output state: the
+sampler's state lives in the worker under ``seq_id`` and the text in the front end. ``num_computed_tokens`` is
+written by the scheduler (a prefix hit, a preemption) and by the after-step work (the tokens a step computed, a new
+beam's shared blocks), nowhere else.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ _ids = itertools.count()
 
 class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "block_table", "status", "pending_fork", "stop_reason", "num_hashed_blocks", "max_num_tokens",
-                 "cache_salt")
+                 "block_table", "status", "extra_seats", "stop_reason", "num_hashed_blocks", "max_num_tokens",
+                 "cache_salt", "caches_prefix")
 
-    def __init__(self, request: CoreRequest, index: int, token_ids: list[int], pending_fork: int = 0,
-                 max_num_tokens: int | None = None, cache_salt: str | None = None) -> None:
+    def __init__(self, request: CoreRequest, index: int, token_ids: list[int], extra_seats: int = 0,
+                 max_num_tokens: int | None = None, cache_salt: object = None, caches_prefix: bool = False) -> None:
         self.seq_id = next(_ids)
         self.request = request
         self.index = index  # which of the request's n samples
@@ -39,8 +39,11 @@ class Sequence:
         # guaranteed_no_evict reserves
         self.max_num_tokens = max_num_tokens if max_num_tokens is not None else len(token_ids)
         self.cache_salt = cache_salt  # extra prefix-cache key (a LoRA name): equal tokens under another salt miss
+        self.caches_prefix = caches_prefix  # its full blocks go through the prefix cache even when that is off
         self.status = RequestStatus.WAITING
-        self.pending_fork = pending_fork  # siblings to create once the prompt is prefilled
+        # seats of max_num_seqs (and blocks, under guaranteed_no_evict) held for what it will become: a beam
+        # search's first sequence holds them for its beam_width beams until its first step
+        self.extra_seats = extra_seats
         self.stop_reason: int | list[int] | None = None
 
     @property
@@ -67,8 +70,8 @@ class Sequence:
         self.status, self.stop_reason = RequestStatus.finished(reason), stop_reason
 
     def seats(self) -> int:
-        """Slots of max_num_seqs this sequence will occupy, its future siblings included."""
-        return 1 + self.pending_fork
+        """Slots of max_num_seqs this sequence holds."""
+        return 1 + self.extra_seats
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}, " \
@@ -88,7 +91,9 @@ class CoreRequest:
         # beam search: the first sequence stands for all beam_width beams (seats, reservations) until its first step
         p = record.params
         self.beams = BeamGroup() if p.use_beam_search else None
-        self.seqs: list[Sequence] = [self._new_sequence(0, pending_fork=(p.beam_width if self.beams else p.n) - 1)]
+        self.seqs: list[Sequence] = [Sequence(self, 0, list(record.prompt_token_ids),
+                                              p.beam_width - 1 if self.beams else 0, record.max_num_tokens,
+                                              record.cache_salt)]
 
     @property
     def request_id(self) -> str:
@@ -107,23 +112,12 @@ class CoreRequest:
     def prompt_token_ids(self) -> list[int]:
         return self.record.prompt_token_ids
 
-    def _new_sequence(self, index: int, pending_fork: int = 0) -> Sequence:
-        r = self.record
-        return Sequence(self, index, list(r.prompt_token_ids), pending_fork, r.max_num_tokens, r.cache_salt)
-
-    def fork(self, parent: Sequence) -> list[Sequence]:
-        """Create the n - 1 siblings of the first sequence; they start from the prompt."""
-        children = [self._new_sequence(i) for i in range(1, parent.pending_fork + 1)]
-        parent.pending_fork = 0
-        self.seqs.extend(children)
-        return children
-
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
 
     def all_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs) and not any(s.pending_fork for s in self.seqs)
+        return all(s.is_finished for s in self.seqs)
 
     def output_in(self, outputs: dict[str, EngineOutput]) -> EngineOutput:
         """This request's output of the step being collected in ``outputs`` (made on first use)."""

@@ -75,7 +75,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A forked sibling: already holds shared blocks, runs from the next step."""
+        """A new beam: already holds its parent's blocks, runs from the next step."""
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
 
@@ -87,8 +87,8 @@ class Scheduler:
     # ----- guaranteed_no_evict bookkeeping -----
 
     def _reserve(self, seq: Sequence) -> int:
-        """Blocks seq may still take from the pool before it finishes, its unforked siblings included."""
-        most = self.bm.request_blocks(seq.num_prompt_tokens, seq.max_num_tokens, 1 + seq.pending_fork)
+        """Blocks seq may still take from the pool before it finishes (a beam search's first sequence: its beams')."""
+        most = self.bm.request_blocks(seq.num_prompt_tokens, seq.max_num_tokens, seq.seats())
         return most - min(len(seq.block_table), self.bm.blocks_for(seq.max_num_tokens))
 
     def _reserved(self) -> int:

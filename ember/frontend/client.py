@@ -17,6 +17,7 @@ from ember.executor import serve_launched
 from ember.frontend.adapters import Adapters
 from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
 from ember.frontend.output_stream import OutputStream
+from ember.frontend.parallel_sampling import fan_out
 from ember.frontend.processor import InputProcessor, PromptType
 from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
@@ -68,15 +69,17 @@ class EngineClient:
         states, records = [], []
         for prompt, sp, rid, lora in zip(prompts, params, request_ids, loras):
             text, record = self._inputs.process(prompt, sp, rid, lora)
-            states.append(RequestState(record.request_id, text, record.prompt_token_ids, record.params, sink))
-            records.append(record)
+            core = fan_out(record)  # n > 1: one core request a sample
+            states.append(RequestState(record.request_id, text, record.prompt_token_ids, record.params, sink,
+                                       [c.request_id for c in core]))
+            records.extend(core)
         self._outputs.register(states)
         try:
             self._loop.add(records)
         except BaseException:
-            self._outputs.forget([r.request_id for r in records])
+            self._outputs.forget([s.request_id for s in states])
             raise
-        return [r.request_id for r in records]
+        return [s.request_id for s in states]
 
     def stream(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
                kind: OutputKind | None = None, asynchronous: bool = False,
@@ -93,7 +96,8 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """End the request (its samples finish with finish_reason "abort"); unknown ids are ignored."""
-        self._loop.abort(str(request_id))
+        for core_id in self._outputs.core_ids(str(request_id)):
+            self._loop.abort(core_id)
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Check an adapter and load it now (into a free or idle slot) rather than at its first request."""

@@ -2,8 +2,9 @@
 logprobs with decoded tokens, metrics, and ``RequestOutput`` deltas put into each request's sink.
 
 It runs on the engine loop's thread, between steps, so a stop string found in a sample's text finishes that sample
-before the next step is scheduled (the core cannot see text). A request ends when all n of its samples have a
-finish reason; then its id is free again.
+before the next step is scheduled (the core cannot see text). A request of n > 1 samples went to the core as n
+requests (``parallel_sampling``): their outputs are routed back to it as samples 0..n-1. A request ends when all n
+of its samples have a finish reason; then its id is free again.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ class SampleState:
 
 class RequestState:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "sink", "metrics", "samples",
-                 "prompt_logprobs", "pending_prompt_logprobs", "num_cached_tokens", "num_host_cached_tokens")
+                 "prompt_logprobs", "pending_prompt_logprobs", "num_cached_tokens", "num_host_cached_tokens",
+                 "core_ids")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 sink: OutputSink) -> None:
+                 sink: OutputSink, core_ids: list[str] | None = None) -> None:
         self.request_id = request_id
+        self.core_ids = core_ids or [request_id]  # the core's requests: sample i of n > 1 is core_ids[i]
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -55,23 +58,35 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self.routes: dict[str, tuple[RequestState, int]] = {}  # core request id -> its request, its first sample
         self._lock = threading.Lock()  # states is added to by callers, emptied by the engine thread
 
     def register(self, states: list[RequestState]) -> None:
-        """Claim the requests' ids (caller's thread); raises BadRequestError for one already in use."""
+        """Claim the requests' ids and their core requests' ids (caller's thread); raises BadRequestError for one
+        already in use."""
         with self._lock:
             ids = [s.request_id for s in states]
-            dup = [i for i in ids if i in self.states]
-            if dup or len(set(ids)) != len(ids):
+            core = [c for s in states for c in s.core_ids]
+            dup = [i for i in ids if i in self.states] + [c for c in core if c in self.routes]
+            if dup or len(set(ids)) != len(ids) or len(set(core)) != len(core):
                 raise BadRequestError(f"request_id={(dup or ids)[0]!r} is already in use: request ids must be "
                                       "unique among the requests in flight")
             for s in states:
                 self.states[s.request_id] = s
+                for i, c in enumerate(s.core_ids):
+                    self.routes[c] = (s, i)
 
     def forget(self, request_ids: list[str]) -> None:
         with self._lock:
             for rid in request_ids:
-                self.states.pop(rid, None)
+                st = self.states.pop(rid, None)
+                for c in st.core_ids if st is not None else ():
+                    self.routes.pop(c, None)
+
+    def core_ids(self, request_id: str) -> list[str]:
+        """The core requests of a request in flight (``[request_id]`` when it is not in flight)."""
+        st = self.states.get(request_id)
+        return list(st.core_ids) if st is not None else [request_id]
 
     def fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -82,16 +97,17 @@ class OutputProcessor:
     def process(self, outputs: list[EngineOutput]) -> list[tuple[str, int]]:
         stops: list[tuple[str, int]] = []
         for out in outputs:
-            st = self.states.get(out.request_id)
-            if st is not None:
-                self._one(st, out, stops)
+            route = self.routes.get(out.request_id)
+            if route is not None:
+                self._one(route[0], out, stops, route[1])
         return stops
 
-    def _one(self, st: RequestState, out: EngineOutput, stops: list[tuple[str, int]]) -> None:
+    def _one(self, st: RequestState, out: EngineOutput, stops: list[tuple[str, int]], first: int) -> None:
+        """One core request's output; its sample j is the request's sample first + j."""
         params, metrics = st.params, st.metrics
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = out.first_scheduled_time
-        if out.num_cached_tokens is not None:
+        if out.num_cached_tokens is not None and first == 0:  # the request's figures are its first sample's
             st.num_cached_tokens, st.num_host_cached_tokens = out.num_cached_tokens, out.num_host_cached_tokens
         if out.prompt_logprobs is not None:
             if out.prompt_logprobs_start == 0:  # the prompt's first token has no logprob; a recompute starts over
@@ -103,9 +119,10 @@ class OutputProcessor:
         wants_lp = params.logprobs is not None
         completions = []
         for so in out.samples:
-            ss = st.samples.get(so.index)
+            index = first + so.index
+            ss = st.samples.get(index)
             if ss is None:
-                ss = st.samples[so.index] = SampleState(self._detokenizer(st))
+                ss = st.samples[index] = SampleState(self._detokenizer(st))
             reason, stop_reason, stop_str = so.finish_reason, so.stop_reason, None
             new_lps: list[PositionLogprobs] = []
             kept = so.new_token_ids  # up to the token that completes a stop string: the rest is not the answer
@@ -124,14 +141,14 @@ class OutputProcessor:
             # the core's token stops come first, then a stop string, then the length limit
             if stop_str is not None and reason in (None, FinishReason.LENGTH):
                 if reason is None:
-                    stops.append((st.request_id, so.index))
+                    stops.append((out.request_id, so.index))
                 reason, stop_reason = FinishReason.STOP, stop_str
             if reason is not None and reason is not FinishReason.ABORT and stop_str is None:
                 ss.detokenizer.flush_incomplete()
             ss.finish_reason = reason
             text = ss.detokenizer.delta(reason is not None)
             completions.append(CompletionOutput(
-                index=so.index, text=text, token_ids=list(kept), logprobs=new_lps if wants_lp else None,
+                index=index, text=text, token_ids=list(kept), logprobs=new_lps if wants_lp else None,
                 cumulative_logprob=ss.cumulative_logprob if wants_lp else so.cumulative_logprob,
                 finish_reason=reason.value if reason is not None else None, stop_reason=stop_reason))
         prompt_lp, st.prompt_logprobs = st.prompt_logprobs, None

@@ -17,3 +17,6 @@ class EngineRequest:
     cache_salt: str | None = None  # extra prefix-cache key (the adapter's id)
     grammar: str | None = None  # structured output: the llguidance grammar text the front end compiled
     lora: LoRARequest | None = None  # the adapter the request runs with (checked by the front end); None: base
+    # one sample of an n > 1 request (``frontend.parallel_sampling``): the parent's id. The group's first request
+    # computes the prompt; the others start from its full blocks.
+    prefix_group: str | None = None

@@ -8,10 +8,12 @@ from typing import Any
 
 from ember.core.engine_core import EngineCore
 from ember.executor.scripted import EOS, ScriptedExecutor, default_script, scripted_configs
+from ember.frontend.parallel_sampling import fan_out
 from ember.protocol import EngineOutput, EngineRequest, SamplingRow
 from ember.sampling_params import SamplingParams
 
-__all__ = ["EOS", "ScriptedExecutor", "default_script", "make_core", "request", "run", "samples"]
+__all__ = ["EOS", "ScriptedExecutor", "add", "default_script", "make_core", "request", "request_samples", "run",
+           "samples"]
 
 
 def make_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int = 256,
@@ -28,6 +30,15 @@ def request(request_id: str, prompt: list[int], max_model_len: int = 256, **para
     sp = SamplingParams(**params)
     sp.eos_token_ids = (EOS,)
     return EngineRequest(request_id, list(prompt), sp, min(len(prompt) + sp.max_tokens, max_model_len))
+
+
+def add(core: EngineCore, record: EngineRequest) -> list[str]:
+    """Queue a request as the front end does (n > 1 fanned out to one core request a sample); the core's ids, sample
+    i's first."""
+    records = fan_out(record)
+    for r in records:
+        core.add(r)
+    return [r.request_id for r in records]
 
 
 def run(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[EngineOutput]]:
@@ -51,3 +62,11 @@ def samples(outputs: list[EngineOutput]) -> dict[int, tuple[list[int], list[Any]
             if s.finish_reason is not None:
                 reasons.append(s.finish_reason)
     return joined
+
+
+def request_samples(seen: dict[str, list[EngineOutput]], core_ids: list[str]) -> dict[int, tuple[list[int], list[Any]]]:
+    """A fanned-out request's samples joined from its core requests' outputs (``add``'s ids): index -> (tokens,
+    finish reasons seen); a beam search or a single sample is one core request with its own indexes."""
+    if len(core_ids) == 1:
+        return samples(seen.get(core_ids[0], []))
+    return {i: samples(seen.get(cid, [])).get(0, ([], [])) for i, cid in enumerate(core_ids)}

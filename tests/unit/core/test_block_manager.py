@@ -16,10 +16,10 @@ from ember.core.scheduler import Scheduler
 from ember.protocol import CopyKind, FinishReason, RequestStatus
 
 
-def _seq(prompt: list[int], max_num_tokens: int | None = None, n: int = 1) -> Sequence:
+def _seq(prompt: list[int], max_num_tokens: int | None = None) -> Sequence:
     req = SimpleNamespace(prompt_token_ids=list(prompt), request_id="r", num_cached_tokens=None,
                           num_host_cached_tokens=0, wants_prompt_logprobs=False)
-    return Sequence(req, 0, list(prompt), pending_fork=n - 1, max_num_tokens=max_num_tokens)
+    return Sequence(req, 0, list(prompt), max_num_tokens=max_num_tokens)
 
 
 def _check(bm: BlockManager, seqs: list[Sequence]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from unit.fakes import EOS, default_script, make_core, request, run, samples
+from unit.fakes import EOS, add, default_script, make_core, request, request_samples, run, samples
 
 from ember.protocol import FinishReason, SamplingRow
 from ember.sampling_params import SamplingParams
@@ -49,30 +49,44 @@ def test_eos_and_stop_ids_end_a_sample_with_its_stop_reason():
 
 
 def test_n_samples_share_the_prompt_and_end_once_each():
+    for caching in (True, False):  # the samples share the prompt's blocks also when prefix caching is off
+        core = make_core(prefix_caching=caching)
+        prompt = list(range(100, 164))  # four full blocks
+        ids = add(core, request("n", prompt, n=3, max_tokens=4, temperature=1.0, seed=1))
+        assert ids == ["n#0", "n#1", "n#2"]
+        got = request_samples(run(core), ids)
+        assert sorted(got) == [0, 1, 2]
+        assert all(len(t) == 4 and r == [FinishReason.LENGTH] for t, r in got.values())
+        handles = {row.handle for b in core.executor.steps for row in b.sampling}
+        assert len(handles) == 3
+        seeds = sorted(new.seed for m in core.executor.messages for new in m.new)
+        assert seeds == [1, 2, 3]  # sample i draws with seed + i, as before the fan-out
+        prefilled = sum(p.length for b in core.executor.steps for p in b.prefills)
+        assert prefilled < 2 * len(prompt)  # the others start on the first one's prompt blocks
+        assert core.block_manager.hit_tokens == (96 if caching else 0)  # counted only where users asked for it
+        assert _all_free(core)
+
+
+def test_a_core_request_is_one_sample():
     core = make_core()
-    prompt = list(range(100, 164))  # four full blocks
-    core.add(request("n", prompt, n=3, max_tokens=4, temperature=1.0, seed=1))
-    got = samples(run(core)["n"])
-    assert sorted(got) == [0, 1, 2]
-    assert all(len(t) == 4 and r == [FinishReason.LENGTH] for t, r in got.values())
-    handles = {row.handle for b in core.executor.steps for row in b.sampling}
-    assert len(handles) == 3
-    prefilled = sum(p.length for b in core.executor.steps for p in b.prefills)
-    assert prefilled < 2 * len(prompt)  # the siblings start on the parent's cached prompt blocks
-    assert _all_free(core)
+    try:
+        core.add(request("n", [1, 2, 3], n=2, temperature=1.0))
+    except ValueError as e:
+        assert "fan n > 1 out in the front end" in str(e)
+    else:
+        raise AssertionError("n > 1 reached the core")
 
 
 def test_abort_ends_every_sample_and_the_others_go_on():
     core = make_core()
     core.add(request("keep", [1, 3, 5, 7], max_tokens=6))
-    core.add(request("drop", [2, 4, 6, 8], n=2, max_tokens=50, temperature=1.0))
+    ids = add(core, request("drop", [2, 4, 6, 8], n=2, max_tokens=50, temperature=1.0))
     early = [o for _ in range(3) for o in core.step()]
-    out = core.abort("drop")
-    assert sorted(s.index for s in out.samples) == [0, 1]
-    assert all(s.finish_reason == FinishReason.ABORT for s in out.samples)
-    assert core.abort("drop") is None and core.abort("never-seen") is None
+    outs = [core.abort(cid) for cid in ids]
+    assert all(s.finish_reason == FinishReason.ABORT for o in outs for s in o.samples)
+    assert core.abort("drop#0") is None and core.abort("never-seen") is None
     rest = run(core)
-    assert "drop" not in rest
+    assert not set(ids) & set(rest)
     assert samples([o for o in early if o.request_id == "keep"] + rest["keep"])[0][1] == [FinishReason.LENGTH]
     assert len(samples([o for o in early if o.request_id == "keep"] + rest["keep"])[0][0]) == 6
     assert _all_free(core)
@@ -125,12 +139,13 @@ def test_every_sample_ends_exactly_once_and_the_pool_is_whole_after(num_blocks, 
     finish reason, never past max_tokens, and nothing stays allocated or live in the worker."""
     core = make_core(num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64)
     aborts: dict[int, list[str]] = {}
+    core_ids: dict[int, list[str]] = {}
     for i, (plen, max_tokens, n, abort_at) in enumerate(reqs):
         rid = f"r{i}"
-        core.add(request(rid, [(i * 31 + j) % 900 + 3 for j in range(plen)], max_tokens=max_tokens, n=n,
-                         temperature=1.0 if n > 1 else 0.0))
+        core_ids[i] = add(core, request(rid, [(i * 31 + j) % 900 + 3 for j in range(plen)], max_tokens=max_tokens,
+                                        n=n, temperature=1.0 if n > 1 else 0.0))
         if abort_at is not None:
-            aborts.setdefault(abort_at, []).append(rid)
+            aborts.setdefault(abort_at, []).extend(core_ids[i])
     seen: dict[str, list] = {}
     step = 0
     while core.has_work() or any(s >= step for s in aborts):
@@ -143,7 +158,7 @@ def test_every_sample_ends_exactly_once_and_the_pool_is_whole_after(num_blocks, 
         step += 1
         assert step < 5000
     for i, (_, max_tokens, n, _) in enumerate(reqs):
-        got = samples(seen.get(f"r{i}", []))
+        got = request_samples(seen, core_ids[i])
         assert sorted(got) == list(range(n)), (i, got)
         for tokens, reasons in got.values():
             assert len(reasons) == 1 and len(tokens) <= max_tokens

@@ -43,14 +43,32 @@ def test_a_stop_string_cuts_the_text_and_is_reported_back_to_the_core(tok):
 
 
 def test_a_request_of_n_samples_ends_when_the_last_one_does(tok):
+    """n = 2 reaches the core as two requests (``parallel_sampling.fan_out``); their outputs come back as the
+    request's samples 0 and 1, a stop string found in one is reported under its core request's id."""
     proc = OutputProcessor(tok)
-    got = _start(proc, tok, n=2, temperature=1.0, max_tokens=2)
+    got: list = []
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=2, stop=[" maybe"])
+    proc.register([RequestState("r", "The answer:", prompt, params, got.append, ["r#0", "r#1"])])
     a, b = tok.encode(" yes", add_special_tokens=False), tok.encode(" no", add_special_tokens=False)
-    proc.process([_step("r", SampleOutput(0, a + a, finish_reason=FinishReason.LENGTH), SampleOutput(1, b))])
-    assert not got[-1].finished and [c.index for c in got[-1].outputs] == [0, 1]
-    proc.process([_step("r", SampleOutput(1, b, finish_reason=FinishReason.LENGTH))])
-    assert got[-1].finished and got[-1].outputs[0].finish_reason == "length"
-    assert got[-1].metrics.num_generated_tokens == len(a + a) + len(b + b)
+    stops = proc.process([_step("r#0", SampleOutput(0, a + a, finish_reason=FinishReason.LENGTH)),
+                          _step("r#1", SampleOutput(0, b))])
+    assert not stops and not got[-1].finished and [c.index for c in got[-1].outputs] == [1]
+    assert [c.index for c in got[-2].outputs] == [0]
+    stops = proc.process([_step("r#1", SampleOutput(0, tok.encode(" maybe", add_special_tokens=False)))])
+    assert stops == [("r#1", 0)]
+    assert got[-1].finished and got[-1].outputs[0].index == 1 and got[-1].outputs[0].finish_reason == "stop"
+    assert got[-1].metrics.num_generated_tokens == len(a + a) + len(b) + len(tok.encode(" maybe",
+                                                                                       add_special_tokens=False))
+    assert not proc.states and not proc.routes  # the id and its core ids are free again
+
+
+def test_a_core_id_in_use_is_refused(tok):
+    proc = OutputProcessor(tok)
+    prompt = [1, 2]
+    proc.register([RequestState("r", None, prompt, SamplingParams(n=2), print, ["r#0", "r#1"])])
+    with pytest.raises(Exception, match="already in use"):
+        proc.register([RequestState("r#1", None, prompt, SamplingParams(), print)])
 
 
 def test_logprobs_are_decoded_and_summed_and_an_abort_ends_the_request(tok):

@@ -8,7 +8,7 @@ import pickle
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from unit.fakes import make_core, request
+from unit.fakes import add, make_core, request
 
 from ember.protocol import KVWindow, NewSequence, SchedulerOutput
 from ember.sampling_params import SamplingParams
@@ -50,9 +50,10 @@ def test_the_runner_holds_what_the_core_has(num_blocks, prefix_caching, reqs):
         rid = f"r{i}"
         extra = dict(beam_width=2, n=min(n, 2)) if beam else dict(
             n=n, temperature=1.0 if n > 1 else 0.0)
-        core.add(request(rid, [(i % 3 * 31 + j) % 900 + 3 for j in range(plen)], max_tokens=max_tokens, **extra))
+        ids = add(core, request(rid, [(i % 3 * 31 + j) % 900 + 3 for j in range(plen)], max_tokens=max_tokens,
+                                **extra))
         if abort_at is not None and i > 0:  # the first runs to its end
-            aborts.setdefault(abort_at, []).append(rid)
+            aborts.setdefault(abort_at, []).extend(ids)
     step = 0
     while core.has_work() or any(s >= step for s in aborts):
         for rid in aborts.pop(step, []):
