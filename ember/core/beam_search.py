@@ -1,4 +1,5 @@
-"""Beam search in the engine core, with transformers' rules (``GenerationMixin._beam_search``, 5.x).
+"""Beam search in the engine core (a ``strategy.DecodingStrategy``), with transformers' rules
+(``GenerationMixin._beam_search``, 5.x).
 
 A request with beam_width W starts as one sequence. Each step every live beam's row returns its K best
 continuations (K = max(2, 1 + #EOS) x W: log-softmax of the logits, then the logits processors); once every live
@@ -23,7 +24,7 @@ from ember.core.block_manager import BlockManager
 from ember.core.request import CoreRequest, Sequence
 from ember.core.scheduler import Scheduler
 from ember.core.stop import Stop, check_stop
-from ember.protocol import EngineOutput, FinishReason, RequestStatus
+from ember.protocol import EngineOutput, FinishReason, RequestStatus, WorkerOutput
 
 
 class BeamSearch:
@@ -32,12 +33,11 @@ class BeamSearch:
         self.scheduler, self.bm, self.max_model_len = scheduler, block_manager, max_model_len
         self.released = released  # the engine's list of finished handles (the worker drops their state)
 
-    def collect(self, seq: Sequence, candidates: tuple[list[int], list[float]],
-                outputs: dict[str, EngineOutput]) -> None:
+    def collect(self, seq: Sequence, row: int, result: WorkerOutput, outputs: dict[str, EngineOutput]) -> None:
         """A beam's continuations; once every live beam of its request has answered, the search takes a step."""
         req = seq.request
         group = req.beams
-        group.pending[seq.seq_id] = candidates
+        group.pending[seq.seq_id] = result.beams[row]
         if all(s.seq_id in group.pending for s in req.seqs if not s.is_finished):
             self._step(req, group, outputs)
 
