@@ -12,6 +12,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB_TOKENIZER_DIR = "tokenizer"
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: data/, the scripts and helper modules
+SLOW_TIERS = ("e2e", "compat")  # engines, models, processes: everything above tests/unit
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The pyramid's upper tiers are ``slow``: every test in tests/e2e and tests/compat builds an engine, loads a
+    model or starts processes. ``pytest -m "not slow"`` runs tests/unit alone, in seconds."""
+    for item in items:
+        if os.path.relpath(str(item.path), TESTS).split(os.sep)[0] in SLOW_TIERS:
+            item.add_marker(pytest.mark.slow)
 
 
 def default_gguf() -> str:

@@ -57,7 +57,6 @@ def test_quick_start_example_runs_unchanged_and_matches_native(tmp_path, monkeyp
     assert len(prompt) + len(out["ids"]) == 2048 or out["ids"][-1] in eos
 
 
-@pytest.mark.slow
 def test_simple_snippet_runs_unchanged_and_matches_native(tmp_path, monkeypatch, capsys):
     random.seed(3)  # the builder draws its default seed from `random`, as DashInfer's does: fix it to compare
     out = _run_script("dashinfer_simple_snippet.py", tmp_path, monkeypatch, capsys)

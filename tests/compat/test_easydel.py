@@ -64,7 +64,6 @@ def _check_example_output(out: str) -> None:
         assert len(set(seq)) > 5  # and it grows as tokens arrive
 
 
-@pytest.mark.slow
 def test_reference_example_runs_on_default_model(monkeypatch, capsys):
     pytest.importorskip("jax")
     _check_example_output(_run_example(None, monkeypatch, capsys))
@@ -78,7 +77,6 @@ def exported_hf(tmp_path_factory) -> str:
     return export_hf_folder(default_gguf(), str(tmp_path_factory.mktemp("smollm2-hf") / "model"), torch.bfloat16)
 
 
-@pytest.mark.slow
 def test_reference_example_runs_on_hf_folder(exported_hf, monkeypatch, capsys):
     pytest.importorskip("jax")
     _check_example_output(_run_example(exported_hf, monkeypatch, capsys))
@@ -86,7 +84,6 @@ def test_reference_example_runs_on_hf_folder(exported_hf, monkeypatch, capsys):
 
 # ----- greedy: stream == non-stream == transformers -----
 
-@pytest.mark.slow
 def test_greedy_stream_ends_with_the_final_text_and_matches_transformers():
     from transformers import AutoTokenizer
 
@@ -119,7 +116,6 @@ def test_greedy_stream_ends_with_the_final_text_and_matches_transformers():
 
 # ----- parallelism: the mesh's tp axis -----
 
-@pytest.mark.slow
 def test_tp_axis_over_two_cpu_ranks_gives_one_ranks_tokens(llama_dir):
     prompts = ["Once upon a time", "The quick brown fox", "In a galaxy"]
     params = ed.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -155,7 +151,6 @@ SERVER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_api_server_answers_the_openai_client(llama_dir, tmp_path):
     from openai import OpenAI
 

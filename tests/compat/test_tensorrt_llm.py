@@ -245,7 +245,6 @@ def test_tensor_parallel_and_auto_parallel_examples(llama4, tp2_tokens):
             llm.shutdown()
 
 
-@pytest.mark.slow
 @needs_a_gpu_a_rank
 def test_pipeline_and_multi_node_examples(llama4, capsys):
     with NativeLLM(llama4) as native:  # stages split layers, not sums: bit for bit one rank's result

@@ -152,7 +152,6 @@ def test_quant_config_names_and_stores_the_algorithm():
 
 # ----- what it buys (the default model) -----
 
-@pytest.mark.slow
 def test_awq_and_smoothquant_beat_plain_rounding_on_the_default_model():
     """Perplexity on the first 1,000 tokens of the evaluation text (never calibrated on), float32 activations."""
     from ember.benchmarks.perplexity import perplexity

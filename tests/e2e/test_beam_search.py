@@ -134,7 +134,6 @@ def test_beam_input_errors(setup):
     assert llm.generate([prompts[0]], SamplingParams(beam_width=2, max_tokens=2), use_tqdm=False)[0].finished
 
 
-@pytest.mark.slow
 def test_beams_match_transformers_default_model():
     """The real default model (GGUF dequantized by both engines), float32, its own EOS."""
     path = default_gguf()

@@ -16,7 +16,6 @@ def _ember(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(script), *args], capture_output=True, text=True, input=stdin, timeout=300)
 
 
-@pytest.mark.slow
 def test_generate_answers_capital_of_france():
     proc = _ember("generate", "What is the capital of France?", "--max-tokens", "48")
     assert proc.returncode == 0, proc.stderr

@@ -13,7 +13,7 @@ from conftest import hf_float32, hf_greedy, random_prompts
 from internals import worker_of
 
 from ember import LLM, SamplingParams
-from ember.config import resolve_dtype
+from ember.dtypes import resolve_dtype
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -271,7 +271,7 @@ def test_bad_model_files(tiny_models, tmp_path):
 
 
 def test_dtype_resolution_on_cpu(caplog):
-    from ember.config import cpu_has_fast_bf16
+    from ember.dtypes import cpu_has_fast_bf16
 
     fast = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     assert resolve_dtype("float32", None, "cpu") == torch.float32

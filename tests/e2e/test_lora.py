@@ -180,7 +180,6 @@ def test_adapters_on_a_split_model_and_on_int8_weights(llama_dir, three_adapters
         assert (got - want).abs().max() < 0.3 and (base - want).abs().max() > 2
 
 
-@pytest.mark.slow
 def test_default_model_adapter_matches_peft(tmp_path):
     """An adapter made with peft on the default model (the GGUF in float32): ember's tokens equal transformers +
     peft, with and without the adapter in one batch."""

@@ -187,7 +187,6 @@ def _prompt_lps(outs):
     return [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
 
 
-@pytest.mark.slow
 def test_default_model_split_three_ways_is_exact_in_float32():
     """The embedded SmolLM2 GGUF (9 heads, 3 KV heads, its Q4_1 / Q8_0 blocks sliced per rank) in float32: T=3
     gives one rank's greedy tokens and its prompt logprobs within 1e-4."""
@@ -200,7 +199,6 @@ def test_default_model_split_three_ways_is_exact_in_float32():
     assert diff < 1e-4
 
 
-@pytest.mark.slow
 def test_default_model_int4_as_loaded_split_three_ways_and_in_two_stages():
     """int4 as loaded (bf16 activations), T=3 and P=2 against T=1. bf16 logits near 16 are spaced 0.06-0.12
     apart, and a split adds partial sums in another order (T=3) or runs micro-batches whose matmuls block

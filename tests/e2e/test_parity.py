@@ -58,7 +58,6 @@ def test_logprobs_match_transformers(tiny_models):
         assert abs(out.prompt_logprobs[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
 
 
-@pytest.mark.slow
 def test_greedy_parity_real_smollm2_gguf():
     """The real default model: transformers dequantizes the same GGUF; both run in float32."""
     path = default_gguf()

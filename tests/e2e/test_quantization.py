@@ -293,7 +293,6 @@ def _check(results, label: str) -> None:
     assert results["fp32"][0] < 1e4 or label != "SmolLM2"  # the real model reads English
 
 
-@pytest.mark.slow
 def test_perplexity_of_every_mode_on_the_default_model():
     _check(_measure(default_gguf()), "SmolLM2")
 
@@ -327,7 +326,7 @@ def _weight_bytes(llm) -> tuple[int, int]:
 
 
 def test_default_model_keeps_its_gguf_footprint_and_int4_is_under_0_3x_of_bf16():
-    from ember.config import cpu_has_fast_bf16
+    from ember.dtypes import cpu_has_fast_bf16
 
     # the embedded Q4_1 GGUF, dtype auto: bf16 with the GGUF's blocks kept where the CPU has fast bf16; a CPU
     # without it (AVX2) runs float32 dequantized by default, and keeps the blocks when asked for bf16

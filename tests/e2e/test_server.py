@@ -22,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_utils import TEST_ENGINE_ARGS, metric_sum, post, rss_bytes, running_server
 
-pytestmark = pytest.mark.slow  # each module-level server loads and warms the engine once (~30-60 s)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 

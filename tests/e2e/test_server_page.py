@@ -38,7 +38,6 @@ def reply_length(page) -> int:
     return page.evaluate(REPLY_LENGTH)
 
 
-@pytest.mark.slow
 def test_chat_page_streams_stops_and_fits_desktop_and_phone(tmp_path):
     try:
         from playwright.sync_api import expect, sync_playwright

@@ -24,7 +24,6 @@ from ember.layers.sampler import apply_token_masks
 from ember.sampling_params import StructuredOutputsParams as SO
 from ember.worker.token_masks import TokenMasks
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
