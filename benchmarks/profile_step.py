@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="EngineConfig.quantization ('none': float weights)")
     args = ap.parse_args()
 
-    from ember.config import EngineConfig, SchedulerConfig
+    from ember.config import EngineConfig
     from ember.layers.attention import AttentionMetadata
     from ember.worker.worker import Worker
 
@@ -34,7 +34,7 @@ def main() -> None:
                        max_num_seqs=B, kv_cache_memory="2GiB", quantization=args.quantization)
     resolved = cfg.resolve()
     worker = Worker(resolved.model, resolved.cache)
-    worker.init_cache(SchedulerConfig.resolve(cfg, worker.loaded.max_position))
+    worker.init_cache(cfg.scheduler(worker.loaded.max_position))
     model = worker.model
     nbl = -(-L // cfg.block_size)
     tables = torch.arange(B * nbl).view(B, nbl)

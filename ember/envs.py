@@ -10,6 +10,7 @@
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
 | ``EMBER_DIST_TIMEOUT`` | seconds a collective of a split model may wait before it fails (a hung rank) | 600 |
 | ``EMBER_API_KEY`` | the key ``ember serve`` requires (``Bearer KEY``) when ``--api-key`` is not given | none |
+| ``EMBER_ENGINE_CORE_PROCESS`` | ``1`` runs the engine core in its own process (``uni``, ``mp`` executors) | ``0`` |
 | ``EMBER_BENCH_VENVS`` | where ``benchmarks/setup_baselines.sh`` put the baselines' environments | ``.bench/venvs`` |
 
 A split model started by a launcher reads the launcher's own variables: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``
@@ -36,6 +37,7 @@ HOST_TIER_ON_CPU = "EMBER_HOST_TIER_ON_CPU"
 BENCH_VENVS = "EMBER_BENCH_VENVS"
 DIST_TIMEOUT = "EMBER_DIST_TIMEOUT"
 API_KEY = "EMBER_API_KEY"
+ENGINE_CORE_PROCESS = "EMBER_ENGINE_CORE_PROCESS"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -71,6 +73,15 @@ def emulate_avx512() -> bool:
 
 def mkldnn_linear_enabled() -> bool:
     return _flag(MKLDNN_LINEAR, True)
+
+
+def engine_core_process() -> bool:
+    """EMBER_ENGINE_CORE_PROCESS: '1' (the core in its own process) or '0' / unset; anything else is refused."""
+    raw = os.environ.get(ENGINE_CORE_PROCESS, "0")
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{ENGINE_CORE_PROCESS}={raw!r} is not supported: use 1 (the engine core in its own "
+                          "process) or 0 (in the caller's)")
+    return raw == "1"
 
 
 def host_tier_on_cpu() -> bool:

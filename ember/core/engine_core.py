@@ -44,7 +44,7 @@ class EngineCore:
               grammars: GrammarSource | None = None) -> "EngineCore":
         """Settle the limits and check the split from the checkpoint's config (a bad max_model_len or split fails
         before any weight loads or process starts), then start the executor's ranks and the core over them."""
-        sched = SchedulerConfig.resolve(config, read_shape(resolved.model.path).max_position)
+        sched = config.scheduler(read_shape(resolved.model.path).max_position)
         par = resolved.parallel
         check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
         executor = make_executor(resolved)

@@ -34,18 +34,18 @@ from ember.protocol import (
     EngineRequest,
     EngineStats,
     ModelInfo,
+    Shutdown,
     StopSample,
     UtilityCall,
     UtilityResult,
 )
 
 logger = logging.getLogger("ember")
-_STOP = object()
 
 
 def _stop_thread(inbox: queue.Queue, thread: threading.Thread) -> None:
     if thread.is_alive():
-        inbox.put(_STOP)
+        inbox.put(Shutdown())
         thread.join()
 
 
@@ -151,7 +151,7 @@ class EngineLoop:
         except queue.Empty:
             item = None
         while item is not None:
-            if item is _STOP:
+            if isinstance(item, Shutdown):
                 self.dead = EngineDeadError("the engine was shut down")
                 self.handler.fail_all(self.dead)
                 self._cancel_calls()

@@ -97,7 +97,7 @@ def run_rank(spec: RankSpec) -> None:
         groups.destroy()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when the process that spawned it ends, however it ends."""
     try:
         import ctypes
@@ -108,7 +108,7 @@ def _die_with_parent() -> None:
 
 
 def main() -> int:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     try:
         spec = pickle.load(sys.stdin.buffer)

@@ -1,8 +1,9 @@
 """``EngineClient``: the one door to the engine. ``LLM``, ``AsyncLLM``, the CLI, the server and every facade
 submit, abort, read stats and model info through it and use nothing else of the engine.
 
-In process, it owns the tokenizer, the input and output processors and the engine loop's thread; the same
-methods are what a client of an engine in another process will offer.
+It owns the tokenizer and the input and output processors, and talks to the engine core through one of two
+transports with the same methods: the engine loop's thread in this process (``EngineLoop``), or a core in its own
+process (``CoreProcess``, ``EMBER_ENGINE_CORE_PROCESS=1``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ember.config import EngineConfig
 from ember.core.loop import EngineLoop
 from ember.executor import serve_launched
 from ember.frontend.adapters import Adapters
+from ember.frontend.core_process import CoreProcess, use_core_process
 from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
 from ember.frontend.output_stream import OutputStream
 from ember.frontend.parallel_sampling import fan_out
@@ -38,7 +40,10 @@ class EngineClient:
         self.generation_config = tok.generation_config
         self._outputs = OutputProcessor(self.tokenizer)
         grammars = Grammars(self.tokenizer, tok.eos_token_ids)  # structured output: the front end compiles,
-        self._loop = EngineLoop(config, resolved, self._outputs, grammars)  # the core takes matchers from it
+        if use_core_process(resolved):  # the core process builds its own matchers from the grammar text
+            self._loop: EngineLoop | CoreProcess = CoreProcess(config, resolved, self._outputs)
+        else:
+            self._loop = EngineLoop(config, resolved, self._outputs, grammars)  # the core takes matchers from it
         self.model_info: ModelInfo = self._loop.model_info
         defaults = SamplingParams.from_generation_config(tok.generation_config)
         self.adapters = Adapters(self.model_info, lambda: read_shape(resolved.model.path))

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ember.config import ModelConfig, ModelShape, resolve_dtype
+from ember.config import ModelConfig, ModelShape
+from ember.dtypes import resolve_dtype
 from ember.distributed import ParallelContext
 from ember.errors import ConfigError
 from ember.layers.linear import mkldnn_prepack_available

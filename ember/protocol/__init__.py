@@ -14,7 +14,19 @@ from ember.protocol.batch import (
                                   TokenMaskSource,
                                   WorkerOutput,
 )
-from ember.protocol.commands import AbortRequest, AddRequests, EngineCommand, StopSample, UtilityCall, UtilityResult
+from ember.protocol.commands import (
+                                     AbortRequest,
+                                     AddRequests,
+                                     CoreFailed,
+                                     CoreMessage,
+                                     CoreReady,
+                                     EngineCommand,
+                                     Shutdown,
+                                     StepOutputs,
+                                     StopSample,
+                                     UtilityCall,
+                                     UtilityResult,
+)
 from ember.protocol.info import ModelInfo
 from ember.protocol.outputs import EngineOutput, SampleOutput, TokenLogprobs
 from ember.protocol.requests import EngineRequest
@@ -23,8 +35,9 @@ from ember.protocol.status import FinishReason, RequestStatus
 from ember.protocol.window import KVWindow
 from ember.protocol.worker import PoolPlan, WorkerInfo
 
-__all__ = ["AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "EngineCommand", "EngineOutput", "EngineRequest",
-           "EngineStats", "FinishReason", "KVWindow", "LoRALoad", "ModelInfo", "NewSequence", "PoolPlan",
-           "PromptLogprobsRows", "RequestStatus", "SampleOutput", "SamplingRow", "SchedulerOutput", "SchedulerStats",
-           "StopSample", "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo",
-           "WorkerOutput", "WorkerStats"]
+__all__ = ["AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "CoreFailed", "CoreMessage", "CoreReady",
+           "EngineCommand", "EngineOutput", "EngineRequest", "EngineStats", "FinishReason", "KVWindow", "LoRALoad",
+           "ModelInfo", "NewSequence", "PoolPlan", "PromptLogprobsRows", "RequestStatus", "SampleOutput",
+           "SamplingRow", "SchedulerOutput", "SchedulerStats", "Shutdown", "StepOutputs", "StopSample",
+           "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo", "WorkerOutput",
+           "WorkerStats"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember.protocol.info import ModelInfo
+from ember.protocol.outputs import EngineOutput
 from ember.protocol.requests import EngineRequest
 
 
@@ -47,4 +49,36 @@ class UtilityResult:
     error: BaseException | None = None
 
 
-EngineCommand = AddRequests | AbortRequest | StopSample | UtilityCall
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop the core (a core in its own process stops its ranks, then exits)."""
+
+
+EngineCommand = AddRequests | AbortRequest | StopSample | UtilityCall | Shutdown
+
+
+# --- what a core in its own process sends back (``ember.frontend.core_process``) ---
+
+@dataclass(frozen=True, slots=True)
+class CoreReady:
+    """The core started: the model's facts, once."""
+
+    model_info: ModelInfo
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """One step's outputs (or an abort's)."""
+
+    outputs: list[EngineOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """The core could not start, or stopped after an error: what happened (the exception when it pickles)."""
+
+    message: str
+    error: BaseException | None = None
+
+
+CoreMessage = CoreReady | StepOutputs | UtilityResult | CoreFailed

@@ -168,10 +168,16 @@ def test_the_protocol_needs_no_torch_and_no_layer():
         assert not layered, f"{m} imports layers {layered}"
 
 
-def test_config_imports_no_layer():
-    deps, _ = _edges(MODULES["ember.config"], lazy=True)
-    layered = [d for d in deps if _rank(d.removeprefix("ember.")) is not None]
-    assert not layered, f"ember.config imports {layered}"
+def test_config_imports_no_layer_and_no_torch():
+    """The configuration is read before anything loads (and by a process that only validates settings)."""
+    config = [m for m in MODULES if m == "ember.config" or m.startswith("ember.config.")]
+    assert len(config) > 3  # a package: one file per concern
+    for m in config:
+        deps, _ = _edges(MODULES[m], lazy=True)
+        layered = [d for d in deps if _rank(d.removeprefix("ember.")) is not None]
+        assert not layered, f"{m} imports {layered}"
+        modules, third = _closure(m)
+        assert "torch" not in third, f"{m} imports torch (through {sorted(modules)})"
 
 
 def test_worker_sees_no_tokenizer_and_no_front_end():
@@ -190,7 +196,6 @@ def test_a_worker_replays_unpickled_batches_to_the_same_tokens(llama_dir):
     """The messages are all a worker needs: every ``SchedulerOutput`` an engine sent, pickled and replayed in order
     on a fresh worker, gives the same sampled tokens (greedy, and seeded sampling through the worker's own
     generators). A sequence goes out in full once; later steps carry only what changed."""
-    from ember.config import SchedulerConfig
     from ember.worker.worker import Worker
 
     llm = LLM(llama_dir, dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_memory="16MiB", device="cpu")
@@ -222,7 +227,7 @@ def test_a_worker_replays_unpickled_batches_to_the_same_tokens(llama_dir):
     decodes = [m for m in messages if m.handles and not m.new]
     assert decodes and all(set(m.new_token_ids) == set(m.handles) for m in decodes)
     fresh = Worker(resolved.model, resolved.cache)
-    fresh.init_cache(SchedulerConfig.resolve(config, fresh.loaded.max_position))
+    fresh.init_cache(config.scheduler(fresh.loaded.max_position))
     for blob, tokens in seen:
         assert fresh.execute_model(pickle.loads(blob)).token_ids == tokens
 

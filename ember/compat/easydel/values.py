@@ -23,7 +23,7 @@ def torch_dtype(value: Any, name: str) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
     text = value if isinstance(value, str) else _dtype_name(value)
-    dtype = dtypes.DTYPES.get(dtypes.canonical(text) or "") if text else None
+    dtype = dtypes.DTYPES.get(dtypes.canonical_dtype(text) or "") if text else None
     if dtype is None:
         raise ValueError(f"{name}={value!r} is not a supported dtype: use float32, bfloat16 or float16 (jnp.float32, "
                          "jnp.bfloat16, jnp.float16, their names as strings, or torch dtypes)")
