@@ -5,7 +5,8 @@
 
 Each repeat runs, for each tree in turn, `ember bench throughput --workload W1` and `ember bench latency` (batch 1)
 with that tree first on PYTHONPATH, so both see the same machine state; medians and after/before ratios come out
-as a table (and JSON with --out).
+as a table (and JSON with --out). The same tree twice with ``--after-env NAME=VALUE`` compares a setting instead
+(the engine core on a thread against its own process: ``. . --after-env EMBER_ENGINE_CORE_PROCESS=1``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import sys
 import tempfile
 
 
-def run_tree(tree: str, mode: str, out: str, extra: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+def run_tree(tree: str, mode: str, out: str, extra: list[str], env_extra: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), **(env_extra or {}))
     cmd = [sys.executable, "-m", "ember.entrypoints.cli", "bench", mode, "--backends", "ember", "--repeats", "1",
            "--out", out, *extra]
     subprocess.run(cmd, env=env, cwd=os.path.abspath(tree), check=True, stdout=subprocess.DEVNULL)
@@ -37,7 +38,10 @@ def main() -> None:
     p.add_argument("--latency-runs", type=int, default=3)
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--bench-args", default="", help="more arguments of both benchmarks (model, dtype, threads)")
+    p.add_argument("--after-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable set for the 'after' runs only (repeatable)")
     args = p.parse_args()
+    after_env = dict(kv.split("=", 1) for kv in args.after_env)
     trees = {"before": args.before, "after": args.after}
     figures: dict[str, dict[str, list[float]]] = {t: {"w1": [], "b1_32": [], "b1_512": [], "ttft_512": []}
                                                   for t in trees}
@@ -46,8 +50,9 @@ def main() -> None:
         for r in range(args.repeats):
             for name, tree in trees.items():
                 out = os.path.join(tmp, f"{name}-{r}")
-                w1 = run_tree(tree, "throughput", out, ["--workload", "W1", *extra])
-                lat = run_tree(tree, "latency", out, ["--runs", str(args.latency_runs), *extra])
+                env = after_env if name == "after" else None
+                w1 = run_tree(tree, "throughput", out, ["--workload", "W1", *extra], env)
+                lat = run_tree(tree, "latency", out, ["--runs", str(args.latency_runs), *extra], env)
                 figures[name]["w1"].append(w1["output_tokens_per_s"])
                 figures[name]["b1_32"].append(lat["prompt_32"]["decode_tokens_per_s"])
                 figures[name]["b1_512"].append(lat["prompt_512"]["decode_tokens_per_s"])
@@ -63,7 +68,8 @@ def main() -> None:
         print(f"| {label} | {b:.1f} ({runs[0]}) | {a:.1f} ({runs[1]}) | {a / b:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"trees": trees, "figures": figures, "command": " ".join(sys.argv)}, f, indent=1)
+            json.dump({"trees": trees, "after_env": after_env, "figures": figures, "command": " ".join(sys.argv)}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
