@@ -63,8 +63,8 @@ SNIPPET_CONTEXT = 512  # the model's context as the snippet's loader reports it,
 def test_simple_snippet_runs_unchanged_and_matches_native(tmp_path, monkeypatch, capsys):
     random.seed(3)  # the builder draws its default seed from `random`, as DashInfer's does: fix it to compare
     # The snippet's runtime config takes the model's context (8,192 for SmolLM2) as max_length, and its sampled reply
-    # runs to it: 8,190 bf16 tokens, over 15 minutes on 2 cores without fast bf16. The loader reports a 1,024-token
-    # context here instead (512); the snippet runs unchanged, to that length.
+    # runs to it: 8,190 bf16 tokens, about 27 minutes on 2 cores without fast bf16. The loader reports a context of
+    # SNIPPET_CONTEXT tokens here instead; the snippet runs unchanged, to that length.
     monkeypatch.setattr(HuggingFaceModel, "get_model_context_length", lambda self: SNIPPET_CONTEXT)
     out = _run_script("dashinfer_simple_snippet.py", tmp_path, monkeypatch, capsys)
     gen = out["gen_cfg"]
