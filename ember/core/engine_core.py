@@ -22,6 +22,9 @@ from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, read_shape
 from ember.protocol import (
+    AbortRequest,
+    AddRequests,
+    EngineCommand,
     EngineOutput,
     EngineRequest,
     EngineStats,
@@ -31,6 +34,9 @@ from ember.protocol import (
     PoolPlan,
     SchedulerOutput,
     SchedulerStats,
+    StopSample,
+    UtilityCall,
+    UtilityResult,
     WorkerInfo,
 )
 
@@ -38,6 +44,13 @@ from ember.protocol import (
 class EngineCore:
     # what a client may call by name between steps (``EngineLoop.utility``), with plain arguments
     UTILITIES = frozenset({"add_lora", "remove_lora", "rank_reports", "stats"})
+
+    @classmethod
+    def check_utility(cls, method: str) -> str:
+        """method, if it is one of ``UTILITIES``; else a ValueError naming what is allowed (raised in the caller)."""
+        if method not in cls.UTILITIES:
+            raise ValueError(f"{method!r} is not an engine utility; allowed: {sorted(cls.UTILITIES)}")
+        return method
 
     @classmethod
     def start(cls, config: EngineConfig, resolved: ResolvedConfig,
@@ -86,6 +99,23 @@ class EngineCore:
             executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens,
             max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0,
             kv_block_bytes=info.kv_bytes_per_block)
+
+    def handle(self, command: EngineCommand) -> EngineOutput | UtilityResult | None:
+        """Run one command record (``Shutdown`` is the transport's to act on); what goes back to the client: an
+        abort's output, a utility call's result or the exception it raised, else None."""
+        if isinstance(command, AddRequests):
+            for record in command.requests:
+                self.add(record)
+        elif isinstance(command, AbortRequest):
+            return self.abort(command.request_id)
+        elif isinstance(command, StopSample):
+            self.stop_sample(command.request_id, command.index)
+        elif isinstance(command, UtilityCall):
+            try:
+                return UtilityResult(command.call_id, getattr(self, command.method)(*command.args))
+            except Exception as e:
+                return UtilityResult(command.call_id, error=e)
+        return None
 
     def add(self, record: EngineRequest) -> None:
         """Queue one request: one sample, or one beam search. A sample of an n > 1 request (``prefix_group``) caches

@@ -49,6 +49,17 @@ def _stop_thread(inbox: queue.Queue, thread: threading.Thread) -> None:
         thread.join()
 
 
+def settle(pending: dict[int, Future], result: UtilityResult) -> None:
+    """Hand a utility call's result (or its exception) to the caller waiting on it, if it still waits."""
+    done = pending.get(result.call_id)
+    if done is None:  # the caller gave up (the engine died while it waited)
+        return
+    if result.error is not None:
+        done.set_exception(result.error)
+    else:
+        done.set_result(result.value)
+
+
 class OutputHandler(Protocol):
     def process(self, outputs: list[EngineOutput]) -> list[tuple[str, int]]:
         """Deliver one step's outputs; return the (request id, sample index) pairs that hit a stop string."""
@@ -103,8 +114,7 @@ class EngineLoop:
     def utility(self, method: str, *args: Any) -> Any:
         """Run one of the core's ``UTILITIES`` on the loop's thread between steps and return its result: anything
         that talks to a split model's ranks must, since the ranks follow one sequence of collectives."""
-        if method not in EngineCore.UTILITIES:
-            raise ValueError(f"{method!r} is not an engine utility; allowed: {sorted(EngineCore.UTILITIES)}")
+        EngineCore.check_utility(method)
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         if threading.current_thread() is self._thread:  # from an output sink, between steps: waiting would deadlock
@@ -166,30 +176,11 @@ class EngineLoop:
         return True
 
     def _handle(self, core: EngineCore, command: EngineCommand) -> None:
-        if isinstance(command, AddRequests):
-            for record in command.requests:
-                core.add(record)
-        elif isinstance(command, AbortRequest):
-            out = core.abort(command.request_id)
-            if out is not None:
-                self._deliver([out])
-        elif isinstance(command, StopSample):
-            core.stop_sample(command.request_id, command.index)
-        else:
-            try:
-                result = UtilityResult(command.call_id, getattr(core, command.method)(*command.args))
-            except Exception as e:
-                result = UtilityResult(command.call_id, error=e)
-            self._answer(result)
-
-    def _answer(self, result: UtilityResult) -> None:
-        done = self._pending.get(result.call_id)
-        if done is None:  # the caller gave up (the engine died while it waited)
-            return
-        if result.error is not None:
-            done.set_exception(result.error)
-        else:
-            done.set_result(result.value)
+        reply = core.handle(command)
+        if isinstance(reply, UtilityResult):
+            settle(self._pending, reply)
+        elif reply is not None:
+            self._deliver([reply])
 
     def _cancel_calls(self) -> None:
         """Calls still queued when the loop ends fail with the reason, instead of waiting forever."""
@@ -199,7 +190,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(item, UtilityCall):
-                self._answer(UtilityResult(item.call_id, error=self.dead))
+                settle(self._pending, UtilityResult(item.call_id, error=self.dead))
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         if outputs:

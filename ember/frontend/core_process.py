@@ -27,7 +27,7 @@ from typing import Any
 from ember import envs
 from ember.config import EngineConfig, ModelConfig, ResolvedConfig
 from ember.core.engine_core import EngineCore
-from ember.core.loop import OutputHandler
+from ember.core.loop import OutputHandler, settle
 from ember.errors import ConfigError, EngineDeadError
 from ember.protocol import (
     AbortRequest,
@@ -117,21 +117,14 @@ def serve_core(conn: Any, config: EngineConfig, resolved: ResolvedConfig) -> Non
                 command = conn.recv()
                 if isinstance(command, Shutdown):
                     return
-                if isinstance(command, AddRequests):
-                    for record in command.requests:
-                        core.add(record)
-                elif isinstance(command, AbortRequest):
-                    out = core.abort(command.request_id)
-                    if out is not None:
-                        conn.send(StepOutputs([out]))
-                elif isinstance(command, StopSample):
-                    core.stop_sample(command.request_id, command.index)
-                else:
-                    try:
-                        result = UtilityResult(command.call_id, getattr(core, command.method)(*command.args))
-                    except Exception as e:
-                        result = UtilityResult(command.call_id, error=_picklable(e) or RuntimeError(repr(e)))
-                    conn.send(result)
+                reply = core.handle(command)
+                if isinstance(reply, UtilityResult):
+                    if reply.error is not None:
+                        reply = UtilityResult(reply.call_id, error=_picklable(reply.error) or RuntimeError(
+                            repr(reply.error)))
+                    conn.send(reply)
+                elif reply is not None:
+                    conn.send(StepOutputs([reply]))
             if core.has_work():
                 outputs = core.step()
                 if outputs:
@@ -214,8 +207,7 @@ class CoreProcess:
 
     def utility(self, method: str, *args: Any) -> Any:
         """Run one of the core's ``UTILITIES`` between its steps and return the result (raised here if it raised)."""
-        if method not in EngineCore.UTILITIES:
-            raise ValueError(f"{method!r} is not an engine utility; allowed: {sorted(EngineCore.UTILITIES)}")
+        EngineCore.check_utility(method)
         done: Future = Future()
         call = UtilityCall(next(self._calls), method, args)
         self._pending[call.call_id] = done
@@ -247,12 +239,7 @@ class CoreProcess:
                     for request_id, index in self.handler.process(message.outputs):
                         self._send(StopSample(request_id, index))
                 elif isinstance(message, UtilityResult):
-                    done = self._pending.get(message.call_id)
-                    if done is not None:
-                        if message.error is not None:
-                            done.set_exception(message.error)
-                        else:
-                            done.set_result(message.value)
+                    settle(self._pending, message)
                 elif isinstance(message, CoreFailed):
                     self._fail(EngineDeadError(message.message))
                     return
