@@ -139,11 +139,6 @@ class BlockManager:
         """Blocks that hold num_tokens tokens of one sequence (under a window: those it keeps)."""
         return blocks_for(self.window.kept(num_tokens) if self.window else num_tokens, self.block_size)
 
-    def shared_prompt_blocks(self, num_prompt_tokens: int) -> int:
-        """Full prompt blocks the n samples of a request share; the last prompt token is always computed again
-        (each sample needs its logits). Under a KV window none: each sample's ring overwrites its blocks."""
-        return 0 if self.window else (num_prompt_tokens - 1) // self.block_size
-
     def request_blocks(self, num_prompt_tokens: int, max_num_tokens: int, num_samples: int) -> int:
         return request_blocks(num_prompt_tokens, max_num_tokens, num_samples, self.block_size, self.window)
 

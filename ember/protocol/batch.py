@@ -115,10 +115,6 @@ class SchedulerOutput:
     lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters to read into their slots before the step
     token_masks: TokenMaskSource | None = None  # structured output: the guided sampling rows' allowed tokens
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
 
 @dataclass(slots=True)
 class WorkerOutput:
