@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.frontend.client import EngineClient
+from ember.frontend.client import start_client
 from ember.frontend.processor import PromptType
 from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
@@ -18,7 +18,7 @@ from ember.sampling_params import SamplingParams
 class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        self.client = EngineClient(self.config)
+        self.client = start_client(self.config)
 
     @property
     def tokenizer(self):

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from ember.config import EngineConfig
 from ember.errors import BadRequestError
-from ember.frontend.client import EngineClient
+from ember.frontend.client import start_client
 from ember.frontend.processor import PromptType, prompt_list
 from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
@@ -28,7 +28,7 @@ class LLM:
                  seed: int = 0, **kwargs: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed, **kwargs)
-        self.client = EngineClient(self.config)
+        self.client = start_client(self.config)
 
     @property
     def tokenizer(self):

@@ -1,5 +1,5 @@
 """The front end: tokenizing, validation, detokenizing and output streams, behind EngineClient."""
 
-from ember.frontend.client import EngineClient
+from ember.frontend.client import EngineClient, start_client
 
-__all__ = ["EngineClient"]
+__all__ = ["EngineClient", "start_client"]

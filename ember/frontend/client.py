@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, ResolvedConfig
 from ember.core.loop import EngineLoop
 from ember.executor import serve_launched
 from ember.frontend.adapters import Adapters
@@ -29,12 +29,27 @@ from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message, Tokenizer
 
 
+def _serves_rank_0(resolved: ResolvedConfig) -> bool:
+    return resolved.parallel.backend == "launched" and resolved.parallel.rank != 0
+
+
+def start_client(config: EngineConfig) -> EngineClient:
+    """The client of config's engine, as every entry point builds it. On a rank other than 0 of a launched group
+    (torchrun, mpirun, srun run the user's script on every rank) there is none: the rank serves rank 0's engine until
+    rank 0 shuts it down, then ends the process, as TensorRT-LLM's MPI workers do."""
+    resolved = config.resolve()
+    if _serves_rank_0(resolved):
+        serve_launched(resolved)  # does not return
+    return EngineClient(config)
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         resolved = config.resolve()
-        if resolved.parallel.backend == "launched" and resolved.parallel.rank != 0:
-            serve_launched(resolved)  # a launched rank other than 0 serves rank 0's engine, then ends the process
+        if _serves_rank_0(resolved):
+            raise ValueError(f"EngineClient: rank {resolved.parallel.rank} of a launched group has no engine of its "
+                             "own; start_client(config) serves rank 0's engine there")
         tok = load_tokenizer(resolved.model)
         self.tokenizer: Tokenizer = tok.tokenizer
         self.generation_config = tok.generation_config

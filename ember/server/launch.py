@@ -16,7 +16,7 @@ import uvicorn
 from ember import envs
 from ember.config import EngineConfig, default_model_path
 from ember.errors import ConfigError
-from ember.frontend.client import EngineClient
+from ember.frontend.client import start_client
 from ember.lora.adapter import lora_settings
 from ember.lora.request import LoRARequest
 from ember.server.app import ServedModel, ServerSettings, build_app
@@ -78,7 +78,7 @@ def serve(args: argparse.Namespace) -> int:
     settings, names = _settings(args, model), _names(args, model)  # checked before the model loads
     _raise_open_files()
     print(f"[ember] loading {model or default_model_path()} ...", file=sys.stderr, flush=True)
-    client = EngineClient(config)
+    client = start_client(config)
     try:
         for r in loras:  # checked against the model now; the first max_loras are loaded before serving
             client.add_lora(r)

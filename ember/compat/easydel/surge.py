@@ -21,7 +21,7 @@ from ember.compat.easydel.modeling import EasyDeLCausalLM
 from ember.compat.easydel.outputs import PromptProgress, ReturnSample
 from ember.compat.easydel.sampling import SamplingParams
 from ember.config import EngineConfig
-from ember.frontend.client import EngineClient
+from ember.frontend.client import EngineClient, start_client
 from ember.frontend.inbox import Inbox
 from ember.sampling_params import SamplingParams as NativeParams
 
@@ -126,7 +126,7 @@ class vSurge:  # noqa: N801  (EasyDeL's name)
         if self._state is _State.STOPPED:
             self._state = _State.CREATED  # compile after stop builds a fresh engine
         if self.client is None:
-            self.client = EngineClient(self.engine_config)
+            self.client = start_client(self.engine_config)
             self._state = _State.COMPILED
 
     def start(self) -> None:

@@ -150,12 +150,12 @@ class Engine:
     def start_model(self, model_name: str) -> AsStatus:
         """Load the model and warm it up at max_batch x max_length; a configuration that cannot fit fails with
         what would fit."""
-        from ember.frontend.client import EngineClient
+        from ember.frontend.client import start_client
 
         with self._lock:
             m = self._model(model_name, ModelState.Initial, ModelState.Stopped)
             try:
-                m.engine = EngineClient(engine_config(m.config))
+                m.engine = start_client(engine_config(m.config))
             except ValueError as e:
                 raise ValueError(f"start_model({model_name!r}) failed: {e}") from e
             if m.state is ModelState.Initial:  # loaded: in-memory files may go (a failed start keeps them)

@@ -19,7 +19,7 @@ from ember.compat.tensorrt_llm.hlapi.result import GenerationResult
 from ember.compat.tensorrt_llm.hlapi.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingConfig, to_sampling_params
 from ember.config import EngineConfig
 from ember.errors import ConfigError
-from ember.frontend.client import EngineClient
+from ember.frontend.client import start_client
 from ember.frontend.processor import prompt_list
 
 logger = logging.getLogger("ember")
@@ -79,7 +79,7 @@ class LLM:
             enable_chunked_prefill=bool(chunked), tensor_parallel_size=self.parallel_plan[0],
             pipeline_parallel_size=self.parallel_plan[1], **self._limits(),
             **self._kv_kwargs(), **self._quant_kwargs())
-        self.client = EngineClient(self.engine_config)
+        self.client = start_client(self.engine_config)
 
     # ----- translation of the configs -----
 
