@@ -70,8 +70,8 @@ def beams(model: str | None, width: int, repeats: int) -> dict:
 
 def window(model: str | None, new: int, size: int, sink: int, repeats: int) -> dict:
     out = {}
-    for name, kw in (("full", {}), (f"window{size}_sink{sink}", dict(max_attention_window_size=size,
-                                                                      sink_token_length=sink))):
+    for name, kw in (("full", {}), (f"window{size}_sink{sink}", dict(attention_window=size,
+                                                                      sink_tokens=sink))):
         llm = LLM(model, max_num_seqs=4, **kw)
         rs = []
         for _ in range(repeats):

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 from typing import TYPE_CHECKING
 
 from ember import envs
@@ -76,11 +77,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "uint4"
     tensor_parallel_size: int = 1  # ranks each layer is split over (heads, MLP columns, vocabulary)
     pipeline_parallel_size: int = 1  # stages the layers are split into
-    # StreamingLLM (TensorRT-LLM's names): each sequence keeps the KV of its first sink_token_length tokens and of
-    # the most recent ones, max_attention_window_size tokens in all, and attends to those only, so generation goes
-    # on past the window with constant KV memory (docs/decoding.md); None: full attention
-    max_attention_window_size: int | None = None
-    sink_token_length: int = 0
+    # StreamingLLM: each sequence keeps the KV of its first sink_tokens tokens and of the most recent ones,
+    # attention_window tokens in all, and attends to those only, so generation goes on past the window with
+    # constant KV memory (docs/decoding.md); None: full attention
+    attention_window: int | None = None
+    sink_tokens: int = 0
     # how the ranks start: "uni" (one rank, in process), "mp" (local processes the engine spawns), "launched" (every
     # rank started by torchrun / mpirun / srun), "ray"; None: "uni" for one rank, "launched" under a launcher whose
     # world size is T x P, else "mp"
@@ -91,8 +92,17 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # TensorRT-LLM's names of attention_window and sink_tokens, still taken (with a DeprecationWarning); the
+    # TensorRT-LLM facade translates its own configs
+    max_attention_window_size: InitVar[int | None] = None
+    sink_token_length: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_attention_window_size: int | None, sink_token_length: int | None) -> None:
+        for old, new, value in (("max_attention_window_size", "attention_window", max_attention_window_size),
+                                ("sink_token_length", "sink_tokens", sink_token_length)):
+            if value is not None:
+                warnings.warn(f"{old} is TensorRT-LLM's name; ember's is {new}", DeprecationWarning, stacklevel=3)
+                object.__setattr__(self, new, value)
         check(self, RULES)
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model={self.model!r} is not a path: pass a Hugging Face folder, a .gguf file, an "
@@ -117,13 +127,13 @@ class EngineConfig:
                               f"{', '.join(repr(m) for m in QUANT_METHODS)}, or a calibrated algorithm: "
                               f"{', '.join(repr(a) for a in QUANT_ALGORITHMS)}")
         _check_calibration_data(self.calibration_data, self.quantization)
-        w, sink = self.max_attention_window_size, self.sink_token_length
+        w, sink = self.attention_window, self.sink_tokens
         if w is not None and w <= sink:
-            raise ConfigError(f"max_attention_window_size={w!r} is out of range: it must be an integer > "
-                              f"sink_token_length ({sink}), the KV tokens a sequence keeps, sink tokens included")
+            raise ConfigError(f"attention_window={w!r} is out of range: it must be an integer > sink_tokens "
+                              f"({sink}), the KV tokens a sequence keeps, sink tokens included")
         if w is None and sink:
-            raise ConfigError(f"sink_token_length={sink} needs max_attention_window_size: sink tokens are kept when "
-                              "a window drops the others")
+            raise ConfigError(f"sink_tokens={sink} needs attention_window: sink tokens are kept when a window drops "
+                              "the others")
 
     def resolve(self) -> ResolvedConfig:
         """The frozen parts each layer reads; the model path and the device are found here (errors raised)."""
@@ -162,8 +172,8 @@ class EngineConfig:
         given = self.kv_cache_memory
         return CacheConfig(self.block_size, self.kv_cache_dtype, parse_bytes(given) if given is not None else None,
                            fraction, source, repr(given) if given is not None else None, self.cpu_cache_memory,
-                           self.enable_prefix_caching and self.max_attention_window_size is None,
-                           self.prefix_cache_ttl, self.max_attention_window_size, self.sink_token_length,
+                           self.enable_prefix_caching and self.attention_window is None,
+                           self.prefix_cache_ttl, self.attention_window, self.sink_tokens,
                            self.max_kv_cache_tokens)
 
     def _parallel(self) -> ParallelConfig:
@@ -198,7 +208,7 @@ RULES = {
     "prefix_cache_ttl": number(0, optional=True, what="a number of seconds"),
     "scheduling_policy": one_of(SCHEDULING_POLICIES), "quant_group_size": one_of(INT4_GROUP_SIZES, optional=True),
     "kv_cache_dtype": one_of(KV_CACHE_DTYPES), "num_threads": integer(1, optional=True), "seed": integer(),
-    "sink_token_length": integer(0), "max_attention_window_size": integer(1, optional=True),
+    "sink_tokens": integer(0), "attention_window": integer(1, optional=True),
     "enable_lora": boolean(), "enforce_eager": boolean(), "batch_invariant": boolean(),
     "enable_prefix_caching": boolean(), "enable_chunked_prefill": boolean(),
     "distributed_executor_backend": one_of(EXECUTOR_BACKENDS, optional=True),

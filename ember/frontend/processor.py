@@ -147,7 +147,7 @@ class InputProcessor:
         pool = blocks * bs
         window = self.window
         if window is not None and params.use_beam_search:
-            raise BadRequestError(f"beam_width={params.beam_width} is not supported with max_attention_window_size "
+            raise BadRequestError(f"beam_width={params.beam_width} is not supported with attention_window "
                                   "(StreamingLLM): beams share blocks that the window's ring would overwrite")
         least = prompt_len + max(1, params.min_tokens)
         if window is not None:

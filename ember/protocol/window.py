@@ -1,6 +1,6 @@
-"""StreamingLLM's KV layout (Xiao et al. 2023; TensorRT-LLM's ``max_attention_window_size`` and
-``sink_token_length``): a sequence keeps the KV of its first ``sink`` tokens and of its most recent
-``size - sink`` tokens, ``size`` slots in all, so generation goes on past the window with constant KV memory.
+"""StreamingLLM's KV layout (Xiao et al. 2023; ``EngineConfig.attention_window`` and ``sink_tokens``): a
+sequence keeps the KV of its first ``sink`` tokens and of its most recent ``size - sink`` tokens, ``size`` slots in
+all, so generation goes on past the window with constant KV memory.
 
 Slots ``0 .. sink-1`` hold the sink tokens; the others form a ring: position p >= size lands in slot
 ``sink + (p - sink) mod (size - sink)``, overwriting the token that just left the window. Keys are stored rotated

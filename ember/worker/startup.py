@@ -72,7 +72,7 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
     bs, max_len, seats = cache.block_size, sched.max_model_len, sched.max_num_seqs
     if cache.attention_window is not None:
         if any(layer.sliding_window for layer in worker.layers):
-            raise ConfigError("max_attention_window_size (StreamingLLM) is not supported on a model with "
+            raise ConfigError("attention_window (StreamingLLM) is not supported on a model with "
                               "sliding-window layers: they already bound their attention; leave it None")
         max_len = min(max_len, cache.attention_window)  # a sequence never holds more KV than its window
     per_block = kv_bytes_per_block(worker.loaded, bs, cache.kv_cache_dtype)

@@ -293,7 +293,7 @@ def test_trtllm_checkpoint_through_the_facade(tmp_path, llama4, tp2_tokens):
 
 def test_streaming_llm_maps_onto_the_native_window(llama_dir):
     prompt = random_prompts(1, 6, 6, 1000, seed=3)[0]
-    with NativeLLM(llama_dir, max_attention_window_size=16, sink_token_length=4) as native:
+    with NativeLLM(llama_dir, attention_window=16, sink_tokens=4) as native:
         want = native.generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0].token_ids
     llm = LLM(ModelConfig(model_dir=llama_dir), streaming_llm=StreamingLLMParam(16, 4))

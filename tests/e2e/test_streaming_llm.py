@@ -1,4 +1,4 @@
-"""StreamingLLM (max_attention_window_size + sink_token_length) against a reference written here: transformers'
+"""StreamingLLM (attention_window + sink_tokens) against a reference written here: transformers'
 own Llama, recomputing the whole sequence each step with an attention mask that lets position q see keys
 k <= q with k < sink or k > q - (window - sink), keys at their original positions. Float32, greedy."""
 
@@ -36,7 +36,7 @@ def reference(hf, prompt: list[int], new: int, sink: int = SINK, window: int = W
 def streaming(llama_dir):
     # a pool of 12 blocks of 4 tokens: three sequences' windows (16 tokens each), far less than 4 windows of tokens
     llm = LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory=12 * 4 * 512, max_model_len=256,
-              max_attention_window_size=WINDOW, sink_token_length=SINK, max_num_seqs=3)
+              attention_window=WINDOW, sink_tokens=SINK, max_num_seqs=3)
     yield llm
     llm.shutdown()
 
@@ -63,7 +63,7 @@ def test_prompt_longer_than_window_and_samples(hf, streaming):
 def test_window_as_long_as_the_sequence_is_ordinary_attention(hf, llama_dir):
     prompt = random_prompts(1, 8, 8, hf.config.vocab_size, seed=5)[0]
     llm = LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory="4MiB", max_model_len=256,
-              max_attention_window_size=8 + 24, sink_token_length=SINK)
+              attention_window=8 + 24, sink_tokens=SINK)
     plain = LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory="4MiB", max_model_len=256)
     try:
         params = SamplingParams(max_tokens=24, **GREEDY)
@@ -77,11 +77,12 @@ def test_window_as_long_as_the_sequence_is_ordinary_attention(hf, llama_dir):
 
 
 def test_streaming_llm_errors(streaming, tiny_models):
-    with pytest.raises(ConfigError, match="sink_token_length=4 needs max_attention_window_size"):
-        LLM(tiny_models["llama"], sink_token_length=4)
-    with pytest.raises(ConfigError, match="max_attention_window_size=4 is out of range"):
-        LLM(tiny_models["llama"], max_attention_window_size=4, sink_token_length=4)
+    with pytest.raises(ConfigError, match="sink_tokens=4 needs attention_window"):
+        LLM(tiny_models["llama"], sink_tokens=4)
+    with pytest.raises(ConfigError, match="attention_window=4 is out of range"):
+        LLM(tiny_models["llama"], attention_window=4, sink_tokens=4)
     with pytest.raises(ConfigError, match="sliding-window"):
-        LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory="4MiB", max_attention_window_size=32)
-    with pytest.raises(BadRequestError, match="beam_width=2 is not supported with max_attention_window_size"):
+        LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory="4MiB", attention_window=32)
+    with pytest.raises(BadRequestError, match="beam_width=2 is not supported with attention_window"):
         streaming.generate([[5, 6, 7]], SamplingParams(beam_width=2, max_tokens=4), use_tqdm=False)
+

@@ -114,8 +114,8 @@ class LLM:
         if self.streaming_llm:
             window, sink = self.streaming_llm.max_attention_window_size, self.streaming_llm.sink_token_length
         if window is not None:
-            out["max_attention_window_size"] = window
-            out["sink_token_length"] = sink or 0
+            out["attention_window"] = window
+            out["sink_tokens"] = sink or 0
         out["enable_prefix_caching"] = bool(kv.enable_block_reuse)
         return out
 
