@@ -82,13 +82,13 @@ class BeamSearch:
     def _advance(self, req: CoreRequest, group: BeamGroup, beams: list[Sequence],
                  chosen: list[tuple[float, int, int]]) -> None:
         """The chosen continuations become the running beams; the old beams are released."""
-        sched, bm = self.scheduler, self.bm
+        sched = self.scheduler
         children, forked = [], set()
         for i, (score, b, token) in enumerate(chosen):
             parent = beams[b]
             child = Sequence(req, i, parent.token_ids + [token], 0, parent.max_num_tokens, parent.cache_salt)
             if parent.status is RequestStatus.RUNNING and parent.block_table:
-                bm.fork(parent, child, copy_partial=parent.seq_id in forked)
+                self._take_kv(parent, child, first=parent.seq_id not in forked)
                 forked.add(parent.seq_id)
                 sched.add_running(child)
             else:  # the parent was preempted after it answered: the child computes everything again
@@ -97,6 +97,18 @@ class BeamSearch:
             children.append(child)
         self._release(beams, group, FinishReason.STOP)
         req.seqs = children
+
+    def _take_kv(self, parent: Sequence, child: Sequence, first: bool) -> None:
+        """Give a new beam its parent's KV: the full blocks shared; the partial last block shared too for the
+        parent's first child and copied on write for the others, since each beam writes its next token into that
+        block. Without a free block for the copy the child keeps only the full blocks and computes the partial
+        block's few tokens again."""
+        bm, n = self.bm, parent.num_computed_tokens
+        full = n // bm.block_size
+        bm.share(parent, child, full + (1 if first and n % bm.block_size else 0))
+        if not first and n % bm.block_size and not bm.append_copy(child, parent.block_table[full]):
+            n = full * bm.block_size
+        child.num_computed_tokens = n
 
     def _finish(self, req: CoreRequest, group: BeamGroup, beams: list[Sequence],
                 chosen: list[tuple[float, int, int]], length: int, outputs: dict[str, EngineOutput]) -> None:

@@ -1,7 +1,8 @@
 """Paged KV cache bookkeeping: fixed-size blocks, a block table per sequence, reference counts, prefix caching,
 and an optional second tier of blocks in host memory.
 
-Blocks are shared by reference count: new beams point at their parent's blocks, and with prefix caching any request
+Blocks are shared by reference count: a sequence may point at another's blocks (``share``; beam search gives a new
+beam its parent's), and with prefix caching any request
 whose prompt starts with the same full blocks as an earlier one reuses their KV. The samples of an n > 1 request
 share their prompt that way too, also when prefix caching is off: their sequences cache their blocks anyway
 (``Sequence.caches_prefix``), under a key only they use.
@@ -269,36 +270,24 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
-    def share(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
-        """Let child reuse parent's first num_tokens tokens of KV (whole blocks only)."""
-        assert num_tokens % self.block_size == 0 and not child.block_table
-        for block in parent.block_table[: num_tokens // self.block_size]:
+    def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Let child, holding no block yet, reference parent's first num_blocks blocks (and their KV)."""
+        assert not child.block_table
+        for block in parent.block_table[:num_blocks]:
             self.ref_counts[block] += 1
             child.block_table.append(block)
         child.num_hashed_blocks = min(parent.num_hashed_blocks, len(child.block_table))
 
-    def fork(self, parent: Sequence, child: Sequence, copy_partial: bool) -> None:
-        """Give a new beam its parent's KV: the full blocks shared; the partial last block shared too for the
-        parent's first child and copied on write (a fresh block and a queued copy) for the others, since each
-        beam writes its next token into that block. Without a free block for the copy the child keeps only the
-        full blocks and computes the partial block's few tokens again."""
-        bs, n = self.block_size, parent.num_computed_tokens
-        full = n // bs
-        self.share(parent, child, full * bs)
-        child.num_computed_tokens = full * bs
-        if n % bs == 0:
-            return
-        last = parent.block_table[full]
-        if not copy_partial:
-            self.ref_counts[last] += 1
-        elif self.free_blocks:
-            source, last = last, self._pop_free()
-            self.ref_counts[last] = 1
-            self.pending_copies.append(BlockCopy(CopyKind.COPY, source, last))
-        else:
-            return
-        child.block_table.append(last)
-        child.num_computed_tokens = n
+    def append_copy(self, seq: Sequence, source: int) -> bool:
+        """Append to seq's table a fresh block that gets source's KV (a queued copy), so that seq writes its own
+        tokens there; False, and nothing appended, when no block is free."""
+        if not self.free_blocks:
+            return False
+        block = self._pop_free()
+        self.ref_counts[block] = 1
+        self.pending_copies.append(BlockCopy(CopyKind.COPY, source, block))
+        seq.block_table.append(block)
+        return True
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):  # the tail first: it is evicted before the shared head

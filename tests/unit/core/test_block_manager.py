@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ember.core.block_manager import BlockManager
 from ember.core.request import Sequence
 from ember.core.scheduler import Scheduler
-from ember.protocol import CopyKind, FinishReason, RequestStatus
+from ember.protocol import BlockCopy, CopyKind, FinishReason, RequestStatus
 
 
 def _seq(prompt: list[int], max_num_tokens: int | None = None) -> Sequence:
@@ -179,12 +179,25 @@ def test_share_counts_references():
     bm = BlockManager(8, 4)
     parent, child = _seq([1] * 10), _seq([1] * 10)
     bm.allocate(parent, 10)
-    bm.share(parent, child, 8)
+    bm.share(parent, child, 2)
     assert bm.ref_counts[parent.block_table[0]] == 2 and bm.num_free == 5
     bm.free(parent)
     assert bm.num_free == 6  # the shared blocks stay for the child
     bm.free(child)
     assert bm.num_free == 8
+
+
+def test_append_copy_queues_the_copy_and_needs_a_free_block():
+    bm = BlockManager(3, 4)
+    parent, child, other = _seq([1] * 6), _seq([1] * 6), _seq([1] * 6)
+    bm.allocate(parent, 6)
+    bm.share(parent, child, 1)
+    assert bm.append_copy(child, parent.block_table[1])
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] not in parent.block_table
+    assert bm.take_copies() == [BlockCopy(CopyKind.COPY, parent.block_table[1], child.block_table[1])]
+    bm.share(parent, other, 1)
+    assert not bm.append_copy(other, parent.block_table[1]) and len(other.block_table) == 1  # the pool is full
+    assert bm.take_copies() == []
 
 
 def test_unknown_policy_is_refused():
