@@ -22,12 +22,8 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/ember generate "$(PROMPT)"
 
-# two workers, each test module on one of them (its module-scoped engines built once): about twice as fast on 2
-# cores as one process, since much of the suite waits on start-ups, subprocesses and Python rather than on GEMMs
-TEST_WORKERS ?= 2
-
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

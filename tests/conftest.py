@@ -8,9 +8,7 @@ import os
 import pytest
 import torch
 
-# two cores' threads for the whole run: under pytest-xdist (``make test`` runs two workers) each worker takes its
-# share, so the workers do not oversubscribe the cores
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB_TOKENIZER_DIR = "tokenizer"
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: data/, the scripts and helper modules

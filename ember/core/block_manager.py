@@ -2,10 +2,9 @@
 and an optional second tier of blocks in host memory.
 
 Blocks are shared by reference count: a sequence may point at another's blocks (``share``; beam search gives a new
-beam its parent's), and with prefix caching any request
-whose prompt starts with the same full blocks as an earlier one reuses their KV. The samples of an n > 1 request
-share their prompt that way too, also when prefix caching is off: their sequences cache their blocks anyway
-(``Sequence.caches_prefix``), under a key only they use.
+beam its parent's), and with prefix caching any request whose prompt starts with the same full blocks as an earlier
+one reuses their KV. The samples of an n > 1 request share their prompt that way too, also when prefix caching is
+off: their sequences cache their blocks anyway (``Sequence.caches_prefix``), under a key only they use.
 
 Prefix caching (vLLM's design): once a block is full and computed it gets a hash of (parent block's hash, its token
 ids, extra keys such as a LoRA name); a new sequence walks its full blocks and takes every block whose hash is
