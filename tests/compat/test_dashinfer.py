@@ -59,7 +59,9 @@ def test_quick_start_example_runs_unchanged_and_matches_native(tmp_path, monkeyp
     assert asmodel.read_meta(model_path)["dtype"] == "float16"  # user_set_data_type
     # the native API on the same serialized model, greedy (top_k=1): greedy tokens do not depend on how many follow,
     # so the first 256 are compared
-    with LLM(model_path, max_num_seqs=1, max_model_len=QUICK_START_LENGTH) as llm:
+    # (prefilled in chunks of 64 tokens: a chunked prompt gets the same tokens, and the warm-up prefills 64 fp16
+    # tokens instead of 512)
+    with LLM(model_path, max_num_seqs=1, max_model_len=QUICK_START_LENGTH, max_num_batched_tokens=64) as llm:
         prompt = llm.tokenizer.encode(out["prompt"])
         native = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=256),
                               use_tqdm=False)[0].outputs[0].token_ids
@@ -86,8 +88,8 @@ def test_simple_snippet_runs_unchanged_and_matches_native(tmp_path, monkeypatch,
     # explicit, since dtype "auto" is float32 on a CPU without fast bf16), same sampling and seed. A seeded request
     # draws its tokens one per step from its own generator, so they do not depend on how many follow: the first 256
     # are compared (the snippet's reply runs to max_length)
-    with LLM(default_model_path(), max_num_seqs=1, max_model_len=SNIPPET_CONTEXT, quantization="none",
-             dtype="bfloat16") as llm:
+    with LLM(default_model_path(), max_num_seqs=1, max_model_len=SNIPPET_CONTEXT, max_num_batched_tokens=64,
+             quantization="none", dtype="bfloat16") as llm:
         prompt = llm.tokenizer.encode("who are you?")
         params = SamplingParams(temperature=1.0, top_k=50, top_p=1.0, seed=gen["seed"], max_tokens=256)
         native = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
