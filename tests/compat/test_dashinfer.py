@@ -58,9 +58,8 @@ def test_quick_start_example_runs_unchanged_and_matches_native(tmp_path, monkeyp
     assert asmodel.validate(model_path) is None  # serialize(model_output_dir=...) wrote a valid pair
     assert asmodel.read_meta(model_path)["dtype"] == "float16"  # user_set_data_type
     # the native API on the same serialized model, greedy (top_k=1): greedy tokens do not depend on how many follow,
-    # so the first 256 are compared
-    # (prefilled in chunks of 64 tokens: a chunked prompt gets the same tokens, and the warm-up prefills 64 fp16
-    # tokens instead of 512)
+    # so the first 256 are compared; prefilled in chunks of 64 tokens (a chunked prompt gets the same tokens), so the
+    # warm-up prefills 64 fp16 tokens instead of 512
     with LLM(model_path, max_num_seqs=1, max_model_len=QUICK_START_LENGTH, max_num_batched_tokens=64) as llm:
         prompt = llm.tokenizer.encode(out["prompt"])
         native = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=256),

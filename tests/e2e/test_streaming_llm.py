@@ -85,4 +85,3 @@ def test_streaming_llm_errors(streaming, tiny_models):
         LLM(tiny_models["mistral"], dtype="float32", kv_cache_memory="4MiB", attention_window=32)
     with pytest.raises(BadRequestError, match="beam_width=2 is not supported with attention_window"):
         streaming.generate([[5, 6, 7]], SamplingParams(beam_width=2, max_tokens=4), use_tqdm=False)
-
