@@ -15,6 +15,7 @@ from ember.errors import BadRequestError
 
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = 64
+INT64_MAX = 2**63 - 1  # integers reach int64 tensors and generators: larger ones are refused here, not mid-step
 _GREEDY_EPS = 1e-5
 
 
@@ -28,6 +29,10 @@ class OutputKind(str, Enum):
 
 def _bad(name: str, value: Any, allowed: str) -> BadRequestError:
     return BadRequestError(f"{name}={value!r} is out of range: {name} must be {allowed}")
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
 
 
 _GUIDES = ("json", "regex", "choice", "grammar", "json_object")
@@ -167,22 +172,23 @@ class SamplingParams:
             raise _bad("temperature", self.temperature, ">= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise _bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise _bad("top_k", self.top_k, "an integer >= 0 (0 or -1 turn it off)")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
+            raise _bad("top_k", self.top_k, f"-1 or an integer in [0, {INT64_MAX}] (-1 and 0 turn it off)")
         if not 0 <= self.min_p <= 1:
             raise _bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise _bad("seed", self.seed, "an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
+            raise _bad("seed", self.seed, f"None or an integer in [{-INT64_MAX - 1}, {INT64_MAX}]")
         if self.repetition_penalty <= 0:
             raise _bad("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise _bad(name, value, "in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise _bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise _bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or
+                                            not 1 <= self.max_tokens <= INT64_MAX):
+            raise _bad("max_tokens", self.max_tokens, f"None or an integer in [1, {INT64_MAX}]")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise _bad("min_tokens", self.min_tokens, f"an integer in [0, {INT64_MAX}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
@@ -191,16 +197,17 @@ class SamplingParams:
                 raise _bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise _bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        if any(not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
-            raise _bad("eos_token_ids", self.eos_token_ids, "token ids >= 0")
+        if not all(_token_id(t) for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {INT64_MAX}]")
+        if not all(_token_id(t) for t in self.eos_token_ids):
+            raise _bad("eos_token_ids", self.eos_token_ids, f"token ids in [0, {INT64_MAX}]")
         for name in ("stop_token_sequences", "bad_words_ids"):
             value = getattr(self, name)
-            if any(not s or any(not isinstance(t, int) or t < 0 for t in s) for s in value):
-                raise _bad(name, value, "a list of non-empty lists of token ids >= 0")
-        if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
-            raise _bad("no_repeat_ngram_size", self.no_repeat_ngram_size, "an integer >= 0 (0 means off)")
+            if any(not s or not all(_token_id(t) for t in s) for s in value):
+                raise _bad(name, value, f"a list of non-empty lists of token ids in [0, {INT64_MAX}]")
+        if not isinstance(self.no_repeat_ngram_size, int) or not 0 <= self.no_repeat_ngram_size <= INT64_MAX:
+            raise _bad("no_repeat_ngram_size", self.no_repeat_ngram_size,
+                       f"an integer in [0, {INT64_MAX}] (0 means off)")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise _bad("structured_outputs", so, "None, a StructuredOutputsParams or a dict of its fields")
