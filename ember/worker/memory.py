@@ -69,6 +69,7 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.bytes = 0
+        self.start = 0  # in use when the block started
         self.peak = 0  # absolute: in use before + transient
 
     def __enter__(self) -> "PeakMemory":
@@ -77,14 +78,14 @@ class PeakMemory:
         else:
             release_free_memory()
         reset_peak(self.device)
-        self._start = memory_now(self.device)[0]
+        self.start = memory_now(self.device)[0]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.peak = memory_now(self.device)[1]
-        self.bytes = max(0, self.peak - self._start)
+        self.bytes = max(0, self.peak - self.start)
 
 
 @dataclass(slots=True)

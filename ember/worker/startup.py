@@ -1,8 +1,8 @@
 """A worker's start-up, in order: measure a step's peak activation memory with a dummy forward at the per-step
 token budget; size the KV pool from what is left of the budget and check that it holds a sequence of
 max_model_len; add the host tier; warm up at the worst case: a decode step of max_num_seqs sequences x max_model_len
-of context and a full-budget prefill; on CUDA, capture the decode step's graphs. After that, serving allocates
-nothing the warm-up did not (``Worker.stats``)."""
+of context and (CUDA) a full-budget prefill next to the pool; on CUDA, capture the decode step's graphs. After that,
+serving allocates nothing the warm-up did not (``Worker.stats``)."""
 
 from __future__ import annotations
 
@@ -105,22 +105,28 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
 
     # 4. warm-up at the worst case: every seat decoding at max_model_len (block tables may repeat blocks:
     # the shapes and the memory are what is proved, not the values)
+    cuda = worker.device.type == "cuda"
     try:
         with PeakMemory(worker.device) as warm:
             dummy_decode(worker, seats, max_len)
-            dummy_prefill(worker, tokens, seats)  # and a full-budget prefill next to the real pool
+            if cuda:  # and a full-budget prefill next to the real pool: the caching allocator's blocks must fit
+                dummy_prefill(worker, tokens, seats)
     except _OOM as e:
         raise DoesNotFitError(
             f"the warm-up (max_num_seqs={seats} x max_model_len={max_len}, and {tokens} prefill tokens a step) ran "
             f"out of memory next to a KV pool of {num_blocks * bs} tokens; {fit_hint(num_blocks * bs, max_len, seats)}"
             "; or lower max_num_batched_tokens or the memory fraction") from e
+    # CPU: the heap has no cache to fit, a prefill's activations come and go: its peak next to the pool is the
+    # pool's RSS plus the activations step 1 measured, so a second full-budget prefill would prove nothing more
+    peak = warm.peak if cuda else max(warm.peak, warm.start + act.bytes)
     kv_cache.zero_()  # the dummy steps wrote finite garbage; padded decode reads must see zeros
     worker.capture_graphs(seats, max_len)  # CUDA: decode graphs (their inputs touch no pool entry)
     reset_peak(worker.device)  # from here the peak is what serving needs: compare with warmup_peak_bytes
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) from %s; %d host blocks; warm-up peak %.0f MiB",
                 num_blocks, bs, kv_cache.numel() * kv_cache.element_size() / 2**20, budget.source, num_host,
-                warm.peak / 2**20)
-    return PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, warm.peak, warm.bytes), kv_cache, host_cache
+                peak / 2**20)
+    plan = PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, peak, max(0, peak - warm.start))
+    return plan, kv_cache, host_cache
 
 
 @torch.inference_mode()
