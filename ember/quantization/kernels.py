@@ -43,6 +43,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from ember import envs
 from ember.dtypes import cpu_has_fast_bf16
 from ember.kernels import cpu_kernels
 from ember.quantization.tensor import QuantizedTensor, quantize_int8_symmetric
@@ -396,11 +397,16 @@ class CpuW8A8Path(_W8A8Path):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels()
-        if kernels is None or x.dtype not in (torch.bfloat16, torch.float32) or not cpu_has_int8_dot():
+        if kernels is None or x.dtype not in (torch.bfloat16, torch.float32) or not self._fused():
             return super().matmul(x)
         if x.dim() == 2:
             return kernels.w8a8_linear(x, self.w, self.s)
         return kernels.w8a8_linear(x.reshape(-1, self.k), self.w, self.s).view(*x.shape[:-1], self.n)
+
+    @staticmethod
+    def _fused() -> bool:
+        """The fused kernel where its GEMM is fast, and where the AVX-512 kernels are emulated (their tests)."""
+        return cpu_has_int8_dot() or envs.emulate_avx512()
 
     def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
         return super().int_mm(xq) if cpu_has_int8_dot() else int8_mm_exact_float(xq, self.w)
