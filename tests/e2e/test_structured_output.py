@@ -28,7 +28,8 @@ from ember.worker.token_masks import TokenMasks
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(dtype="float32", max_num_seqs=64, max_model_len=2048)
+    # a 512-token step budget: the prompts are short, and start-up's measuring prefill is of the budget's size
+    engine = LLM(dtype="float32", max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=512)
     yield engine
     engine.shutdown()
 
