@@ -31,8 +31,13 @@ def _bad(name: str, value: Any, allowed: str) -> BadRequestError:
     return BadRequestError(f"{name}={value!r} is out of range: {name} must be {allowed}")
 
 
+def _int_in(value: Any, low: int, high: int = INT64_MAX) -> bool:
+    """An int in [low, high]. Bools pass (isinstance): the fields that refuse them check that first."""
+    return isinstance(value, int) and low <= value <= high
+
+
 def _token_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
+    return not isinstance(t, bool) and _int_in(t, 0)
 
 
 _GUIDES = ("json", "regex", "choice", "grammar", "json_object")
@@ -172,11 +177,11 @@ class SamplingParams:
             raise _bad("temperature", self.temperature, ">= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise _bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
+        if not _int_in(self.top_k, 0):
             raise _bad("top_k", self.top_k, f"-1 or an integer in [0, {INT64_MAX}] (-1 and 0 turn it off)")
         if not 0 <= self.min_p <= 1:
             raise _bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
+        if self.seed is not None and not _int_in(self.seed, -INT64_MAX - 1):
             raise _bad("seed", self.seed, f"None or an integer in [{-INT64_MAX - 1}, {INT64_MAX}]")
         if self.repetition_penalty <= 0:
             raise _bad("repetition_penalty", self.repetition_penalty, "> 0 (1 means off)")
@@ -184,16 +189,15 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise _bad(name, value, "in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or
-                                            not 1 <= self.max_tokens <= INT64_MAX):
+        if self.max_tokens is not None and not _int_in(self.max_tokens, 1):
             raise _bad("max_tokens", self.max_tokens, f"None or an integer in [1, {INT64_MAX}]")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= INT64_MAX:
+        if not _int_in(self.min_tokens, 0):
             raise _bad("min_tokens", self.min_tokens, f"an integer in [0, {INT64_MAX}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and not _int_in(value, 0, MAX_LOGPROBS):
                 raise _bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise _bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
@@ -205,7 +209,7 @@ class SamplingParams:
             value = getattr(self, name)
             if any(not s or not all(_token_id(t) for t in s) for s in value):
                 raise _bad(name, value, f"a list of non-empty lists of token ids in [0, {INT64_MAX}]")
-        if not isinstance(self.no_repeat_ngram_size, int) or not 0 <= self.no_repeat_ngram_size <= INT64_MAX:
+        if not _int_in(self.no_repeat_ngram_size, 0):
             raise _bad("no_repeat_ngram_size", self.no_repeat_ngram_size,
                        f"an integer in [0, {INT64_MAX}] (0 means off)")
         so = self.structured_outputs
