@@ -147,6 +147,13 @@ def cpu_has_int8_dot() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
 
 
+@functools.cache
+def _cpu_w8a8_fused() -> bool:
+    """ember's fused w8a8 kernel where its GEMM is fast, and where the AVX-512 kernels are emulated (their tests);
+    decided once a process, not at every matmul."""
+    return cpu_has_int8_dot() or envs.emulate_avx512()
+
+
 def int8_mm_exact_float(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """int8 [rows, K] x int8 [N, K]^T as float32, equal to ``torch._int_mm(xq, w.t()).float()`` to the bit: float32
     matmuls over slices of at most _EXACT_K columns sum exact integers below 2**24 (so any order gives the same
@@ -397,16 +404,11 @@ class CpuW8A8Path(_W8A8Path):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels()
-        if kernels is None or x.dtype not in (torch.bfloat16, torch.float32) or not self._fused():
+        if kernels is None or x.dtype not in (torch.bfloat16, torch.float32) or not _cpu_w8a8_fused():
             return super().matmul(x)
         if x.dim() == 2:
             return kernels.w8a8_linear(x, self.w, self.s)
         return kernels.w8a8_linear(x.reshape(-1, self.k), self.w, self.s).view(*x.shape[:-1], self.n)
-
-    @staticmethod
-    def _fused() -> bool:
-        """The fused kernel where its GEMM is fast, and where the AVX-512 kernels are emulated (their tests)."""
-        return cpu_has_int8_dot() or envs.emulate_avx512()
 
     def int_mm(self, xq: torch.Tensor) -> torch.Tensor:
         return super().int_mm(xq) if cpu_has_int8_dot() else int8_mm_exact_float(xq, self.w)
