@@ -33,7 +33,7 @@ def default_script(row: SamplingRow) -> int:
 class ScriptedExecutor:
     def __init__(self, num_blocks: int, block_size: int = 16, num_host_blocks: int = 0,
                  script: Callable[[SamplingRow], int] = default_script) -> None:
-        self.plan = PoolPlan(num_blocks, num_host_blocks, block_size, 0, "scripted", 0, 0)
+        self.plan = PoolPlan(num_blocks, num_host_blocks, block_size, 0, "scripted", 0)
         self.script = script
         self.keep = True  # False: keep no message nor plan (long measurements)
         self.messages: list[SchedulerOutput] = []

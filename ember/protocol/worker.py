@@ -28,4 +28,3 @@ class PoolPlan:
     activation_bytes: int
     budget_source: str
     warmup_peak_bytes: int
-    warmup_transient_bytes: int

@@ -125,8 +125,7 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) from %s; %d host blocks; warm-up peak %.0f MiB",
                 num_blocks, bs, kv_cache.numel() * kv_cache.element_size() / 2**20, budget.source, num_host,
                 peak / 2**20)
-    plan = PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, peak, max(0, peak - warm.start))
-    return plan, kv_cache, host_cache
+    return PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, peak), kv_cache, host_cache
 
 
 @torch.inference_mode()
