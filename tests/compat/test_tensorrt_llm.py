@@ -1,7 +1,8 @@
 """The TensorRT-LLM HLAPI facade: the reference page's examples (tests/compat_scripts/trtllm_hlapi_examples.py)
-on the default model and, for the multi-rank ones, on random Llamas with CPU ranks; results checked against the
-native engine (itself checked against transformers in the parity tests); futures, streaming, save, checkpoints,
-StreamingLLM and bad input."""
+on random Llamas (the multi-rank ones with CPU ranks) and, for saving a quantized engine, on the default model;
+results checked against the native engine (itself checked against transformers in the parity tests); futures,
+streaming, save, checkpoints, StreamingLLM and bad input. The facade builds its engines at TensorRT-LLM's default
+limits (128 sequences, 4,096 tokens a step): small models keep those starts cheap."""
 
 from __future__ import annotations
 
@@ -38,16 +39,25 @@ def native_greedy(llm: NativeLLM, prompt, max_tokens: int = DEFAULT_NEW) -> list
 
 
 @pytest.fixture(scope="module")
-def native():
-    llm = NativeLLM(default_gguf())
+def llama(tmp_path_factory, tokenizer_dir) -> str:
+    """The examples' <llama_model_path>: a random Llama with the default model's tokenizer, wide enough for AWQ's
+    groups of 128 and long enough for TensorRT-LLM's default 512 + 200 tokens."""
+    return save_random_model("LlamaConfig", str(tmp_path_factory.mktemp("llama")), tokenizer_dir, hidden_size=256,
+                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def native(llama):
+    llm = NativeLLM(llama, max_num_seqs=8, max_model_len=1024)
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def basic(native):
+def basic(llama, native):
     """The basic-usage example's LLM (it printed its output; the test below reads it again)."""
-    llm = ex.basic_usage(default_gguf())
+    llm = ex.basic_usage(llama)
     yield llm
     llm.shutdown()
 
@@ -70,17 +80,17 @@ def test_basic_usage_prints_results(basic, native, capsys):
     assert out.text == native.tokenizer.decode(out.token_ids)
 
 
-def test_token_ids_give_ids_and_empty_text(basic, native, capsys):
+def test_token_ids_give_ids_and_empty_text(llama, basic, native, capsys):
     for outputs in (ex.token_ids_input(basic), basic.generate([[32, 12]])):
         assert len(outputs) == 1 and outputs[0].text == ""
         assert outputs[0].token_ids == native_greedy(native, [32, 12])
-    llm = ex.disabling_tokenizer(default_gguf())
+    llm = ex.disabling_tokenizer(llama)
     llm.shutdown()
     assert re.search(r"GenerationResult\(text='', token_ids=\[[\d, ]+\]", capsys.readouterr().out)
 
 
-def test_asyncio_streaming_and_futures(basic, capsys):
-    llm = asyncio.run(ex.asyncio_generation(default_gguf(), PROMPT))
+def test_asyncio_streaming_and_futures(llama, basic, capsys):
+    llm = asyncio.run(ex.asyncio_generation(llama, PROMPT))
     try:
         printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("GenerationOutput(")]
         assert len(printed) == DEFAULT_NEW  # one item per token while streaming
@@ -141,8 +151,8 @@ def test_future_timeout_leaves_request_running_and_cancel_frees_blocks(basic):
     assert gen.finish_reasons == ["abort"]
 
 
-def test_beam_search_example(native, capsys):
-    llm = ex.beam_search(default_gguf(), PROMPT)
+def test_beam_search_example(llama, native, capsys):
+    llm = ex.beam_search(llama, PROMPT)
     try:
         printed = capsys.readouterr().out
         assert re.match(r"GenerationResult\(text=\[['\"]", printed)  # repr picks " when the text has an apostrophe
@@ -162,19 +172,20 @@ def _beams(llm, width):
     return sc
 
 
-def test_save_round_trip(tmp_path, basic, capsys):
+def test_save_round_trip_of_the_default_model_keeps_its_int4_weights(tmp_path, capsys):
     engine = str(tmp_path / "engine")
     llm = ex.save_and_reload(default_gguf(), engine)
     try:
         assert sorted(os.listdir(engine)) == ["model.asmodel", "model.asparam"]
-        assert llm.generate(PROMPT)[0].token_ids == basic.generate(PROMPT)[0].token_ids
-        assert llm.client.model_info.quantization == basic.client.model_info.quantization  # int4 g32, as loaded
+        with NativeLLM(default_gguf(), max_num_seqs=1, max_model_len=256) as native:
+            assert llm.generate(PROMPT)[0].token_ids == native_greedy(native, PROMPT)
+            assert llm.client.model_info.quantization == native.client.model_info.quantization  # int4 g32, as loaded
     finally:
         llm.shutdown()
 
 
-def test_quantization_example_runs_awq(native):
-    llm = ex.quantization(default_gguf())
+def test_quantization_example_runs_awq(llama):
+    llm = ex.quantization(llama)
     try:
         assert "awq" in llm.client.model_info.quantization
         assert len(llm.generate(PROMPT)[0].token_ids) == DEFAULT_NEW
@@ -182,8 +193,8 @@ def test_quantization_example_runs_awq(native):
         llm.shutdown()
 
 
-def test_runtime_customization_maps_onto_the_engine():
-    llm = ex.runtime_customization(default_gguf())
+def test_runtime_customization_maps_onto_the_engine(llama):
+    llm = ex.runtime_customization(llama)
     try:
         c = llm.engine_config
         assert c.kv_cache_memory_fraction == 0.8 and c.scheduling_policy == "guaranteed_no_evict"
@@ -193,7 +204,7 @@ def test_runtime_customization_maps_onto_the_engine():
         llm.shutdown()
 
 
-def test_custom_tokenizer_object_is_used(tokenizer_dir, basic):
+def test_custom_tokenizer_object_is_used(llama, tokenizer_dir, basic):
     from transformers import AutoTokenizer
 
     class Counting:
@@ -210,7 +221,7 @@ def test_custom_tokenizer_object_is_used(tokenizer_dir, basic):
             return self.hf.decode(ids)
 
     tok = Counting()
-    llm = ex.tokenizer_customization(ModelConfig(model_dir=default_gguf()), tok)
+    llm = ex.tokenizer_customization(ModelConfig(model_dir=llama), tok)
     try:
         out = llm.generate(PROMPT)[0]
         assert tok.calls >= 2 and out.text == tok.hf.decode(out.token_ids)
@@ -307,14 +318,14 @@ def test_streaming_llm_maps_onto_the_native_window(llama_dir):
 
 # ----- bad input -----
 
-def test_bad_input_is_refused_clearly(tmp_path, basic):
+def test_bad_input_is_refused_clearly(tmp_path, llama, basic):
     with pytest.raises(ValueError, match="quant_algo='W3A16' is not supported on ember: use one of "
                                          "QuantAlgo.W8A16, QuantAlgo.W4A16, QuantAlgo.W4A16_AWQ"):
-        config = ModelConfig(model_dir=default_gguf())
+        config = ModelConfig(model_dir=llama)
         config.quant_config.quant_algo = "W3A16"
         LLM(config)
     with pytest.raises(ValueError, match="kv_cache_quant_algo=.*FP8.* use one of QuantAlgo.INT8"):
-        config = ModelConfig(model_dir=default_gguf())
+        config = ModelConfig(model_dir=llama)
         config.quant_config.kv_cache_quant_algo = QuantAlgo.FP8
         LLM(config)
     empty = tmp_path / "empty"
@@ -337,9 +348,9 @@ def test_bad_input_is_refused_clearly(tmp_path, basic):
     with pytest.raises(ValueError, match="temperature=nan"):
         basic.generate(PROMPT, sampling_config=sc)
     with pytest.raises(ValueError, match="world_size=2 is only read with auto_parallel"):
-        config = ModelConfig(model_dir=default_gguf())
+        config = ModelConfig(model_dir=llama)
         config.parallel_config.world_size = 2
         LLM(config)
     with pytest.raises(ValueError, match="Unknown options"):
-        LLM(ModelConfig(model_dir=default_gguf()), no_such_option=1)
+        LLM(ModelConfig(model_dir=llama), no_such_option=1)
     assert len(basic.generate(PROMPT)[0].token_ids) == DEFAULT_NEW  # still serving
