@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from ember.benchmarks.http import free_port, post  # noqa: F401  (post: the tests' raw HTTP client)
 
 READY = re.compile(r"ready on (http://\S+)")
-# small engine limits keep start-up (warm-up at max_num_seqs x max_model_len) short
-TEST_ENGINE_ARGS = ("--max-num-seqs", "16", "--max-model-len", "1024", "--dtype", "float32")
+# small engine limits keep start-up (warm-up at max_num_seqs x max_model_len, and a prefill of the step's token
+# budget) short; the tests' prompts are short, longer ones are prefilled in chunks
+TEST_ENGINE_ARGS = ("--max-num-seqs", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512", "--dtype",
+                    "float32")
 
 
 @dataclass
