@@ -47,6 +47,8 @@ class Decoding:
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     req.prompt_logprobs_done = out.prompt_logprobs_done = True
         for row, seq in enumerate(sampled):
+            if seq.is_finished:  # a beam that had answered before, released by its search's step just now
+                continue
             self.strategy_of(seq.request).collect(seq, row, result, outputs)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | list[int] | None,

@@ -7,11 +7,11 @@ prompt never stalls the sequences that are decoding. ``max_num_prefill_seqs`` (E
 caps the prompts prefilled in one step, running chunks included.
 
 Two policies (TensorRT-LLM's names):
-- ``max_utilization`` admits greedily. When the pool cannot give a running sequence its next block, the most
-  recently admitted sequence is preempted: its blocks are freed (their full blocks stay in the prefix cache, and on
-  an engine with a host tier they move there when the device needs the room: a swap) and it goes back to the front
-  of the queue, ahead of new arrivals, to be recomputed (prompt plus what it generated so far), so greedy output is
-  the same as without preemption.
+- ``max_utilization`` admits greedily. When the pool cannot give a running sequence its next block, a beam that
+  has answered and waits for its siblings is preempted, else the most recently admitted sequence: its blocks are
+  freed (their full blocks stay in the prefix cache, and on an engine with a host tier they move there when the
+  device needs the room: a swap) and it goes back to the front of the queue, ahead of new arrivals, to be
+  recomputed (prompt plus what it generated so far), so greedy output is the same as without preemption.
 - ``guaranteed_no_evict`` admits a request only when the blocks for its prompt plus max_tokens (for every one of
   its n samples) can be reserved on top of what the running requests have reserved; nothing is ever preempted.
 
@@ -111,7 +111,7 @@ class Scheduler:
                 continue
             need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
             while not self.bm.can_allocate(need):
-                victim = self.running[-1]
+                victim = self._victim()
                 if victim is seq and len(self.running) == 1:  # alone and still too big: it can never finish
                     self._interrupt(seq, batch)
                     break
@@ -133,8 +133,29 @@ class Scheduler:
             self.bm.commit(seq, seq.num_computed_tokens + n)
         if not batch.preempted:  # else the pool is full: admitting now would only preempt again
             self._admit(batch, budget)
+            if not batch.seqs and not batch.interrupted and self.waiting:
+                self._unblock(batch, budget)
         batch.copies = self.bm.take_copies()
         return batch
+
+    def _unblock(self, batch: ScheduledBatch, budget: int) -> None:
+        """Nothing runs and a prompt waits: the running sequences are beams that answered and wait for siblings that
+        cannot get blocks (two searches can hold the pool so, each waiting on the other). Such beams are preempted,
+        other requests' first, most recent first, each behind the queue's head, until the head is admitted; their
+        answers stay with their search, which recomputes the KV its next beams need."""
+        head = self.waiting[0].request
+        idle = [s for s in reversed(self.running) if _answered(s)]
+        for victim in [s for s in idle if s.request is not head] + [s for s in idle if s.request is head]:
+            self.running.remove(victim)
+            self.bm.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting.insert(1, victim)
+            self.num_preemptions += 1
+            batch.preempted.append(victim)
+            self._admit(batch, budget)
+            if batch.seqs or batch.interrupted:
+                return
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         seats = sum(s.seats() for s in self.running)
@@ -185,6 +206,15 @@ class Scheduler:
             if self.policy == "guaranteed_no_evict":
                 reserved += self._reserve(seq)  # what it may still take, next to the blocks it holds now
 
+    def _victim(self) -> Sequence:
+        """The sequence that gives up its blocks for another's: a beam that answered and waits for its siblings (it
+        runs nothing now and its answer stays with its search; kept, it could hold the blocks its last sibling
+        needs, forever), else the most recently admitted."""
+        for seq in reversed(self.running):
+            if _answered(seq):
+                return seq
+        return self.running[-1]
+
     def _may_prefill(self, batch: ScheduledBatch) -> bool:
         """One more prompt may be prefilled in this step (max_num_prefill_seqs); decodes are never held back."""
         if self.max_num_prefill_seqs is None:
@@ -225,3 +255,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
+
+
+def _answered(seq: Sequence) -> bool:
+    """Every token computed and none to sample: a beam waiting for its siblings' answers."""
+    return seq.num_tokens == seq.num_computed_tokens

@@ -130,6 +130,23 @@ def test_beam_search_returns_one_final_output_with_the_best_beams():
     assert _all_free(core)
 
 
+def test_beam_searches_that_fill_a_small_pool_each_end():
+    """Found by hypothesis: two searches whose answered beams held every block while each waited for a sibling that
+    could not get one (nothing ran, forever); a beam that preempted itself each step because its answered sibling
+    held the block it needed. Answered beams now give up their blocks first: every search ends, the pool whole."""
+    for num_blocks, reqs in ((8, [(48, 2), (49, 2)]), (9, [(54, 12), (43, 7)])):
+        core = make_core(num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64)
+        for i, (plen, max_tokens) in enumerate(reqs):
+            core.add(request(f"b{i}", [(i * 31 + j) % 900 + 3 for j in range(plen)], beam_width=2,
+                             max_tokens=max_tokens))
+        out = run(core, max_steps=2000)
+        for i, (_, max_tokens) in enumerate(reqs):
+            tokens, reasons = samples(out[f"b{i}"])[0]
+            assert len(reasons) == 1 and 0 < len(tokens) <= max_tokens
+        assert core.stats().scheduler.preemptions > 0
+        assert _all_free(core)
+
+
 @settings(max_examples=60, deadline=None)
 @given(num_blocks=st.integers(6, 40),
        reqs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(1, 3),
