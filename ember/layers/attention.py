@@ -26,7 +26,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ember.errors import ConfigError
 from ember.kernels import kernels_for
@@ -184,6 +183,13 @@ class AttentionBackend:
         """One sequence's chunk: q [L, Hq, D], its own k/v [L, Hkv, D] -> [L, Hq, D]."""
         raise NotImplementedError
 
+    def prefill_memory_is_linear(self, layer: PagedAttention, dtype: torch.dtype) -> bool:
+        """Whether a prefill in this layer takes memory in proportion to its tokens, however they split into
+        prompts (beyond one output row a query, a fixed scratch). Start-up then measures a step's peak on short
+        prompts, at a fraction of one long prompt's attention work. SDPA's scores grow with a prompt's length
+        squared: not here."""
+        return False
+
 
 class TorchAttention(AttentionBackend):
     """Every device and KV format: decode gathers the blocks into a padded batch, prefill runs SDPA."""
@@ -269,11 +275,18 @@ class CpuKernelAttention(InPlaceAttention):
                 fmt: KVCacheFormat | None) -> torch.Tensor:
         """ember's kernel over the paged context (no gather; prefix hits and earlier chunks included); with
         batch_invariant=False, SDPA as ``torch`` where the AVX512-BF16 kernel does not take the shape."""
-        avx512 = q.dtype == torch.bfloat16 and layer.head_dim in (64, 128) and self.kernels.has_avx512_bf16()
-        if self.batch_invariant or avx512:
+        if self._kernel_prefill(layer, q.dtype):
             return self.kernels.paged_prefill_attention(q, layer.k_cache, layer.v_cache, span.block_table,
                                                         span.context_len, layer.sliding_window or 0, layer.scale)
         return super().prefill(layer, q, k, v, span, fmt)
+
+    def prefill_memory_is_linear(self, layer: PagedAttention, dtype: torch.dtype) -> bool:
+        """ember's prefill kernel holds a fixed scratch a thread: its memory is its output's."""
+        return self._kernel_prefill(layer, dtype)
+
+    def _kernel_prefill(self, layer: PagedAttention, dtype: torch.dtype) -> bool:
+        avx512 = dtype == torch.bfloat16 and layer.head_dim in (64, 128) and self.kernels.has_avx512_bf16()
+        return self.batch_invariant or avx512
 
 
 class TritonAttention(InPlaceAttention):

@@ -1,8 +1,9 @@
 """A worker's start-up, in order: measure a step's peak activation memory with a dummy forward at the per-step
-token budget; size the KV pool from what is left of the budget and check that it holds a sequence of
-max_model_len; add the host tier; warm up at the worst case: a decode step of max_num_seqs sequences x max_model_len
-of context and (CUDA) a full-budget prefill next to the pool; on CUDA, capture the decode step's graphs. After that,
-serving allocates nothing the warm-up did not (``Worker.stats``)."""
+token budget (in prompts of max_model_len, or shorter ones where attention memory is linear in tokens); size the
+KV pool from what is left of the budget and check that it holds a sequence of max_model_len; add the host tier;
+warm up at the worst case: a decode step of max_num_seqs sequences x max_model_len of context and (CUDA) a
+full-budget prefill next to the pool; on CUDA, capture the decode step's graphs. After that, serving allocates
+nothing the warm-up did not (``Worker.stats``)."""
 
 from __future__ import annotations
 
@@ -77,15 +78,18 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
         max_len = min(max_len, cache.attention_window)  # a sequence never holds more KV than its window
     per_block = kv_bytes_per_block(worker.loaded, bs, cache.kv_cache_dtype)
 
-    # 1. a step's activations, measured on a scratch pool that holds just the dummy prompt
-    tokens = min(sched.max_num_batched_tokens, max_len)
+    # 1. a step's activations, measured on a scratch pool that holds just the dummy prompts: the step's budget
+    # (or what every seat can take), in prompts of max_model_len, or short ones where that measures the same
+    tokens = min(sched.max_num_batched_tokens, seats * max_len)
+    prompt = measuring_prompt_len(worker, min(tokens, max_len))
     worker.bind(worker.new_pool(-(-tokens // bs)))
     with PeakMemory(worker.device) as act:
-        dummy_prefill(worker, tokens, seats)
+        dummy_prefill(worker, tokens, seats, prompt)
     worker.bind(None)
+    act_bytes = act.bytes + long_prompt_bytes(worker, min(tokens, max_len), prompt)
 
     # 2. the pool: what the budget leaves, never more than every seat at full length needs
-    budget = kv_pool_budget(cache, worker.device, act.bytes)
+    budget = kv_pool_budget(cache, worker.device, act_bytes)
     # split over ranks, every rank holds the same block numbers: the smallest pool decides
     num_blocks = worker.agree_min(plan_num_blocks(budget.bytes, per_block, bs, max_len, seats, cache.max_tokens))
     if num_blocks < -(-max_len // bs):
@@ -110,7 +114,7 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
         with PeakMemory(worker.device) as warm:
             dummy_decode(worker, seats, max_len)
             if cuda:  # and a full-budget prefill next to the real pool: the caching allocator's blocks must fit
-                dummy_prefill(worker, tokens, seats)
+                dummy_prefill(worker, tokens, seats, prompt)
     except _OOM as e:
         raise DoesNotFitError(
             f"the warm-up (max_num_seqs={seats} x max_model_len={max_len}, and {tokens} prefill tokens a step) ran "
@@ -118,26 +122,54 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
             "; or lower max_num_batched_tokens or the memory fraction") from e
     # CPU: the heap has no cache to fit, a prefill's activations come and go: its peak next to the pool is the
     # pool's RSS plus the activations step 1 measured, so a second full-budget prefill would prove nothing more
-    peak = warm.peak if cuda else max(warm.peak, warm.start + act.bytes)
+    peak = warm.peak if cuda else max(warm.peak, warm.start + act_bytes)
     kv_cache.zero_()  # the dummy steps wrote finite garbage; padded decode reads must see zeros
     worker.capture_graphs(seats, max_len)  # CUDA: decode graphs (their inputs touch no pool entry)
     reset_peak(worker.device)  # from here the peak is what serving needs: compare with warmup_peak_bytes
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) from %s; %d host blocks; warm-up peak %.0f MiB",
                 num_blocks, bs, kv_cache.numel() * kv_cache.element_size() / 2**20, budget.source, num_host,
                 peak / 2**20)
-    return PoolPlan(num_blocks, num_host, bs, act.bytes, budget.source, peak), kv_cache, host_cache
+    return PoolPlan(num_blocks, num_host, bs, act_bytes, budget.source, peak), kv_cache, host_cache
+
+
+MEASURING_PROMPT = 256  # tokens a dummy prompt where every layer's prefill memory is linear in its tokens
+
+
+def measuring_prompt_len(worker: Runner, longest: int) -> int:
+    """The dummy prompts' length: the longest a step can hold where a layer's attention memory grows faster than
+    its tokens (SDPA's scores), else MEASURING_PROMPT tokens: the same rows through every other layer, and at 2,048
+    tokens an eighth of one long prompt's attention work."""
+    dtype = worker.loaded.dtype
+    if all(layer.backend is not None and layer.backend.prefill_memory_is_linear(layer, dtype)
+           for layer in worker.layers):
+        return min(longest, MEASURING_PROMPT)
+    return longest
+
+
+def long_prompt_bytes(worker: Runner, longest: int, prompt: int) -> int:
+    """What a prompt of `longest` tokens holds beyond the measured prompts of `prompt` tokens, where attention
+    memory is linear: a layer's attention output for the whole prompt next to the step's (and the kernel's int64
+    lengths)."""
+    layer = worker.layers[0]
+    return max(longest - prompt, 0) * (layer.num_heads * layer.head_dim * worker.loaded.dtype.itemsize + 8)
 
 
 @torch.inference_mode()
-def dummy_prefill(worker: Runner, tokens: int, sample_rows: int) -> None:
-    """One prompt of `tokens` tokens from position 0, then logits and log-softmax for sample_rows rows."""
+def dummy_prefill(worker: Runner, tokens: int, sample_rows: int, prompt: int | None = None) -> None:
+    """Prompts of `prompt` tokens (default: one of all `tokens`) from position 0, `tokens` in all, then logits and
+    log-softmax for sample_rows rows."""
     dev, bs = worker.device, worker.block_size
     pool_blocks = worker.layers[0].k_cache.shape[0]
-    table = torch.arange(-(-tokens // bs), device=dev) % pool_blocks
-    slots = table.repeat_interleave(bs)[:tokens] * bs + torch.arange(tokens, device=dev) % bs
-    meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, tokens, tokens, table)])
-    positions = torch.arange(tokens, device=dev)
-    hidden = worker.forward_stage(torch.zeros(tokens, dtype=torch.long, device=dev), positions, meta)
+    prompt = prompt or tokens
+    spans, slots, positions = [], [], []
+    for start in range(0, tokens, prompt):
+        n = min(prompt, tokens - start)
+        table = (torch.arange(-(-n // bs), device=dev) + start // bs) % pool_blocks
+        slots.append(table.repeat_interleave(bs)[:n] * bs + torch.arange(n, device=dev) % bs)
+        positions.append(torch.arange(n, device=dev))
+        spans.append(PrefillSpan(start, n, n, table))
+    meta = AttentionMetadata(torch.cat(slots), 0, None, None, spans)
+    hidden = worker.forward_stage(torch.zeros(tokens, dtype=torch.long, device=dev), torch.cat(positions), meta)
     if hidden is not None:
         rows = torch.arange(sample_rows, device=dev) % tokens
         logits = worker.model.compute_logits(hidden[rows])
