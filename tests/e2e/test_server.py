@@ -46,7 +46,7 @@ def model(api) -> str:
 def llm():
     from ember import LLM
 
-    engine = LLM(dtype="float32", max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=512)  # the servers'
+    engine = LLM(dtype="float32", max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=512)  # TEST_ENGINE_ARGS
     yield engine
     engine.shutdown()
 
