@@ -146,12 +146,7 @@ class Scheduler:
         head = self.waiting[0].request
         idle = [s for s in reversed(self.running) if _answered(s)]
         for victim in [s for s in idle if s.request is not head] + [s for s in idle if s.request is head]:
-            self.running.remove(victim)
-            self.bm.free(victim)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.WAITING
-            self.waiting.insert(1, victim)
-            self.num_preemptions += 1
+            self._preempt(victim, at=1)
             batch.preempted.append(victim)
             self._admit(batch, budget)
             if batch.seqs or batch.interrupted:
@@ -232,12 +227,13 @@ class Scheduler:
             return left
         return budget if self.chunked_prefill else 0
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, at: int = 0) -> None:
+        """Free seq's blocks and queue it at position `at` (0: the front), to be recomputed."""
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.insert(at, seq)
         self.num_preemptions += 1
 
     def _interrupt(self, seq: Sequence, batch: ScheduledBatch) -> None:

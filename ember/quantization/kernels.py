@@ -155,7 +155,7 @@ def _cpu_w8a8_fused() -> bool:
 
 
 def int8_mm_exact_float(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """int8 [rows, K] x int8 [N, K]^T as float32, equal to ``torch._int_mm(xq, w.t()).float()`` to the bit: float32
+    """int8 [rows, K] x int8 [N, K]^T as float32, the exact integer products (``torch._int_mm``'s) to the bit: float32
     matmuls over slices of at most _EXACT_K columns sum exact integers below 2**24 (so any order gives the same
     result, and rows never depend on the rows beside them), and the slices add as int32."""
     k = xq.shape[1]

@@ -81,12 +81,13 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
     # 1. a step's activations, measured on a scratch pool that holds just the dummy prompts: the step's budget
     # (or what every seat can take), in prompts of max_model_len, or short ones where that measures the same
     tokens = min(sched.max_num_batched_tokens, seats * max_len)
-    prompt = measuring_prompt_len(worker, min(tokens, max_len))
+    longest = min(tokens, max_len)  # the longest prompt a step holds
+    prompt = measuring_prompt_len(worker, longest)
     worker.bind(worker.new_pool(-(-tokens // bs)))
     with PeakMemory(worker.device) as act:
         dummy_prefill(worker, tokens, seats, prompt)
     worker.bind(None)
-    act_bytes = act.bytes + long_prompt_bytes(worker, min(tokens, max_len), prompt)
+    act_bytes = act.bytes + long_prompt_bytes(worker, longest, prompt)
 
     # 2. the pool: what the budget leaves, never more than every seat at full length needs
     budget = kv_pool_budget(cache, worker.device, act_bytes)
