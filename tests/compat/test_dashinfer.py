@@ -4,8 +4,10 @@ the serialized format round-trips; every status transition and wrong-state call;
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 import runpy
 import shutil
 import subprocess
@@ -208,17 +210,27 @@ def test_skip_if_exists_and_validation(tiny, tmp_path):
 
 
 def test_in_memory_files_removed_by_free_and_after_install(tiny, native_greedy):
-    loader = HuggingFaceModel(tiny["src"], "mem", in_memory_serialize=True, user_set_data_type="float32")
-    loader.load_model().serialize(None).free_model()
-    folder = loader.temp_folder
-    assert os.path.isfile(os.path.join(folder, "mem.asmodel"))
+    """The guide: the temporary files go with free_model() (or at exit). Its snippet frees the model before it
+    installs it, so the engine given to serialize_to_memory keeps them until start_model has loaded them."""
     engine = allspark.Engine()
+    loader = HuggingFaceModel(tiny["src"], "mem", in_memory_serialize=True, user_set_data_type="float32")
+    loader.load_model().serialize(engine).free_model()
+    folder = os.path.dirname(loader.model_path)
+    assert loader.temp_folder is None and os.path.isfile(os.path.join(folder, "mem.asmodel"))  # held by the engine
     cfg = _runtime(loader, "mem")
     engine.install_model(cfg)
-    loader.free_memory_serialize_file()  # DashInfer allows it right after install_model
-    assert os.path.isdir(folder)  # ... the files wait until the model has loaded them
+    assert os.path.isdir(folder)  # ... until the model has loaded them
     engine.start_model("mem")
     assert not os.path.exists(folder)
+    alone = HuggingFaceModel(tiny["src"], "alone", in_memory_serialize=True, user_set_data_type="float32")
+    alone.load_model().serialize_to_memory(None)
+    kept = alone.temp_folder
+    engine2 = allspark.Engine()
+    engine2.install_model(_runtime(alone, "alone"))
+    alone.free_memory_serialize_file()  # right after install_model: the files wait for start_model too
+    assert os.path.isdir(kept)
+    engine2.release_model("alone")  # released without loading: nothing waits for them any more
+    assert not os.path.exists(kept)
     gen = _greedy(loader, cfg, 0)
     gen["max_length"] = 4 + 8
     _, _, q = engine.start_request_ids("mem", loader, [5, 6, 7, 8], gen)
@@ -264,49 +276,87 @@ def test_loader_errors(tmp_path):
 
 # ----- life cycle and wrong-state calls -----
 
-def test_model_states_and_wrong_state_calls(tiny):
+def test_model_states_and_wrong_state_calls(tiny, caplog):
+    """As DashInfer's engine calls do, a wrong state, an unknown model or an unknown handle comes back as an
+    AsStatus (the reason logged); a request that cannot start returns (status, None, None)."""
+    A = AsStatus
     engine = allspark.Engine()
     loader = DashInferModel(tiny["model_path"])
     cfg = _runtime(loader, "a")
     gen = _greedy(loader, cfg, 0)
     gen["max_length"] = 12
-    with pytest.raises(AsException, match="not installed"):
-        engine.start_model("a")
-    assert engine.install_model(cfg) is AsStatus.ALLSPARK_SUCCESS
+    assert engine.start_model("a") is A.ALLSPARK_PARAM_ERROR
+    assert "model 'a' is not installed" in caplog.text
+    assert engine.install_model(cfg) is A.ALLSPARK_SUCCESS
     assert engine.get_model_state("a") is ModelState.Initial
-    with pytest.raises(AsException, match="already installed"):
+    with pytest.raises(AsException, match="already installed"):  # DashInfer's install_model raises too
         engine.install_model(_runtime(loader, "a"))
-    with pytest.raises(AsException, match="is Initial"):
-        engine.start_request_ids("a", loader, [1, 2, 3], gen)
-    with pytest.raises(AsException, match="is Initial"):
-        engine.stop_model("a")
-    engine.start_model("a")
+    assert engine.start_request_ids("a", loader, [1, 2, 3], gen) == (A.ALLSPARK_REQUEST_DENIED, None, None)
+    assert "model 'a' is Initial: this call needs it Running" in caplog.text
+    assert engine.stop_model("a") is A.ALLSPARK_INVALID_CALL_ERROR
+    assert engine.start_model("a") is A.ALLSPARK_SUCCESS
     assert engine.get_model_state("a") is ModelState.Running
-    with pytest.raises(AsException, match="is Running"):
-        engine.start_model("a")
-    with pytest.raises(AsException, match="is Running"):
-        engine.release_model("a")
+    assert engine.start_model("a") is A.ALLSPARK_INVALID_CALL_ERROR
+    assert engine.release_model("a") is A.ALLSPARK_INVALID_CALL_ERROR
+    assert engine.start_request_ids("b", loader, [1, 2, 3], gen) == (A.ALLSPARK_PARAM_ERROR, None, None)
     _, handle, q = engine.start_request_ids("a", loader, [1, 2, 3], gen)
     engine.sync_request("a", handle)
-    engine.stop_model("a")
+    assert engine.stop_model("a") is A.ALLSPARK_SUCCESS
     assert engine.get_model_state("a") is ModelState.Stopped
-    with pytest.raises(AsException, match="is Stopped"):
-        engine.start_request_ids("a", loader, [1, 2, 3], gen)
+    assert engine.start_request_ids("a", loader, [1, 2, 3], gen) == (A.ALLSPARK_REQUEST_DENIED, None, None)
+    assert engine.stop_request("a", handle) is A.ALLSPARK_INVALID_CALL_ERROR
+    assert engine.stop_model("a") is A.ALLSPARK_REQUEST_DENIED  # stopping twice
     assert q.Get() is not None  # a queue outlives its model's stop until released
     engine.start_model("a")  # Stopped -> Running again
     _, h2, q2 = engine.start_request_ids("a", loader, [1, 2, 3], gen)
     assert len(_ids_of(q2)) == 9
-    assert engine.release_request("a", handle) is AsStatus.ALLSPARK_SUCCESS  # from before the restart: still held
-    with pytest.raises(AsException) as e:
-        engine.release_request("a", handle)  # released already
-    assert e.value.status is AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID
-    engine.stop_model("a")
-    assert engine.release_model("a") is AsStatus.ALLSPARK_SUCCESS
+    assert engine.release_request("a", handle) is A.ALLSPARK_SUCCESS  # from before the restart: still held
+    for call in (engine.release_request, engine.stop_request, engine.sync_request):  # released already
+        assert call("a", handle) is A.ALLSPARK_ILLEGAL_REQUEST_ID
+    assert "is not a live request of model 'a'" in caplog.text
+    assert engine.stop_request("a", None) is engine.release_request("a", None) is A.ALLSPARK_EMPTY_REQUEST
+    assert engine.stop_model("a") is A.ALLSPARK_SUCCESS
+    assert engine.release_model("a") is A.ALLSPARK_SUCCESS
     assert engine.get_model_state("a") is ModelState.Released
-    with pytest.raises(AsException, match="is Released"):
-        engine.start_model("a")
+    assert engine.start_model("a") is A.ALLSPARK_INVALID_CALL_ERROR
+    with pytest.raises(AsException, match="not installed"):  # no status to return it in: it raises
+        engine.get_model_state("zzz")
     engine.install_model(_runtime(loader, "a"))  # a released name may be installed again
     engine.release_model("a")
+
+
+def test_requests_that_cannot_start_return_a_status(running, caplog):
+    """DashInfer returns (status, None, None) for a request it will not start, the reason logged; a list of texts
+    starts all or none; inputs of the wrong type raise, as DashInfer's binding does."""
+    engine, loader, cfg = running
+    A = AsStatus
+    gen = _greedy(loader, cfg, 0)
+    gen["max_length"] = 300
+    assert engine.start_request_ids("m", loader, list(range(1, 257)), gen) == (A.ALLSPARK_EXCEED_LIMIT_ERROR, None,
+                                                                                None)
+    assert "the prompt has 256 tokens: with the engine's max_length (256)" in caplog.text
+    # DashInfer's code for an empty prompt too (input length <= 0)
+    assert engine.start_request_ids("m", loader, [], gen) == (A.ALLSPARK_EXCEED_LIMIT_ERROR, None, None)
+    assert engine.start_request_text("m", loader, "", gen) == (A.ALLSPARK_EXCEED_LIMIT_ERROR, None, None)
+    for field, value, message in (("max_length", 3, "max_length=3 is out of range"),
+                                  ("top_logprobs", 11, "top_logprobs=11 is out of range"),
+                                  ("repetition_penalty", 2.5, "repetition_penalty=2.5 is out of range"),
+                                  ("enable_tensors_from_model_inference", True, "tensors_from_model_inference"),
+                                  ("length_penalty", 1.2, "length_penalty=1.2 is not supported"),
+                                  ("temperature", float("nan"), "temperature=nan"),
+                                  ("top_p", 2.0, "top_p=2.0"),
+                                  ("response_format", {"type": "xml"}, "response_format=")):
+        bad = {**_greedy(loader, cfg, 0).build(), "max_length": 20, field: value}  # a dict: the builder checks too
+        assert engine.start_request_ids("m", loader, [1, 2, 3], bad) == (A.ALLSPARK_PARAM_ERROR, None, None), field
+        assert message in caplog.text
+    gen["max_length"] = 20
+    status, handles, queues = engine.start_request_text("m", loader, ["fine", "x " * 300], gen)
+    assert (status, handles, queues) == (A.ALLSPARK_EXCEED_LIMIT_ERROR, None, None)
+    assert not engine._models["m"].queues  # the first text did not start either
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.start_request_ids("m", loader, [[1, 2], [3, 4]], gen)
+    with pytest.raises(ValueError, match="must be a string or a non-empty list of strings"):
+        engine.start_request_text("m", loader, [5], gen)
 
 
 def test_status_transitions(running):
@@ -425,18 +475,15 @@ def test_generation_config_keys_and_translation(running):
         gen.update({"mm_info": object()})
     with pytest.raises(ValueError, match="lora_name=5 is out of range"):
         gen.update({"lora_name": 5})
-    gen.update({"max_length": 3})
-    with pytest.raises(ValueError, match="max_length=3 is out of range"):
-        engine.start_request_ids("m", loader, [1, 2, 3], gen)
     gen.update({"max_length": 8, "temperature": -1.0, "top_k": 5})
-    with pytest.raises(ValueError, match="temperature"):
-        engine.start_request_ids("m", loader, [1, 2, 3], gen)
+    assert engine.start_request_ids("m", loader, [1, 2, 3], gen)[0] is AsStatus.ALLSPARK_PARAM_ERROR
     built = ASGenerationConfigBuilder().do_sample().max_length(512).temperature(0.7).top_k(50).build()
     assert built["max_length"] == 512 and built["temperature"] == 0.7 and built["top_k"] == 50
 
 
-def test_response_format_json_schema(running, tiny):
-    """DashInfer's guided decoding: response_format json_object, with a schema or without; bad ones fail first."""
+def test_response_format_every_guided_form(running, tiny):
+    """DashInfer's guided decoding: response_format json_object (with a schema or without), json_schema (also in
+    OpenAI's wrapper), regex, choice and grammar; bad ones return ALLSPARK_PARAM_ERROR before anything starts."""
     import jsonschema
     from transformers import AutoTokenizer
 
@@ -445,21 +492,34 @@ def test_response_format_json_schema(running, tiny):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                "maximum": 99}},
               "required": ["ok", "n"], "additionalProperties": False}
-    for fmt, check in (({"type": "json_object", "json_schema": json.dumps(schema)},
-                        lambda doc: jsonschema.validate(doc, schema)),
-                       ({"type": "json_object"}, lambda doc: isinstance(doc, dict) or pytest.fail(doc))):
+
+    def follows_schema(text):
+        jsonschema.validate(json.loads(text), schema)
+
+    cases = (({"type": "json_object", "json_schema": json.dumps(schema)}, follows_schema),
+             ({"type": "json_object"}, lambda text: isinstance(json.loads(text), dict) or pytest.fail(text)),
+             ({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}, follows_schema),
+             ({"type": "json_schema", "json_schema": schema}, follows_schema),
+             ({"type": "regex", "regex": "[a-c]{3}-[0-9]{2}"},
+              lambda text: re.fullmatch("[a-c]{3}-[0-9]{2}", text) or pytest.fail(text)),
+             ({"type": "choice", "choice": ["red", "green", "blue"]},
+              lambda text: text in ("red", "green", "blue") or pytest.fail(text)),
+             ({"type": "grammar", "grammar": 'start: "yes" | "no"'},
+              lambda text: text in ("yes", "no") or pytest.fail(text)))
+    for fmt, check in cases:
         gen = loader.create_reference_generation_config_builder(cfg)
         gen.update({"top_k": 1, "max_length": 200, "response_format": fmt})
-        _, h, q = engine.start_request_ids("m", loader, [7, 8, 9], gen)
+        status, h, q = engine.start_request_ids("m", loader, [7, 8, 9], gen)
+        assert status is AsStatus.ALLSPARK_SUCCESS, fmt
         ids = _ids_of(q)
         engine.release_request("m", h)
-        check(json.loads(tok.decode(ids, skip_special_tokens=True)))
+        check(tok.decode(ids, skip_special_tokens=True))
     gen = loader.create_reference_generation_config_builder(cfg)
-    for fmt, message in (({"type": "json_schema"}, "response_format=.* is not supported"),
-                         ({"type": "json_object", "json_schema": "{oops"}, "structured_outputs.json is not valid")):
+    for fmt in ({"type": "json_schema"}, {"type": "json_object", "json_schema": "{oops"}, {"type": "xml"},
+                {"type": "regex", "regex": "[a-"}, {"type": "regex", "regex": "a", "extra": 1},
+                {"type": "choice", "choice": []}):
         gen.update({"response_format": fmt})
-        with pytest.raises(ValueError, match=message):
-            engine.start_request_ids("m", loader, [1, 2, 3], gen)
+        assert engine.start_request_ids("m", loader, [1, 2, 3], gen) == (AsStatus.ALLSPARK_PARAM_ERROR, None, None)
 
 
 def test_generation_defaults_from_the_models_generation_config(tiny, tmp_path):
@@ -480,7 +540,8 @@ def test_generation_defaults_from_the_models_generation_config(tiny, tmp_path):
 
 def test_fields_translate_to_native_sampling(running, tiny):
     """stop_words_ids, bad_words_ids, min_length, no_repeat_ngram_size, suppress_repetition_in_generation,
-    logprobs and seeded sampling through the facade equal the native fields on the same model."""
+    logprobs and seeded sampling through the facade equal the native fields on the same model; length_penalty
+    (it scores beams, and there are none) is refused."""
     engine, loader, cfg = running
     prompt = [21, 22, 23, 24, 25]
     free = None
@@ -494,8 +555,12 @@ def test_fields_translate_to_native_sampling(running, tiny):
             ({"stop_words_ids": [free[3:5]]}, dict(temperature=0, ignore_eos=True, stop_token_sequences=[free[3:5]])),
             ({"bad_words_ids": [[free[0]]]}, dict(temperature=0, ignore_eos=True, bad_words_ids=[[free[0]]])),
             ({"no_repeat_ngram_size": 1}, dict(temperature=0, ignore_eos=True, no_repeat_ngram_size=1)),
-            ({"repetition_penalty": 1.5, "suppress_repetition_in_generation": True},
-             dict(temperature=0, ignore_eos=True, repetition_penalty=1.5, repetition_penalty_output_only=True)),
+            # the guide: suppress_repetition_in_generation=True suppresses with presence_penalty, False with
+            # repetition_penalty; the other has no effect
+            ({"presence_penalty": 1.5, "repetition_penalty": 1.3, "suppress_repetition_in_generation": True},
+             dict(temperature=0, ignore_eos=True, presence_penalty=1.5)),
+            ({"presence_penalty": 1.5, "repetition_penalty": 1.3},
+             dict(temperature=0, ignore_eos=True, repetition_penalty=1.3)),
             ({"top_k": 20, "temperature": 0.8, "top_p": 0.9, "seed": 1234},
              dict(temperature=0.8, top_k=20, top_p=0.9, seed=1234, ignore_eos=True)),
             ({"early_stopping": True, "eos_token_id": free[2], "min_length": len(prompt) + 4},
@@ -520,6 +585,9 @@ def test_fields_translate_to_native_sampling(running, tiny):
                     assert [v for _, v in top] == pytest.approx([v for _, _, v in ranked], abs=1e-4)
                     assert lp == pytest.approx(next(iter(pos.values())).logprob, abs=1e-4)
             engine.release_request("m", h)
+    gen = _greedy(loader, cfg, 0, length_penalty=1.2)
+    gen["max_length"] = len(prompt) + 20
+    assert engine.start_request_ids("m", loader, prompt, gen) == (AsStatus.ALLSPARK_PARAM_ERROR, None, None)
 
 
 def test_start_request_text_list_and_model_loader_tokenizer(running):
@@ -532,10 +600,6 @@ def test_start_request_text_list_and_model_loader_tokenizer(running):
     for text, q in zip(["hello there", "a b c"], queues):
         engine.sync_request("m")
         assert len(q.Get().ids_from_generate) == 40 - len(tok.encode(text))
-    with pytest.raises(ValueError, match="empty"):
-        engine.start_request_text("m", loader, "", gen)
-    with pytest.raises(ValueError, match="input_ids"):
-        engine.start_request_ids("m", loader, [[1, 2], [3, 4]], gen)
 
 
 # ----- engines, devices, memory -----
@@ -597,8 +661,10 @@ def test_runtime_builder_checks_and_unsupported_modes(tiny, caplog):
         tiny["model_path"], tiny["model_path"][:-8] + ".asparam").build()
     before = dict(os.environ)
     assert engine_config(ratio).kv_cache_memory_fraction == 0.25  # the model's own setting ...
-    assert dict(os.environ) == before and engine_config(cfg).kv_cache_memory_fraction is None  # ... not a global
-    engine = allspark.Engine()
+    assert dict(os.environ) == before  # ... not a global
+    with caplog.at_level(logging.INFO, logger="ember"):
+        engine = allspark.Engine()
+    assert "AllSpark Init with Version: ember" in caplog.text  # DashInfer logs its version when an engine is made
     engine.install_model(cfg)
     engine.start_model("d")
     if not torch.cuda.is_available():
@@ -606,6 +672,32 @@ def test_runtime_builder_checks_and_unsupported_modes(tiny, caplog):
     stats = engine.get_as_engine_stat("d")
     assert stats["kv_blocks_total"] > 0
     engine.stop_model("d")
+
+
+def test_memory_ratio_default_and_cpu_numa(tiny, monkeypatch, caplog):
+    """BFC_MEM_RATIO: the guide's default 0.975 of a CUDA device (its allocator is CUDA's; on CPU ember's default
+    holds), the variable when set (checked); CPU_NUMA says what it does with its node ids."""
+    import ember.compat.dashinfer.allspark.engine as as_engine
+
+    loader = DashInferModel(tiny["model_path"])
+    cuda = loader.create_reference_runtime_config_builder("c", TargetDevice.CUDA, [0], max_batch=2).build()
+    cpu = loader.create_reference_runtime_config_builder("p", TargetDevice.CPU, [0], max_batch=2).build()
+    monkeypatch.delenv("EMBER_MEM_RATIO", raising=False)
+    monkeypatch.delenv("BFC_MEM_RATIO", raising=False)
+    monkeypatch.setattr(as_engine.torch.cuda, "is_available", lambda: True)  # the mapping only: nothing starts
+    assert (engine_config(cuda).device, engine_config(cuda).kv_cache_memory_fraction) == ("cuda:0", 0.975)
+    monkeypatch.setenv("BFC_MEM_RATIO", "0.5")
+    assert engine_config(cuda).kv_cache_memory_fraction == 0.5
+    monkeypatch.setenv("BFC_MEM_RATIO", "1.5")
+    with pytest.raises(ValueError, match="BFC_MEM_RATIO"):
+        engine_config(cuda)
+    monkeypatch.delenv("BFC_MEM_RATIO")
+    assert engine_config(cpu).kv_cache_memory_fraction is None  # ember's CPU default
+    numa = loader.create_reference_runtime_config_builder("n", TargetDevice.CPU_NUMA, [0, 1], max_batch=2) \
+        .build()
+    numa.num_threads = 8
+    assert engine_config(numa).device == "cpu"
+    assert "CPU_NUMA with NUMA nodes [0, 1] runs as one CPU engine of 8 threads, not bound" in caplog.text
 
 
 # ----- LoRA: DashInfer's flow (serialize with lora_cfg, load_lora, lora_name, unload_lora) -----

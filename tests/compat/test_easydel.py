@@ -281,6 +281,85 @@ def test_settings_map_onto_the_engine(llama_dir):
     assert (d.engine_config.max_num_batched_tokens, d.engine_config.max_num_prefill_seqs) == (100, 1)
 
 
+def test_odriver_and_vdriver_make_the_same_surge(llama_dir):
+    """The page builds its surge 'with create_odriver' (EasyDeL 0.1's paged-attention driver) and its code with
+    from_model (the vDriver): all three are one engine here; page_size is the KV block size, hbm_utilization the
+    device's memory share on CUDA; a page cache or manager of EasyDeL's own is refused."""
+    m = ed.AutoEasyDeLModelForCausalLM.from_pretrained(llama_dir, dtype="float32",
+                                                       config_kwargs=ed.EasyDeLBaseConfigDict(
+                                                           mask_max_position_embeddings=256))
+    o = ed.vSurge.create_odriver(m, None, page_size=32, hbm_utilization=0.5, max_concurrent_prefill=2,
+                                 max_concurrent_decodes=3, max_prefill_length=64, seed=5, vsurge_name="o")
+    v = ed.vSurge.create_vdriver(m, None, max_concurrent_decodes=3, max_prefill_length=64, seed=5)
+    f = ed.vSurge.from_model(m, None, max_concurrent_decodes=3, max_prefill_length=64, seed=5)
+    assert (o.engine_config.block_size, o.engine_config.max_num_prefill_seqs, o.vsurge_name) == (32, 2, "o")
+    assert o.engine_config.kv_cache_memory_fraction == (0.5 if torch.cuda.is_available() else None)
+    assert v.engine_config == f.engine_config
+    with pytest.raises(ValueError, match="storage=object is not supported"):
+        ed.vSurge.create_odriver(m, None, storage=object())
+    with pytest.raises(ValueError, match="hbm_utilization=1.5 is out of range"):
+        ed.vSurge.create_odriver(m, None, hbm_utilization=1.5)
+    surge = ed.vSurge.create_odriver(m, None, max_concurrent_decodes=2, max_prefill_length=64)
+    surge.start()
+    try:
+        greedy = ed.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        assert asyncio.run(surge.generate("Once upon", greedy))[0].token_ids == \
+            asyncio.run(_started(f).generate("Once upon", greedy))[0].token_ids
+    finally:
+        surge.stop()
+        f.stop()
+
+
+def _started(surge: ed.vSurge) -> ed.vSurge:
+    surge.start()
+    return surge
+
+
+def test_param_dtype_and_kvdtype(llama_dir):
+    """EasyDeL keeps the weights in param_dtype and casts them to dtype for every product: float32 parameters
+    computed in bfloat16 are held in bfloat16 (the same products); narrower parameters than the compute dtype are
+    refused with the reason. kvdtype: the model's dtype, or refused (ember's float cache is the model's dtype)."""
+    jnp = pytest.importorskip("jax").numpy
+    load = ed.AutoEasyDeLModelForCausalLM.from_pretrained
+    assert load(llama_dir, dtype=jnp.bfloat16, param_dtype=jnp.float32).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="param_dtype=bfloat16 with dtype=float32 is not supported"):
+        load(llama_dir, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    kv = ed.EasyDeLBaseConfigDict
+    assert load(llama_dir, dtype=jnp.float32, config_kwargs=kv(kvdtype=jnp.float32)).engine_settings[
+        "kv_cache_dtype"] == "auto"
+    with pytest.raises(ValueError, match="kvdtype=bfloat16 with dtype=float32 is not supported"):
+        load(llama_dir, dtype=jnp.float32, config_kwargs=kv(kvdtype=jnp.bfloat16))
+    with pytest.raises(ValueError, match="kvdtype='float8_e5m2' is not supported"):
+        load(llama_dir, dtype=jnp.bfloat16, config_kwargs=kv(kvdtype=jnp.float8_e5m2))
+    quantized = load(llama_dir, dtype=jnp.float32, config_kwargs=kv(
+        kvdtype=jnp.bfloat16, kv_cache_quantization_method=ed.EasyDeLQuantizationMethods.A8BIT))
+    assert quantized.engine_settings["kv_cache_dtype"] == "int8"  # a quantized cache holds neither float
+
+
+def test_guided_decoding_is_enforced(llama_dir):
+    """EasyDeL's SamplingParams.guided_decoding (GuidedDecodingParams, from easydel.inference.sampling_params):
+    EasyDeL stores it; ember constrains the output to it."""
+    from ember.compat.easydel.inference.sampling_params import GuidedDecodingParams
+
+    surge = _surge(llama_dir, max_length=256)
+    try:
+        params = [ed.SamplingParams(max_tokens=12, temperature=0, guided_decoding=g) for g in (
+            GuidedDecodingParams(choice=["red", "green", "blue"]), {"regex": "[a-c]{3}-[0-9]{2}"},
+            GuidedDecodingParams(grammar='start: "yes" | "no"'))]
+        out = asyncio.run(surge.generate(["Pick one:"] * 3, params))
+        assert out[0].text[0] in ("red", "green", "blue")
+        assert re.fullmatch("[a-c]{3}-[0-9]{2}", out[1].text[0])
+        assert out[2].text[0] in ("yes", "no")
+    finally:
+        surge.stop()
+    with pytest.raises(ValueError, match="structural_tag"):
+        ed.SamplingParams(guided_decoding=GuidedDecodingParams(structural_tag="x"))
+    with pytest.raises(ValueError, match="regexp"):
+        ed.SamplingParams(guided_decoding={"regexp": "x"})
+    with pytest.raises(ValueError, match="exactly one"):
+        ed.SamplingParams(guided_decoding={"regex": "a", "choice": ["a"]})
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(sharding_axis_dims=(2, 1, 1, 1, 1)), "'dp'.*separate engines"),
     (dict(sharding_axis_dims=(1, 1, 1, 1, 2)), "'sp'.*no sequence parallelism"),

@@ -73,8 +73,8 @@ def llama4(tmp_path_factory, tokenizer_dir) -> str:
 
 def test_basic_usage_prints_results(basic, native, capsys):
     out = basic.generate([PROMPT])[0]
-    # repr quotes the text with " when it holds an apostrophe
-    assert re.fullmatch(r"GenerationResult\(text=('.+'|\".+\"), token_ids=\[[\d, ]+\], logprobs=\[\]\)", repr(out),
+    # printed as the page's basic usage shows it (repr quotes the text with " when it holds an apostrophe)
+    assert re.fullmatch(r"GenerationOutput\(text=('.+'|\".+\"), token_ids=\[[\d, ]+\], logprobs=\[\]\)", repr(out),
                         re.S)
     assert out.token_ids == native_greedy(native, PROMPT)  # TensorRT-LLM's default: greedy, 32 new tokens
     assert out.text == native.tokenizer.decode(out.token_ids)
@@ -86,7 +86,7 @@ def test_token_ids_give_ids_and_empty_text(llama, basic, native, capsys):
         assert outputs[0].token_ids == native_greedy(native, [32, 12])
     llm = ex.disabling_tokenizer(llama)
     llm.shutdown()
-    assert re.search(r"GenerationResult\(text='', token_ids=\[[\d, ]+\]", capsys.readouterr().out)
+    assert re.search(r"GenerationOutput\(text='', token_ids=\[[\d, ]+\]", capsys.readouterr().out)
 
 
 def test_asyncio_streaming_and_futures(llama, basic, capsys):
@@ -155,7 +155,7 @@ def test_beam_search_example(llama, native, capsys):
     llm = ex.beam_search(llama, PROMPT)
     try:
         printed = capsys.readouterr().out
-        assert re.match(r"GenerationResult\(text=\[['\"]", printed)  # repr picks " when the text has an apostrophe
+        assert re.match(r"GenerationOutput\(text=\[['\"]", printed)  # repr picks " when the text has an apostrophe
         out = llm.generate(PROMPT, sampling_config=_beams(llm, 4))[0]
         want = native.generate([PROMPT], SamplingParams(beam_width=4, n=4, temperature=0, max_tokens=DEFAULT_NEW),
                                use_tqdm=False)[0]

@@ -14,9 +14,10 @@ from ember.compat.easydel.enums import (
 )
 from ember.compat.easydel.modeling import AutoEasyDeLModelForCausalLM, EasyDeLCausalLM
 from ember.compat.easydel.outputs import ReturnSample
-from ember.compat.easydel.sampling import RequestOutputKind, SamplingParams
+from ember.compat.easydel.sampling import GuidedDecodingParams, RequestOutputKind, SamplingParams
 from ember.compat.easydel.surge import vSurge
 
 __all__ = ["AttentionMechanisms", "AutoEasyDeLModelForCausalLM", "EasyDeLBackends", "EasyDeLBaseConfigDict",
            "EasyDeLCausalLM", "EasyDeLGradientCheckPointers", "EasyDeLPlatforms", "EasyDeLQuantizationMethods",
-           "PartitionAxis", "RequestOutputKind", "ReturnSample", "SamplingParams", "vSurge", "vSurgeApiServer"]
+           "GuidedDecodingParams", "PartitionAxis", "RequestOutputKind", "ReturnSample", "SamplingParams", "vSurge",
+           "vSurgeApiServer"]

@@ -124,7 +124,7 @@ class AutoEasyDeLModelForCausalLM:
         path = _checkpoint_path(pretrained_model_name_or_path)
         hf_config = _hf_config(path)
         max_length = _max_length(ck, hf_config)
-        model_dtype = _model_dtype(dtype, param_dtype, ck.get("kvdtype"))
+        model_dtype = _model_dtype(dtype, param_dtype)
         device_name = _device(device, backend if backend is not None else ck.get("backend"))
         axis = partition_axis or ck.get("partition_axis") or PartitionAxis()
         dims = tuple(sharding_axis_dims or ck.get("sharding_axis_dims") or sharding.DEFAULT_AXIS_DIMS)
@@ -134,8 +134,7 @@ class AutoEasyDeLModelForCausalLM:
             logger.info("auto_shard_model=False: the weights are not split; the engine runs as one rank")
             tp = 1
         weights = WEIGHT_QUANTIZATION[member(_Q, quantization_method, "quantization_method")]
-        kv = KV_QUANTIZATION[member(_Q, ck.get("kv_cache_quantization_method", _Q.NONE),
-                                    "kv_cache_quantization_method")]
+        kv = _kv_cache_dtype(ck.get("kvdtype"), ck.get("kv_cache_quantization_method", _Q.NONE), model_dtype)
         settings = dict(model=path, dtype=model_dtype, device=device_name, quantization=weights,
                         quant_group_size=quantization_block_size if weights == "int4" else None, kv_cache_dtype=kv,
                         tensor_parallel_size=tp, max_model_len=max_length)
@@ -185,19 +184,47 @@ def _max_length(ck: dict, hf_config: Any) -> int:
     return length
 
 
-def _model_dtype(dtype: Any, param_dtype: Any, kvdtype: Any) -> torch.dtype:
-    """ember computes in the dtype it stores weights in: dtype (EasyDeL's compute dtype) decides, else param_dtype,
-    else bfloat16 (EasyDeL's default for both). The float KV cache is kept in that dtype too."""
+def _model_dtype(dtype: Any, param_dtype: Any) -> torch.dtype:
+    """EasyDeL stores the weights in param_dtype and casts them to dtype for every product. ember computes in the
+    dtype it stores them in: float32 parameters computed in bfloat16 / float16 are cast before each product, which
+    is the same as storing them in that dtype, so they are held in dtype (same results, half the memory). Parameters
+    narrower than the compute dtype (rounded to bfloat16, computed in float32) ember cannot hold: refused."""
     compute, params = torch_dtype(dtype, "dtype"), torch_dtype(param_dtype, "param_dtype")
     chosen = compute or params or torch.bfloat16
     if params is not None and params != chosen:
-        logger.warning("param_dtype=%s differs from dtype=%s: ember keeps the weights in the dtype it computes in "
-                       "(%s)", params, chosen, chosen)
-    kv = torch_dtype(kvdtype, "kvdtype")
-    if kv is not None and kv != chosen:
-        logger.warning("kvdtype=%s differs from dtype=%s: ember keeps a float KV cache in the model's dtype (quantize "
-                       "it with kv_cache_quantization_method)", kv, chosen)
+        if params != torch.float32:
+            raise ValueError(f"param_dtype={_name(params)} with dtype={_name(chosen)} is not supported: ember computes "
+                             "in the dtype it stores the weights in, so it cannot keep them rounded to "
+                             f"{_name(params)} while computing in {_name(chosen)}; pass param_dtype={_name(chosen)} "
+                             f"(or dtype={_name(params)})")
+        logger.info("param_dtype=float32 with dtype=%s: the weights are cast to %s before every product, so ember "
+                    "holds them in %s (the same results)", _name(chosen), _name(chosen), _name(chosen))
     return chosen
+
+
+def _kv_cache_dtype(kvdtype: Any, method: Any, model_dtype: torch.dtype) -> str:
+    """The KV cache's element type: kv_cache_quantization_method picks int8 / uint4 (EasyDeL's A8BIT / NF4); a float
+    cache is kept in the model's dtype, so a kvdtype (EasyDeL: float dtypes only) must be that one; float8 and a
+    different float are refused, since ember has no such cache."""
+    chosen = KV_QUANTIZATION[member(_Q, method, "kv_cache_quantization_method")]
+    if kvdtype is None:
+        return chosen
+    try:
+        kv = torch_dtype(kvdtype, "kvdtype")
+    except ValueError:
+        name = kvdtype if isinstance(kvdtype, str) else values.dtype_name(kvdtype) or kvdtype
+        raise ValueError(f"kvdtype={name!r} is not supported: ember keeps a float KV cache in the model's dtype "
+                         f"({_name(model_dtype)}); quantize it with kv_cache_quantization_method (A8BIT: int8, NF4: "
+                         "uint4)") from None
+    if kv != model_dtype and chosen == "auto":  # a quantized cache stores neither float
+        raise ValueError(f"kvdtype={_name(kv)} with dtype={_name(model_dtype)} is not supported: ember keeps a float "
+                         f"KV cache in the dtype it computes in; pass kvdtype={_name(model_dtype)} (or leave it out), "
+                         "or quantize the cache with kv_cache_quantization_method (A8BIT: int8, NF4: uint4)")
+    return chosen
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _device(device: Any, backend: Any) -> str:

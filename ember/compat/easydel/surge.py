@@ -26,6 +26,12 @@ from ember.frontend.inbox import Inbox
 from ember.sampling_params import SamplingParams as NativeParams
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class _State(enum.Enum):
     CREATED = "created"  # settings checked, no engine yet
     COMPILED = "compiled"  # engine built and warmed up
@@ -61,7 +67,8 @@ class vSurge:  # noqa: N801  (EasyDeL's name)
         as EasyDeL; a longer prompt is prefilled in chunks). max_length: prompt + output tokens of a sequence
         (default the model's mask_max_position_embeddings). tokens_per_page / num_pages: ember's KV block size and
         the KV pool's most blocks. interleaved_mode, slot_clear_steps, verbose: accepted (ember always mixes prefill
-        chunks with decodes in a step, frees a sequence's KV blocks when it ends, and logs at EMBER_LOG_LEVEL).
+        chunks with decodes in a step, frees a sequence's KV blocks when it ends, and logs through the "ember"
+        logger).
         """
         if kwargs:
             raise TypeError(f"vSurge.from_model() got arguments ember does not know: {', '.join(sorted(kwargs))}")
@@ -103,6 +110,44 @@ class vSurge:  # noqa: N801  (EasyDeL's name)
             config = dataclasses.replace(config, max_kv_cache_tokens=num_pages * config.block_size)
         name = vsurge_name or f"{model.model_type}-{model.num_parameters / 1e9:.2f}b"
         return cls(model, processor, config, name, extra, bytecode_decode, buckets)
+
+    @classmethod
+    def create_odriver(cls, model: EasyDeLCausalLM, processor: Any = None, storage: Any = None, manager: Any = None,
+                       page_size: int = 128, hbm_utilization: float = 0.6, max_concurrent_prefill: int | None = None,
+                       max_concurrent_decodes: int | None = None, prefill_lengths: int | list[int] | None = None,
+                       max_prefill_length: int | None = None, max_length: int | None = None, seed: int = 894,
+                       vsurge_name: str | None = None, verbose: bool = True) -> "vSurge":
+        """EasyDeL's oDriver surge (paged attention: pages of page_size tokens, hbm_utilization of the device's
+        memory for them), on ember's engine, whose KV cache is always paged: page_size is the block size;
+        hbm_utilization is the memory fraction on CUDA (of the device, as EasyDeL's) and, on CPU, where there is
+        no HBM, ember's own default holds. storage / manager (EasyDeL's page cache and manager) must be None:
+        ember builds its own pool."""
+        for name, value in (("storage", storage), ("manager", manager)):
+            if value is not None:
+                raise ValueError(f"{name}={type(value).__name__} is not supported: ember builds its own paged KV pool "
+                                 "(size it with page_size and hbm_utilization); pass None")
+        if isinstance(hbm_utilization, bool) or not isinstance(hbm_utilization, (int, float)) \
+                or not 0 < hbm_utilization <= 1:
+            raise ValueError(f"hbm_utilization={hbm_utilization!r} is out of range: it must be a number in (0, 1]")
+        surge = cls.from_model(model, processor, max_concurrent_decodes=max_concurrent_decodes,
+                               max_concurrent_prefill=max_concurrent_prefill, prefill_lengths=prefill_lengths,
+                               max_prefill_length=max_prefill_length, max_length=max_length, seed=seed,
+                               vsurge_name=vsurge_name, verbose=verbose, tokens_per_page=page_size)
+        if surge.engine_config.device.startswith("cuda") or (surge.engine_config.device == "auto"
+                                                             and _cuda_available()):
+            surge.engine_config = dataclasses.replace(surge.engine_config,
+                                                      kv_cache_memory_fraction=float(hbm_utilization))
+        return surge
+
+    @classmethod
+    def create_vdriver(cls, model: EasyDeLCausalLM, processor: Any = None, max_concurrent_decodes: int | None = None,
+                       prefill_lengths: int | list[int] | None = None, max_prefill_length: int | None = None,
+                       max_length: int | None = None, vsurge_name: str | None = None, verbose: bool = True,
+                       seed: int = 894) -> "vSurge":
+        """EasyDeL's vDriver surge (what from_model builds): the same engine."""
+        return cls.from_model(model, processor, max_concurrent_decodes=max_concurrent_decodes,
+                              prefill_lengths=prefill_lengths, max_prefill_length=max_prefill_length,
+                              max_length=max_length, vsurge_name=vsurge_name, verbose=verbose, seed=seed)
 
     # ----- life cycle -----
 

@@ -22,7 +22,7 @@ def torch_dtype(value: Any, name: str) -> torch.dtype | None:
     """A dtype given as jnp.bfloat16 / jnp.dtype('float32') / numpy dtype / 'bfloat16' / torch.bfloat16, or None."""
     if value is None or isinstance(value, torch.dtype):
         return value
-    text = value if isinstance(value, str) else _dtype_name(value)
+    text = value if isinstance(value, str) else dtype_name(value)
     dtype = dtypes.DTYPES.get(dtypes.canonical_dtype(text) or "") if text else None
     if dtype is None:
         raise ValueError(f"{name}={value!r} is not a supported dtype: use float32, bfloat16 or float16 (jnp.float32, "
@@ -30,7 +30,7 @@ def torch_dtype(value: Any, name: str) -> torch.dtype | None:
     return dtype
 
 
-def _dtype_name(value: Any) -> str | None:
+def dtype_name(value: Any) -> str | None:
     """The name of a jax / numpy dtype or scalar type: jnp.bfloat16 is a scalar type whose .dtype is a numpy dtype
     (ml_dtypes' bfloat16); jnp.dtype(...) and numpy dtypes have .name themselves; np.float32 goes through np.dtype."""
     name = getattr(getattr(value, "dtype", value), "name", None)

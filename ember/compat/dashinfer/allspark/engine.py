@@ -4,6 +4,7 @@ are native requests whose output sink is a ResultQueue; nothing here schedules o
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -15,7 +16,8 @@ from typing import Any
 import torch
 
 from ember import envs
-from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfigBuilder, to_sampling_params
+from ember.compat.dashinfer.allspark.generation_config import (ASGenerationConfigBuilder, PromptTooLong,
+                                                               to_sampling_params)
 from ember.compat.dashinfer.allspark.lora import SUFFIX, adapter_path
 from ember.compat.dashinfer.allspark.model_loader import (DashInferModel, HuggingFaceModel, LLM, pin_model_files,
                                                           unpin_model_files)
@@ -25,9 +27,16 @@ from ember.compat.dashinfer.allspark.status import (AsCacheMode, AsException, As
                                                     ModelState, RoPEScaleMethod, TargetDevice)
 from ember.lora.request import LoRARequest
 from ember.model_loader import asmodel
+from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember")
 _OK = AsStatus.ALLSPARK_SUCCESS
+# What CPU_NUMA does here, said when its node ids would suggest more. DashInfer's own CPU engine ignores the ids as
+# well (one engine; its multi-NUMA client starts one process per node under numactl instead).
+NUMA_NOTE = ("model %s: TargetDevice.CPU_NUMA with NUMA nodes %s runs as one CPU engine of %s threads, not bound to "
+             "any node: ember pins no threads and binds no memory. To keep it on one node, start the process under "
+             "`numactl --cpunodebind=N --membind=N`")
+BFC_MEM_RATIO_DEFAULT = 0.975  # "The default value is 0.975 in this release" (the offline inference guide)
 
 
 @dataclass(slots=True)
@@ -62,18 +71,21 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
                                "CPU", cfg.model_name)
             device = "cpu"
     else:
-        if warn and cfg.extra.get("numa") and len(ids) > 1:
-            logger.warning("model %s: CPU_NUMA over nodes %s runs as one CPU engine (no NUMA binding)",
-                           cfg.model_name, ids)
+        if warn and cfg.extra.get("numa") and list(ids) != [0]:
+            logger.warning(NUMA_NOTE, cfg.model_name, ids, cfg.num_threads or "torch's default number of")
         device = "cpu"
     meta = asmodel.read_meta(cfg.model_path)
-    # DashInfer's memory knob: the runtime config's cuda_mem.memory_ratio, else its BFC_MEM_RATIO variable;
-    # ember's own EMBER_MEM_RATIO, when set, wins as it does for every engine
+    # DashInfer's memory knob: the runtime config's cuda_mem.memory_ratio, else its BFC_MEM_RATIO variable, else
+    # on CUDA the guide's default (BFC_MEM_RATIO, the share of the device's total memory; its allocator is for
+    # NVIDIA GPUs only, so on CPU ember's own default holds); ember's EMBER_MEM_RATIO, when set, wins as it does
+    # for every engine
     fraction = None
     if os.environ.get(envs.MEM_RATIO) is None:
         fraction = cfg.memory_ratio
         if fraction is None:
             fraction = envs.ratio_from("BFC_MEM_RATIO", os.environ.get("BFC_MEM_RATIO"))
+        if fraction is None and device.startswith("cuda"):
+            fraction = BFC_MEM_RATIO_DEFAULT
     # a model serialized with lora_cfg gets lora_max_num adapter slots of lora_max_rank (DashInfer builds its LoRA
     # ops only into such a model)
     lora = dict(enable_lora=True, max_loras=cfg.lora_max_num, max_lora_rank=cfg.lora_max_rank) \
@@ -88,6 +100,48 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
                         tensor_parallel_size=tp, **lora)
 
 
+def _reports_status(call):
+    """A call that returns an AsStatus reports a wrong model state, an unknown model or an unknown request as its
+    status (logged with the reason), as DashInfer's engine calls do, instead of raising."""
+
+    @functools.wraps(call)
+    def reporting(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        except AsException as e:
+            logger.error("%s: %s", call.__name__, e)
+            return e.status
+
+    return reporting
+
+
+def _starts_request(call):
+    """A request start returns (status, None, None) when it cannot start, the reason logged (DashInfer's way):
+    ALLSPARK_EXCEED_LIMIT_ERROR for a prompt that is empty or leaves no room under max_length, ALLSPARK_PARAM_ERROR
+    for a bad generation field or an unknown model, ALLSPARK_REQUEST_DENIED for a model that is not running. Inputs
+    of the wrong type still raise ValueError, as DashInfer's do."""
+
+    @functools.wraps(call)
+    def starting(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        except AsException as e:
+            logger.error("%s: %s", call.__name__, e)
+            return e.status, None, None
+        except PromptTooLong as e:
+            logger.error("%s: %s", call.__name__, e)
+            return AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR, None, None
+        except _BadGeneration as e:
+            logger.error("%s: %s", call.__name__, e)
+            return AsStatus.ALLSPARK_PARAM_ERROR, None, None
+
+    return starting
+
+
+class _BadGeneration(ValueError):
+    """A generation config field out of range (the message names it)."""
+
+
 _KV_CACHE_DTYPES = {AsCacheMode.AsCacheDefault: "auto", AsCacheMode.AsCacheQuantI8: "int8",
                     AsCacheMode.AsCacheQuantU4: "uint4"}
 
@@ -96,10 +150,21 @@ class Engine:
     """Models installed under unique names, and the requests sent to them."""
 
     def __init__(self) -> None:
+        # DashInfer logs its version when an engine is made ("AllSpark Init with Version: ..."); so does this one
+        logger.info("AllSpark Init with Version: %s", self.get_version_full())
         self._models: dict[str, _Model] = {}
         self._lock = threading.RLock()
         # request ids unique over the engine's life: a handle from before a restart never names a newer request
         self._ids = itertools.count()
+        self._held: set[str] = set()  # in-memory serializations made for this engine, not installed yet
+
+    def _hold_until_loaded(self, model_path: str) -> None:
+        """serialize_to_memory(engine): its files stay until this engine has installed and loaded the model."""
+        with self._lock:
+            path = os.path.abspath(model_path)
+            if path not in self._held:
+                self._held.add(path)
+                pin_model_files(path)
 
     def get_version_full(self) -> str:
         from ember.version import __version__
@@ -111,18 +176,23 @@ class Engine:
 
     # ----- models -----
 
-    def _model(self, name: str, *allowed: ModelState) -> _Model:
+    def _model(self, name: str, *allowed: ModelState,
+               wrong_state: AsStatus = AsStatus.ALLSPARK_INVALID_CALL_ERROR) -> _Model:
+        """The model, else AsException (with DashInfer's status: PARAM_ERROR for a name not installed, wrong_state
+        for a state the call cannot run in) naming what is wrong; the calls turn it into the status they return,
+        as DashInfer's do (get_model_state raises it)."""
         m = self._models.get(name)
         if m is None:
             raise AsException(f"model {name!r} is not installed: installed models are {sorted(self._models)}",
                               AsStatus.ALLSPARK_PARAM_ERROR)
         if allowed and m.state not in allowed:
             raise AsException(f"model {name!r} is {m.state.name}: this call needs it "
-                              f"{' or '.join(s.name for s in allowed)}")
+                              f"{' or '.join(s.name for s in allowed)}", wrong_state)
         return m
 
     def install_model(self, as_model_config_struct: AsModelConfig) -> AsStatus:
-        """Register a model under its runtime config's model_name (state Initial); the files must validate."""
+        """Register a model under its runtime config's model_name (state Initial); the files must validate. Unlike
+        the other calls it raises (AsException, a RuntimeError, for a name in use), as DashInfer's does."""
         cfg = as_model_config_struct
         if not isinstance(cfg, AsModelConfig):
             raise ValueError(f"install_model takes an AsModelConfig (AsModelRuntimeConfigBuilder().build()), not "
@@ -142,11 +212,16 @@ class Engine:
                 raise AsException(f"model name {cfg.model_name!r} is already installed ({old.state.name}): model "
                                   "names must be unique in an engine", AsStatus.ALLSPARK_PARAM_ERROR)
             self._models[cfg.model_name] = _Model(cfg)
-        pin_model_files(cfg.model_path)  # in-memory serializations stay until the model has loaded them
+            held = os.path.abspath(cfg.model_path)
+            if held in self._held:
+                self._held.discard(held)  # the hold taken at serialize_to_memory becomes this model's
+            else:
+                pin_model_files(cfg.model_path)  # in-memory serializations stay until the model has loaded them
         return _OK
 
     build_model_from_config_struct = install_model  # DashInfer's deprecated name
 
+    @_reports_status
     def start_model(self, model_name: str) -> AsStatus:
         """Load the model and warm it up at max_batch x max_length; a configuration that cannot fit fails with
         what would fit."""
@@ -163,11 +238,14 @@ class Engine:
             m.state = ModelState.Running
         return _OK
 
+    @_reports_status
     def stop_model(self, model_name: str) -> AsStatus:
         """Stop serving: unfinished requests end GenerateInterrupted (their queues stay readable), the model's
         loop thread stops and its memory is freed. start_model runs it again."""
         with self._lock:
-            m = self._model(model_name, ModelState.Running)
+            stopped = getattr(self._models.get(model_name), "state", None) is ModelState.Stopped
+            m = self._model(model_name, ModelState.Running, wrong_state=AsStatus.ALLSPARK_REQUEST_DENIED if stopped
+                            else AsStatus.ALLSPARK_INVALID_CALL_ERROR)  # DashInfer denies stopping twice
             self._interrupt_all(m)
             m.engine.shutdown()
             m.engine = None
@@ -175,6 +253,7 @@ class Engine:
             m.state = ModelState.Stopped
         return _OK
 
+    @_reports_status
     def release_model(self, model_name: str) -> AsStatus:
         """Forget a model that is not running; its name may be installed again."""
         with self._lock:
@@ -200,6 +279,7 @@ class Engine:
 
     # ----- LoRA adapters -----
 
+    @_reports_status
     def load_lora(self, model_name: str, lora_name: str) -> AsStatus:
         """Load NAME.aslora (written beside the model by serialize's lora_cfg), or an absolute path to one (named
         after its file), so that requests may name it in lora_name. The status says why not: not found, too many or
@@ -231,6 +311,7 @@ class Engine:
             m.loras[name] = request
         return _OK
 
+    @_reports_status
     def unload_lora(self, model_name: str, lora_name: str) -> AsStatus:
         """Forget a loaded adapter; refused (LORA_IN_USE) while a request that names it is unfinished."""
         with self._lock:
@@ -250,6 +331,7 @@ class Engine:
 
     # ----- requests -----
 
+    @_starts_request
     def start_request(self, model_name: str, inputs: dict[str, Any],
                       generate_config: dict[str, Any] | ASGenerationConfigBuilder | None = None
                       ) -> tuple[AsStatus, RequestHandle, ResultQueue]:
@@ -258,12 +340,14 @@ class Engine:
             raise ValueError("inputs must be a dict with 'input_ids'")
         return self._start(model_name, _as_id_list(inputs["input_ids"]), generate_config or {})
 
+    @_starts_request
     def start_request_ids(self, model_name: str, model: LLM | None, input_ids: Any,
                           generate_config_builder: ASGenerationConfigBuilder | dict[str, Any]
                           ) -> tuple[AsStatus, RequestHandle, ResultQueue]:
         """Start one request from token ids (a list, or a 1-D tensor or a [1, n] one)."""
         return self._start(model_name, _as_id_list(input_ids), generate_config_builder)
 
+    @_starts_request
     def start_request_text(self, model_name: str, model: LLM, input_str_or_array: str | Sequence[str],
                            generate_config_builder: ASGenerationConfigBuilder | dict[str, Any]):
         """Start a request from text, tokenized by the model loader's tokenizer. A list of texts starts one request
@@ -274,33 +358,75 @@ class Engine:
         texts = list(input_str_or_array)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("input_str_or_array must be a string or a non-empty list of strings")
-        prompts = [_encode(tokenizer, t) for t in texts]  # every text is checked before any request starts
-        started = [self._start(model_name, ids, generate_config_builder) for ids in prompts]
-        return _OK, [h for _, h, _ in started], [q for _, _, q in started]
+        prompts = [_encode(tokenizer, t) for t in texts]
+        with self._lock:  # every request is checked before any starts: all start, or none
+            prepared = [self._prepare(model_name, ids, generate_config_builder) for ids in prompts]
+            if len({p[1] for p in prepared}) < len(prepared):
+                raise _BadGeneration(f"uuid={prepared[0][1]!r} names every request of the list: leave uuid unset")
+            started: list[tuple[RequestHandle, ResultQueue]] = []
+            try:
+                for ids, p in zip(prompts, prepared):
+                    started.append(self._submit(model_name, ids, *p))
+            except _BadGeneration:
+                for handle, _ in started:  # all or none
+                    self._drop(handle)
+                raise
+        return _OK, [h for h, _ in started], [q for _, q in started]
 
     def _start(self, model_name: str, ids: list[int], gen: ASGenerationConfigBuilder | dict[str, Any]
                ) -> tuple[AsStatus, RequestHandle, ResultQueue]:
         with self._lock:
-            m = self._model(model_name, ModelState.Running)
-            cfg = gen.build() if isinstance(gen, ASGenerationConfigBuilder) else dict(gen)
+            handle, queue = self._submit(model_name, ids, *self._prepare(model_name, ids, gen))
+        return _OK, handle, queue
+
+    def _prepare(self, model_name: str, ids: list[int], gen: ASGenerationConfigBuilder | dict[str, Any]
+                 ) -> tuple[SamplingParams, str, str | None]:
+        """The request's native params, id and adapter, checked; raises what _starts_request reports."""
+        m = self._model(model_name, ModelState.Running, wrong_state=AsStatus.ALLSPARK_REQUEST_DENIED)
+        if not ids:
+            raise PromptTooLong("input_ids is empty: a request needs at least one token")
+        cfg = gen.build() if isinstance(gen, ASGenerationConfigBuilder) else dict(gen)
+        try:
             params = to_sampling_params(cfg, len(ids), m.engine.model_info.max_model_len)
-            rid = str(cfg.get("uuid") or f"{model_name}-{next(self._ids)}")
-            if rid in m.queues:
-                raise ValueError(f"uuid={rid!r} is already in use by a request of model {model_name!r}")
-            lora_name = cfg.get("lora_name") or None
-            if lora_name is not None and lora_name not in m.loras:
-                logger.warning("model %s: lora_name=%r is not loaded (load_lora first); loaded: %s", model_name,
-                               lora_name, sorted(m.loras))
-                return AsStatus.ALLSPARK_LORA_NOT_FOUND, None, None
-            queue = ResultQueue(rid, len(ids), params.logprobs or 0)
+        except PromptTooLong:
+            raise
+        except ValueError as e:
+            raise _BadGeneration(str(e)) from e
+        rid = str(cfg.get("uuid") or f"{model_name}-{next(self._ids)}")
+        if rid in m.queues:
+            raise _BadGeneration(f"uuid={rid!r} is already in use by a request of model {model_name!r}")
+        lora_name = cfg.get("lora_name") or None
+        if lora_name is not None and lora_name not in m.loras:
+            raise AsException(f"model {model_name}: lora_name={lora_name!r} is not loaded (load_lora first); loaded: "
+                              f"{sorted(m.loras)}", AsStatus.ALLSPARK_LORA_NOT_FOUND)
+        return params, rid, lora_name
+
+    def _submit(self, model_name: str, ids: list[int], params: SamplingParams, rid: str, lora_name: str | None
+                ) -> tuple[RequestHandle, ResultQueue]:
+        m = self._models[model_name]
+        queue = ResultQueue(rid, len(ids), params.logprobs or 0)
+        try:  # what only the engine checks (a constraint's grammar) is a bad field too
             m.engine.submit([ids], [params], queue._put, [rid], [m.loras[lora_name] if lora_name else None])
-            m.queues[rid] = queue
-            if lora_name is not None:
-                m.lora_of[rid] = lora_name
-        return _OK, RequestHandle(model_name, rid), queue
+        except ValueError as e:
+            raise _BadGeneration(str(e)) from e
+        m.queues[rid] = queue
+        if lora_name is not None:
+            m.lora_of[rid] = lora_name
+        return RequestHandle(model_name, rid), queue
+
+    def _drop(self, handle: RequestHandle) -> None:
+        """Abort and forget a request that was just started (a list whose later request failed)."""
+        m = self._models[handle.model_name]
+        queue = m.queues.pop(handle.request_id)
+        m.lora_of.pop(handle.request_id, None)
+        m.engine.abort(handle.request_id)
+        queue._release()
 
     def _queue(self, model_name: str, handle: RequestHandle, *allowed: ModelState) -> tuple[_Model, ResultQueue]:
         m = self._model(model_name, *allowed)
+        if handle is None:  # DashInfer: a None handle is an empty request
+            raise AsException("request_handle is None: pass the handle start_request returned",
+                              AsStatus.ALLSPARK_EMPTY_REQUEST)
         rid = handle.request_id if isinstance(handle, RequestHandle) else str(handle)
         q = m.queues.get(rid)
         if q is None:
@@ -308,6 +434,7 @@ class Engine:
                               "started there)", AsStatus.ALLSPARK_ILLEGAL_REQUEST_ID)
         return m, q
 
+    @_reports_status
     def stop_request(self, model_name: str, request_handle: RequestHandle) -> AsStatus:
         """End a request now; it keeps what it generated and ends GenerateFinished."""
         with self._lock:
@@ -317,6 +444,7 @@ class Engine:
         q._wait_finished()
         return _OK
 
+    @_reports_status
     def release_request(self, model_name: str, request_handle: RequestHandle) -> AsStatus:
         """Free everything the request holds (stopping it first if it runs); its queue then returns None."""
         with self._lock:
@@ -330,6 +458,7 @@ class Engine:
         q._release()
         return _OK
 
+    @_reports_status
     def sync_request(self, model_name: str, request_handle: RequestHandle | None = None) -> AsStatus:
         """Block until the request (or, with no handle, every request of the model) has finished."""
         with self._lock:
@@ -352,8 +481,10 @@ class Engine:
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"input text {text!r} is empty: a request needs at least one character")
+    if not isinstance(text, str):
+        raise ValueError(f"input text of type {type(text).__name__} is not supported: pass a string")
+    if not text:
+        raise PromptTooLong("input text '' is empty: a request needs at least one character")
     return list(tokenizer.encode(text))
 
 

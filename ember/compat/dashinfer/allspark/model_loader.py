@@ -79,9 +79,9 @@ def quant_config_from_recipe(enable_quant: bool, weight_only_quant: bool,
 
 
 class _TempPair:
-    """The temporary folder of an in-memory serialization. Freed by free_memory_serialize_file() or at exit; while
-    an engine has the model installed but not yet loaded, the removal waits for it (DashInfer allows freeing the
-    files right after install_model)."""
+    """The temporary folder of an in-memory serialization. Freed by free_model() / free_memory_serialize_file() or
+    at exit; while an engine holds it (given to serialize_to_memory, or the model installed but not yet loaded) the
+    removal waits for it."""
 
     _by_model_path: dict[str, "_TempPair"] = {}
     _lock = threading.Lock()
@@ -336,7 +336,9 @@ class HuggingFaceModel(LLM):
     def serialize_to_memory(self, engine: Any = None, enable_quant: bool = False, weight_only_quant: bool = False,
                             customized_quant_config: dict | None = None, lora_cfg: dict | None = None,
                             **kwargs: Any) -> "HuggingFaceModel":
-        """Serialize into temporary files, removed by free_memory_serialize_file() or at process exit."""
+        """Serialize into temporary files, removed by free_model(), free_memory_serialize_file() or at process exit;
+        the engine given here keeps them until its start_model has loaded them (the guide's snippet frees the model
+        before it installs it)."""
         lora = LoraRecipe.of(lora_cfg)
         self.free_memory_serialize_file()
         self.in_memory_serialize = True
@@ -345,6 +347,8 @@ class HuggingFaceModel(LLM):
                                       lora)
         self.model_output_dir = self._temp.folder
         self._temp.register(self.model_path)
+        if engine is not None and hasattr(engine, "_hold_until_loaded"):
+            engine._hold_until_loaded(self.model_path)  # the engine keeps the files until it has loaded them
         return self
 
     def free_memory_serialize_file(self) -> "HuggingFaceModel":
@@ -355,9 +359,11 @@ class HuggingFaceModel(LLM):
         return self
 
     def free_model(self) -> "HuggingFaceModel":
-        """Drop the weights read by load_model (the serialized files stay)."""
+        """Drop the weights read by load_model and, as the guide says, an in-memory serialization's temporary files
+        (they wait until the engine given to serialize_to_memory, or one that installed the model, has loaded
+        them). Files serialized to a path stay."""
         self.contents = None
-        return self
+        return self.free_memory_serialize_file()
 
     @property
     def temp_folder(self) -> str | None:

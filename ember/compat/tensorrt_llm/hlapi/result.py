@@ -27,7 +27,8 @@ class GenerationOutput:
 
 
 class GenerationResult(GenerationOutput):
-    """Printed as a dataclass: ``GenerationResult(text=..., token_ids=[...], logprobs=[...])``."""
+    """Printed as the page prints a generated output: ``GenerationOutput(text=..., token_ids=[...], logprobs=[...])``
+    (the state so far, while the request runs)."""
 
     def __init__(self, abort: Callable[[], None], beam_width: int, streaming: bool,
                  decode: Callable[[list[int]], str] | None) -> None:
@@ -45,6 +46,9 @@ class GenerationResult(GenerationOutput):
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.request_id: str | None = None
         self.finish_reasons: list[str | None] = []
+
+    def __repr__(self) -> str:
+        return f"GenerationOutput(text={self.text!r}, token_ids={self.token_ids!r}, logprobs={self.logprobs!r})"
 
     # ----- fed by the engine thread -----
 
