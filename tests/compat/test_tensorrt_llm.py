@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -335,6 +336,27 @@ def test_bad_input_is_refused_clearly(tmp_path, llama, basic):
         ModelConfig(model_dir=str(empty))
     with pytest.raises(ValueError, match="does not exist"):
         ModelConfig(model_dir=str(tmp_path / "nope"))
+    # a trtllm-build engine folder (TensorRT-LLM 0.10's config.json): its weights are TensorRT plans; the error
+    # names the checkpoint it was built from and the build limits to set again
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps({
+        "version": "0.10.0",
+        "pretrained_config": {"architecture": "LlamaForCausalLM", "dtype": "float16",
+                              "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1},
+                              "quantization": {"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None}},
+        "build_config": {"max_batch_size": 8, "max_input_len": 1024, "max_output_len": 512, "max_num_tokens": 4096,
+                         "max_beam_width": 1}}))
+    for r in range(2):
+        (engine / f"rank{r}.engine").write_bytes(b"\0")
+    with pytest.raises(ValueError) as e:
+        ModelConfig(model_dir=str(engine))
+    for part in ("engine built by trtllm-build (TensorRT-LLM 0.10.0)", "rank0.engine, rank1.engine",
+                 "cannot be recovered", "config.json + rank0.safetensors .. rank1.safetensors",
+                 "architecture='LlamaForCausalLM', dtype='float16', tp_size=2, pp_size=1, quant_algo='W4A16_AWQ'",
+                 "built for max_batch_size=8, max_input_len=1024, max_output_len=512, max_num_tokens=4096, "
+                 "max_beam_width=1: set them on the ModelConfig with config._set_additional_options("):
+        assert part in str(e.value)
     with pytest.raises(ValueError, match=r"beam_width=2 is out of range.*max_beam_width=1"):
         basic.generate(PROMPT, sampling_config=_beams(basic, 2))
     with pytest.raises(AttributeError, match="no field 'beam_size'"):

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from ember.compat.tensorrt_llm.quantization.mode import QuantConfig
+from ember.model_loader.trtllm_engine import engine_folder_message, is_engine_config
 
 logger = logging.getLogger("ember")
 
@@ -79,9 +80,10 @@ def model_format(path: str) -> str:
         if os.path.isfile(cfg):
             with open(cfg, encoding="utf-8") as f:
                 meta = json.load(f)
-            if "pretrained_config" in meta and "build_config" in meta:
-                raise ValueError(f"model_dir={path!r} is a built TensorRT engine, which only TensorRT can run: pass "
-                                 "the Hugging Face model or the TensorRT-LLM checkpoint it was built from")
+            if is_engine_config(meta):
+                raise ValueError("model_dir=" + engine_folder_message(
+                    path, meta, "set them on the ModelConfig with config._set_additional_options(max_batch_size=..., "
+                    "max_input_len=..., max_output_len=..., max_num_tokens=...) and max_beam_width=..."))
             if "architecture" in meta and os.path.isfile(os.path.join(path, "rank0.safetensors")):
                 return "trtllm-checkpoint"
             return "hf"
