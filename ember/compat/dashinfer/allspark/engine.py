@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ember import envs
-from ember.compat.dashinfer.allspark.generation_config import (ASGenerationConfigBuilder, PromptTooLong,
+from ember.compat.dashinfer.allspark.generation_config import (ASGenerationConfigBuilder, PromptLengthError,
                                                                to_sampling_params)
 from ember.compat.dashinfer.allspark.lora import SUFFIX, adapter_path
 from ember.compat.dashinfer.allspark.model_loader import (DashInferModel, HuggingFaceModel, LLM, pin_model_files,
@@ -128,7 +128,7 @@ def _starts_request(call):
         except AsException as e:
             logger.error("%s: %s", call.__name__, e)
             return e.status, None, None
-        except PromptTooLong as e:
+        except PromptLengthError as e:
             logger.error("%s: %s", call.__name__, e)
             return AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR, None, None
         except _BadGeneration as e:
@@ -384,11 +384,11 @@ class Engine:
         """The request's native params, id and adapter, checked; raises what _starts_request reports."""
         m = self._model(model_name, ModelState.Running, wrong_state=AsStatus.ALLSPARK_REQUEST_DENIED)
         if not ids:
-            raise PromptTooLong("input_ids is empty: a request needs at least one token")
+            raise PromptLengthError("input_ids is empty: a request needs at least one token")
         cfg = gen.build() if isinstance(gen, ASGenerationConfigBuilder) else dict(gen)
         try:
             params = to_sampling_params(cfg, len(ids), m.engine.model_info.max_model_len)
-        except PromptTooLong:
+        except PromptLengthError:
             raise
         except ValueError as e:
             raise _BadGeneration(str(e)) from e
@@ -484,7 +484,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     if not isinstance(text, str):
         raise ValueError(f"input text of type {type(text).__name__} is not supported: pass a string")
     if not text:
-        raise PromptTooLong("input text '' is empty: a request needs at least one character")
+        raise PromptLengthError("input text '' is empty: a request needs at least one character")
     return list(tokenizer.encode(text))
 
 

@@ -211,8 +211,9 @@ def response_format(value: Any) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(**{"json" if key == "json_schema" else key: given})
 
 
-class PromptTooLong(ValueError):
-    """The prompt leaves no room under the engine's max_length (DashInfer: ALLSPARK_EXCEED_LIMIT_ERROR)."""
+class PromptLengthError(ValueError):
+    """A prompt that is empty or leaves no room under the engine's max_length (DashInfer answers both with
+    ALLSPARK_EXCEED_LIMIT_ERROR)."""
 
 
 def to_sampling_params(gen: Mapping[str, Any], prompt_len: int, max_model_len: int) -> SamplingParams:
@@ -222,8 +223,9 @@ def to_sampling_params(gen: Mapping[str, Any], prompt_len: int, max_model_len: i
     for key, value in cfg.items():
         _check_key(key, value)
     if prompt_len >= max_model_len:
-        raise PromptTooLong(f"the prompt has {prompt_len} tokens: with the engine's max_length ({max_model_len}) "
-                            "nothing can be generated; shorten the prompt or raise the runtime config's max_length")
+        raise PromptLengthError(f"the prompt has {prompt_len} tokens: with the engine's max_length "
+                                f"({max_model_len}) nothing can be generated; shorten the prompt or raise the runtime "
+                                "config's max_length")
     max_length = cfg["max_length"]
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= prompt_len:
         raise ValueError(f"max_length={max_length!r} is out of range: it counts prompt and output tokens, so it must "
