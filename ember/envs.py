@@ -11,6 +11,7 @@
 | ``EMBER_DIST_TIMEOUT`` | seconds a collective of a split model may wait before it fails (a hung rank) | 600 |
 | ``EMBER_API_KEY`` | the key ``ember serve`` requires (``Bearer KEY``) when ``--api-key`` is not given | none |
 | ``EMBER_ENGINE_CORE_PROCESS`` | ``1`` runs the engine core in its own process (``uni``, ``mp`` executors) | ``0`` |
+| ``EMBER_LAUNCH_SHARED_STORE`` | ``1`` (set by ``trtllm-hlapi-launch``): launched engines meet its worker nodes | unset |
 | ``EMBER_BENCH_VENVS`` | where ``benchmarks/setup_baselines.sh`` put the baselines' environments | ``.bench/venvs`` |
 
 A split model started by a launcher reads the launcher's own variables: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``
@@ -38,6 +39,7 @@ BENCH_VENVS = "EMBER_BENCH_VENVS"
 DIST_TIMEOUT = "EMBER_DIST_TIMEOUT"
 API_KEY = "EMBER_API_KEY"
 ENGINE_CORE_PROCESS = "EMBER_ENGINE_CORE_PROCESS"
+LAUNCH_SHARED_STORE = "EMBER_LAUNCH_SHARED_STORE"
 
 
 def _flag(name: str, default: bool) -> bool:

@@ -1,20 +1,58 @@
 """Every rank started by a launcher (torchrun, mpirun, srun) that sets its rank, the world size and MASTER_ADDR /
 MASTER_PORT. Each process runs the user's script; on rank 0 ``LLM(...)`` builds the engine, on the others it
-serves rank 0's engine and, when rank 0 shuts it down, ends the process, as TensorRT-LLM's MPI launcher does."""
+serves rank 0's engine and, when rank 0 shuts it down, ends the process, as TensorRT-LLM's MPI launcher does.
+
+Under ``trtllm-hlapi-launch`` (ember.compat.tensorrt_llm.hlapi.mgmn_worker_node) the script runs on rank 0 only, as
+TensorRT-LLM's MGMN launcher runs it: the launcher's rank-0 process holds a TCPStore at MASTER_ADDR:MASTER_PORT for
+the whole job and sets SHARED_STORE for the script; each engine the script starts publishes its ``RankSpec`` there
+(numbered ``engine_key(n)``) and meets the other ranks under its own key prefix; those ranks (``python -m
+ember.compat.tensorrt_llm.hlapi.mgmn_worker_node``) serve one engine after another until the launcher sets DONE."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import sys
 
+from ember import envs
 from ember.config import ResolvedConfig
+from ember.distributed import groups
 from ember.executor.distributed import DistributedExecutor
 from ember.executor.rank import RankSpec, run_rank
 from ember.model_loader import check_parallel
 
+SHARED_STORE = envs.LAUNCH_SHARED_STORE  # "1": the launcher's rank 0 holds the job's store (see above)
+ENGINES, DONE, EXITED = "ember/launch/engines", "ember/launch/done", "ember/launch/exited"
+
+
+def engine_key(n: int) -> str:
+    """Where engine n (from 1) of the script publishes its pickled RankSpec."""
+    return f"ember/launch/engine/{n}"
+
+
+def shared_store(is_master: bool = False):
+    """The job's store at MASTER_ADDR:MASTER_PORT (a client connects once the master is up, within the timeout)."""
+    import torch.distributed as dist
+
+    addr, port = envs.master_address()
+    return dist.TCPStore(addr, int(port), is_master=is_master, timeout=groups.timeout(), wait_for_workers=False)
+
+
+def engine_store(store, n: int):
+    """Engine n's view of the job's store: its own keys, so that engines started one after another do not meet."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"ember/launch/{n}/", store)
+
 
 class LaunchedExecutor(DistributedExecutor):
     def _start_ranks(self):
-        return None  # the launcher started them; every rank meets at MASTER_ADDR:MASTER_PORT
+        if os.environ.get(SHARED_STORE) != "1":
+            return None  # the launcher started them; every rank meets at MASTER_ADDR:MASTER_PORT
+        store = shared_store()  # trtllm-hlapi-launch: the other ranks wait for this engine's spec
+        n = store.add(ENGINES, 1)
+        store.set(engine_key(n), pickle.dumps(self.spec(0, None, None)))
+        return engine_store(store, n)
 
 
 def serve_launched(resolved: ResolvedConfig) -> None:

@@ -96,7 +96,8 @@ def model_format(path: str) -> str:
 class ModelConfig:
     """What to run: model_dir (any of FORMATS), max_beam_width, parallel_config, quant_config. A TensorRT-LLM
     checkpoint brings its tp_size / pp_size (as TensorRT-LLM does); a folder written by ``LLM.save`` brings the
-    quantization, max_beam_width and KV settings it was saved with."""
+    quantization, max_beam_width, KV settings and tp_size / pp_size it was saved with (set them after
+    ModelConfig(...) to change them)."""
 
     model_dir: str | None = None
     model: Any = None
@@ -195,3 +196,5 @@ class ModelConfig:
 
         self.saved = asmodel.read_meta(self.model_path).get("extra", {}).get("tensorrt_llm", {})
         self.max_beam_width = max(self.max_beam_width, self.saved.get("max_beam_width", 1))
+        p = self.parallel_config  # the split it was saved with, as a built engine keeps its ranks
+        p.tp_size, p.pp_size = int(self.saved.get("tp_size", 1)), int(self.saved.get("pp_size", 1))

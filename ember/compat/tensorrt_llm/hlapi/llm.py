@@ -189,7 +189,7 @@ class LLM:
     def save(self, engine_dir: str) -> None:
         """Write the loaded model as a folder ``ModelConfig(model_dir=engine_dir)`` loads without the source: the
         weights as this LLM holds them (quantized ones stay quantized, calibrated ones transformed), the tokenizer,
-        and the settings that shape the engine (max_beam_width, the KV cache mode)."""
+        and the settings that shape the engine (max_beam_width, the KV cache mode, the tp x pp split)."""
         from ember.model_loader import open_checkpoint, weight_layout
         from ember.model_loader.convert import convert
 
@@ -198,6 +198,8 @@ class LLM:
         dtype, quant = weight_layout(model, ckpt, ckpt.hf_config())
         os.makedirs(engine_dir, exist_ok=True)
         extra = {"tensorrt_llm": {"max_beam_width": self.config.max_beam_width,
+                                  # an engine built for tp x pp ranks runs on them again, as TensorRT-LLM's does
+                                  "tp_size": self.parallel_plan[0], "pp_size": self.parallel_plan[1],
                                   "kv_cache_dtype": self.engine_config.kv_cache_dtype
                                   if self.engine_config.kv_cache_dtype != "auto" else None}}
         convert(model.path, engine_dir, "model", dtype=dtype, quant_config=quant, extra=extra,
