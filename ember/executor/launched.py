@@ -2,11 +2,10 @@
 MASTER_PORT. Each process runs the user's script; on rank 0 ``LLM(...)`` builds the engine, on the others it
 serves rank 0's engine and, when rank 0 shuts it down, ends the process, as TensorRT-LLM's MPI launcher does.
 
-Under ``trtllm-hlapi-launch`` (ember.compat.tensorrt_llm.hlapi.mgmn_worker_node) the script runs on rank 0 only, as
-TensorRT-LLM's MGMN launcher runs it: the launcher's rank-0 process holds a TCPStore at MASTER_ADDR:MASTER_PORT for
-the whole job and sets SHARED_STORE for the script; each engine the script starts publishes its ``RankSpec`` there
-(numbered ``engine_key(n)``) and meets the other ranks under its own key prefix; those ranks (``python -m
-ember.compat.tensorrt_llm.hlapi.mgmn_worker_node``) serve one engine after another until the launcher sets DONE."""
+In a job whose script runs on rank 0 only (``launch_job``: TensorRT-LLM's ``trtllm-hlapi-launch``), rank 0's launcher
+holds a TCPStore at MASTER_ADDR:MASTER_PORT for the whole job and sets SHARED_STORE for the script; each engine the
+script starts publishes its ``RankSpec`` there (numbered ``engine_key(n)``) and meets the other ranks under its own
+key prefix, where they serve it."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ As upstream's launcher, on MPI rank 0 (``PMIX_RANK``, else ``OMPI_COMM_WORLD_RAN
 ember.compat.tensorrt_llm.hlapi.mgmn_worker_node`` and serves. ember needs MASTER_ADDR / MASTER_PORT (rank 0's
 machine and a free port), as for its other launched runs (docs/parallel.md).
 
-How the ranks meet (ember/executor/launched.py): rank 0's launcher process holds a TCPStore at MASTER_ADDR:MASTER_PORT
+How the ranks meet (ember/executor/launch_job.py): rank 0's launcher process holds a TCPStore at MASTER_ADDR:MASTER_PORT
 for the whole job and runs the command with ``EMBER_LAUNCH_SHARED_STORE=1``. Each ``LLM(config)`` of the script whose
 tp_size x pp_size is the launcher's world size (the "launched" executor) publishes its resolved rank settings there;
 the worker nodes take them, join that engine's process group and serve it until it shuts down, then wait for the
@@ -21,17 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-import subprocess
 import sys
-import time
 
 from ember import envs
-from ember.executor.launched import DONE, ENGINES, EXITED, SHARED_STORE, engine_key, engine_store, shared_store
-
-logger = logging.getLogger("ember")
-_POLL_S = 0.05
-_LEAVE_TIMEOUT_S = 60.0  # how long the launcher waits for the worker nodes to leave after the command ended
+from ember.frontend.launch_job import hold_job, serve_job
 
 
 def mpi_rank() -> tuple[int, int | None, int] | None:
@@ -60,40 +53,7 @@ def launch(argv: list[str] | None = None) -> int:
         print("trtllm-hlapi-launch: set MASTER_ADDR and MASTER_PORT (rank 0's machine and a free port) on every rank",
               file=sys.stderr)
         return 2
-    store = shared_store(is_master=True)
-    store.add(ENGINES, 0)
-    store.add(EXITED, 0)
-    code = 1
-    try:
-        code = subprocess.run(cmd, env={**os.environ, SHARED_STORE: "1"}).returncode
-    finally:
-        store.set(DONE, str(code))
-        if ids[1]:
-            deadline = time.monotonic() + _LEAVE_TIMEOUT_S
-            while store.add(EXITED, 0) < ids[1] - 1 and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
-    return code
-
-
-def _serve(spec, rank: int, local_rank: int, store) -> None:
-    """One engine: check in, join its groups, build this rank's worker, serve until rank 0 stops it (as
-    ember.executor.rank.run_rank does for a spawned rank, through the engine's own store)."""
-    from ember.distributed import groups
-    from ember.executor.rank import checked_in, rank_model_config, serve
-    from ember.worker.worker import Worker
-
-    store.set(checked_in(rank), "1")
-    if spec.model.device.startswith("cuda"):
-        import torch
-
-        torch.cuda.set_device(local_rank)
-    ctx = groups.init(rank, spec.tp_size, spec.pp_size, spec.model.device.split(":")[0], store)
-    try:
-        ranks_here = envs.local_world_size() or spec.ranks_on_node
-        worker = Worker(rank_model_config(spec.model, local_rank, ranks_here), spec.cache, ctx)
-        serve(worker, ctx)
-    finally:
-        groups.destroy()
+    return hold_job(cmd, ids[1] or 1)
 
 
 def main() -> int:
@@ -105,22 +65,7 @@ def main() -> int:
         return 2
     rank, _, local_rank = ids
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
-    store = shared_store()
-    failed, n = False, 1
-    while True:
-        key = engine_key(n)
-        while not store.check([key]) and not store.check([DONE]):
-            time.sleep(_POLL_S)
-        if not store.check([key]):  # the script ended (it published no engine since)
-            break
-        try:
-            _serve(pickle.loads(store.get(key)), rank, local_rank, engine_store(store, n))
-        except Exception:
-            logger.exception("rank %d failed serving engine %d", rank, n)
-            failed = True
-        n += 1
-    store.add(EXITED, 1)
-    return 1 if failed else 0
+    return serve_job(rank, local_rank)
 
 
 if __name__ == "__main__":
