@@ -1,5 +1,6 @@
-"""Write a Hugging Face Llama folder as a TensorRT-LLM checkpoint, the way TensorRT-LLM's
-examples/llama/convert_checkpoint.py (v0.9-0.10, tensorrt_llm/models/llama/convert.py) lays it out, for the tests.
+"""Write a Hugging Face folder (Llama, Mistral or Qwen2) as a TensorRT-LLM checkpoint, the way TensorRT-LLM's
+converters (v0.9-0.10: examples/llama/convert_checkpoint.py, examples/qwen/convert_checkpoint.py) and ModelOpt's
+quantized export lay it out, for the tests.
 
 Written from TensorRT-LLM's documented rules, apart from ember's reader (which joins the shares by row ranges):
 here each rank's tensors are cut with torch.chunk from whole Hugging Face tensors, as the converter does.
@@ -14,14 +15,38 @@ here each rank's tensors are cut with torch.chunk from whole Hugging Face tensor
 - ``lm_head`` (the embedding when the model ties them) is padded with zero rows to a multiple of tp_size and
   chunked along the vocabulary; the vocabulary embedding is whole on every rank unless use_parallel_embedding
   (then chunked along embedding_sharding_dim: 0 = vocabulary, padded the same way; 1 = hidden).
+- Qwen2 is written as the v0.9-0.10 converter names it: ``"architecture": "QWenForCausalLM"`` with
+  ``"qwen_type": "qwen2"`` (architecture="Qwen2ForCausalLM": as v0.12 on names it), attn_bias True; Mistral as
+  ``MistralForCausalLM`` with no sliding-window field (the converter writes none).
+
+Quantized (``quant_algo``), the five linears of each layer (qkv, dense, fc, gate, proj; embedding and lm_head stay
+float, ``exclude_modules: ["lm_head"]``):
+
+- ``W4A16_AWQ`` (ModelOpt): each linear quantized whole (q, k and v apart, sharing one prequant scale, as they share
+  their input), then split like its float weight: ``weight`` int8 [out/2, in] holding signed int4 pairs of output
+  channels (low nibble the even one), ``weights_scaling_factor`` [out, in / group_size], ``prequant_scaling_factor``
+  [in] (a random positive AWQ scale p; the int4 values are round(W / p / s), so that q * s * p ~= W).
+- ``W8A8_SQ_PER_CHANNEL`` (ModelOpt): ``weight`` int8 [out, in] = round(W / p / s), ``weights_scaling_factor``
+  [out], ``prequant_scaling_factor`` [in] (random positive smoothing p), ``activation_scaling_factor`` [1].
+- ``W8A16`` / ``W4A16`` (convert_checkpoint --use_weight_only): each rank's share quantized per output channel,
+  ``weight`` int8 [in, out] (W4A16: int4 packed [in, out/2]) and ``per_channel_scale`` [out]. TensorRT-LLM then
+  preprocesses the int8 for the converting GPU's kernels; we cannot, and write them unpreprocessed (the reader refuses
+  them by dtype). weight_only_plugin=False (--disable_weight_only_quant_plugin): ``weight`` is the float share
+  transposed, [in, out], per_channel_scale still written.
+- any other algo: only written into config.json (the weights stay float).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, replace
 
 import torch
+
+MODELOPT_ALGOS = ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
+WEIGHT_ONLY_ALGOS = ("W8A16", "W4A16")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _chunk(t: torch.Tensor, n: int, i: int, dim: int = 0) -> torch.Tensor:
@@ -41,14 +66,93 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
+@dataclass(frozen=True)
+class QuantLinear:
+    """One Hugging Face linear as ModelOpt stores it, unpacked: q the integer values [out, in] (int8 dtype), scale
+    [out, in / group_size] (AWQ) or [out] (SmoothQuant), prequant [in], act [1] (SmoothQuant's static activation
+    scale); the float weight it stands for is q * scale * prequant."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    prequant: torch.Tensor
+    act: torch.Tensor | None = None
+
+    def rows(self, n: int, i: int) -> "QuantLinear":  # column-parallel share
+        return replace(self, q=_chunk(self.q, n, i), scale=_chunk(self.scale, n, i))
+
+    def cols(self, n: int, i: int) -> "QuantLinear":  # row-parallel share: grouped scales split with their inputs
+        scale = _chunk(self.scale, n, i, 1) if self.scale.dim() == 2 else self.scale
+        return replace(self, q=_chunk(self.q, n, i, 1), scale=scale, prequant=_chunk(self.prequant, n, i))
+
+    def repeat_kv(self, kv_heads: int, tp: int) -> "QuantLinear":
+        return replace(self, q=_repeat_kv(self.q, kv_heads, tp), scale=_repeat_kv(self.scale, kv_heads, tp))
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """int4 values [out, in] -> int8 [out/2, in]: row 2j in the low nibble, row 2j + 1 in the high one."""
+    low, high = q[0::2].to(torch.int16) & 0xF, q[1::2].to(torch.int16) & 0xF
+    return (low | (high << 4)).to(torch.uint8).view(torch.int8)
+
+
+def _quantize(w: torch.Tensor, algo: str, group_size: int, prequant: torch.Tensor, dtype: torch.dtype,
+              g: torch.Generator) -> QuantLinear:
+    """ModelOpt's symmetric rounding of w / prequant: int4 per group of inputs (AWQ) or int8 per output channel
+    (SmoothQuant); the scales and prequant as stored (in dtype), the integers rounded against those."""
+    x = w.float() / prequant.float()
+    if algo == "W4A16_AWQ":
+        out, k = x.shape
+        amax = x.reshape(out, k // group_size, group_size).abs().amax(-1)
+        scale = (amax.clamp(min=1e-6) / 7).to(dtype)
+        q = (x / scale.float().repeat_interleave(group_size, dim=1)).round().clamp(-8, 7).to(torch.int8)
+        return QuantLinear(q, scale, prequant)
+    scale = (x.abs().amax(-1).clamp(min=1e-6) / 127).to(dtype)
+    q = (x / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    act = (torch.rand(1, generator=g) + 0.5).to(torch.float32)
+    return QuantLinear(q, scale, prequant, act)
+
+
+def quantized_linears(state: dict[str, torch.Tensor], algo: str, group_size: int, dtype: torch.dtype,
+                      layers: int, seed: int = 0) -> dict[str, QuantLinear]:
+    """Hugging Face weight name -> its ModelOpt quantization, with random positive prequant scales (one for q, k
+    and v together: they share their input and TensorRT-LLM fuses them; one for each other linear)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, QuantLinear] = {}
+
+    def scale_for(name: str) -> torch.Tensor:
+        return (torch.randn(state[name].shape[1], generator=g) * 0.5).exp().to(dtype)
+
+    for i in range(layers):
+        src = f"model.layers.{i}."
+        shared = scale_for(f"{src}self_attn.q_proj.weight")
+        for proj in LINEARS:
+            name = f"{src}{'self_attn' if proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{proj}.weight"
+            pre = shared if proj in ("q_proj", "k_proj", "v_proj") else scale_for(name)
+            out[name] = _quantize(state[name].to(dtype), algo, group_size, pre, dtype, g)
+    return out
+
+
+def _hf_config_fields(hf) -> dict:
+    """architecture-specific config.json fields as the converters write them."""
+    arch = hf.architectures[0]
+    if arch == "Qwen2ForCausalLM":
+        return {"architecture": "QWenForCausalLM", "qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False,
+                "use_logn_attn": False, "seq_length": 8192}
+    return {"architecture": arch, "attn_bias": bool(getattr(hf, "attention_bias", False)),
+            "mlp_bias": bool(getattr(hf, "mlp_bias", False))}
+
+
 def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_size: int = 1, *,
                             use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                             share_embedding_table: bool = False, dtype: str | None = None,
-                            quant_algo: str | None = None, kv_cache_quant_algo: str | None = None) -> str:
-    """Convert the Llama checkpoint in hf_folder (config.json + model.safetensors) into out_dir; no tokenizer files
-    are written (TensorRT-LLM's converter writes none). share_embedding_table: leave lm_head out (a tied model
-    exported so reuses the embedding). quant_algo: only written into config.json (the weights stay float);
-    kv_cache_quant_algo: also a kv_cache_scaling_factor a layer, as the converter's INT8 / FP8 KV cache options."""
+                            quant_algo: str | None = None, kv_cache_quant_algo: str | None = None,
+                            group_size: int = 128, weight_only_plugin: bool = True, seed: int = 0,
+                            architecture: str | None = None) -> str:
+    """Convert the checkpoint in hf_folder (config.json + model.safetensors) into out_dir; no tokenizer files are
+    written (TensorRT-LLM's converter writes none). share_embedding_table: leave lm_head out (a tied model exported
+    so reuses the embedding). quant_algo, group_size, weight_only_plugin, seed: the quantized layouts of the module
+    docstring (``quantized_linears(..., seed)`` gives the values written); kv_cache_quant_algo: also a
+    kv_cache_scaling_factor a layer, as the converter's INT8 / FP8 KV cache options. architecture: replaces the one
+    written."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
@@ -60,8 +164,10 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     tied = bool(hf.tie_word_embeddings)
+    modelopt = quant_algo in MODELOPT_ALGOS
+    weight_only = quant_algo in WEIGHT_ONLY_ALGOS
     config = {
-        "architecture": hf.architectures[0],
+        **_hf_config_fields(hf),
         "dtype": dtype,
         "logits_dtype": "float32",
         "vocab_size": hf.vocab_size,
@@ -79,27 +185,60 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
         "embedding_sharding_dim": embedding_sharding_dim,
         "share_embedding_table": share_embedding_table,
         "mapping": {"world_size": tp_size * pp_size, "tp_size": tp_size, "pp_size": pp_size},
-        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo, "group_size": 128,
-                         "smoothquant_val": None, "has_zero_point": False, "pre_quant_scale": False,
-                         "exclude_modules": None},
+        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo,
+                         "group_size": group_size, "smoothquant_val": None, "has_zero_point": False,
+                         "pre_quant_scale": quant_algo == "W4A16_AWQ",
+                         "exclude_modules": ["lm_head"] if modelopt else None},
         "kv_dtype": dtype,
         "rotary_scaling": None if rope.get("rope_type", "default") == "default" else
         {k: v for k, v in rope.items() if k != "rope_theta"},
         "rotary_base": rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)),
         "residual_mlp": False,
-        "attn_bias": bool(getattr(hf, "attention_bias", False)),
-        "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
+        "disable_weight_only_quant_plugin": weight_only and not weight_only_plugin,
         "moe": {"num_experts": 0, "top_k": 0, "normalization_mode": None},
         "tie_word_embeddings": tied,
     }
+    if architecture:
+        config["architecture"] = architecture
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=4)
 
     w = {k: v.to(torch_dtype) for k, v in state.items()}
+    quant = quantized_linears(w, quant_algo, group_size, torch_dtype, layers, seed) if modelopt else {}
     embedding = w["model.embed_tokens.weight"]
     head = embedding if tied else w["lm_head.weight"]
     per_stage = layers // pp_size
+
+    def linear(out: dict, prefix: str, share) -> None:
+        """A linear's rank share (a float tensor, or a QuantLinear) as the algo stores it."""
+        if isinstance(share, QuantLinear):
+            out[prefix + "weight"] = pack_int4_rows(share.q) if quant_algo == "W4A16_AWQ" else share.q
+            out[prefix + "weights_scaling_factor"] = share.scale
+            out[prefix + "prequant_scaling_factor"] = share.prequant
+            if share.act is not None:
+                out[prefix + "activation_scaling_factor"] = share.act
+        elif weight_only:
+            wt = share.t().contiguous()  # [in, out]
+            scale = wt.float().abs().amax(0).clamp(min=1e-6) / (127 if quant_algo == "W8A16" else 7)
+            out[prefix + "per_channel_scale"] = scale.to(torch_dtype)
+            if not weight_only_plugin:
+                out[prefix + "weight"] = wt
+            else:
+                q = (wt.float() / scale).round().clamp(-128, 127).to(torch.int8)
+                out[prefix + "weight"] = q if quant_algo == "W8A16" else pack_int4_rows(q.t()).t().contiguous()
+        else:
+            out[prefix + "weight"] = share
+
+    def get(name: str):
+        return quant.get(name, w[name])
+
+    def rows(t, i: int):
+        return t.rows(tp_size, i) if isinstance(t, QuantLinear) else _chunk(t, tp_size, i)
+
+    def cols(t, i: int):
+        return t.cols(tp_size, i) if isinstance(t, QuantLinear) else _chunk(t, tp_size, i, 1)
+
     for pp in range(pp_size):
         for tp in range(tp_size):
             out: dict[str, torch.Tensor] = {}
@@ -114,17 +253,22 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
                 for kind in ("weight", "bias"):
                     if f"{src}self_attn.q_proj.{kind}" not in w:
                         continue
-                    q = w[f"{src}self_attn.q_proj.{kind}"]
-                    k = w[f"{src}self_attn.k_proj.{kind}"]
-                    v = w[f"{src}self_attn.v_proj.{kind}"]
+                    q, k, v = (get(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv")
                     if kv_heads < tp_size:
-                        k, v = _repeat_kv(k, kv_heads, tp_size), _repeat_kv(v, kv_heads, tp_size)
-                    out[f"{dst}attention.qkv.{kind}"] = torch.cat(
-                        [_chunk(q, tp_size, tp), _chunk(k, tp_size, tp), _chunk(v, tp_size, tp)])
-                out[f"{dst}attention.dense.weight"] = _chunk(w[f"{src}self_attn.o_proj.weight"], tp_size, tp, 1)
-                out[f"{dst}mlp.fc.weight"] = _chunk(w[f"{src}mlp.gate_proj.weight"], tp_size, tp)
-                out[f"{dst}mlp.gate.weight"] = _chunk(w[f"{src}mlp.up_proj.weight"], tp_size, tp)
-                out[f"{dst}mlp.proj.weight"] = _chunk(w[f"{src}mlp.down_proj.weight"], tp_size, tp, 1)
+                        k, v = ((t.repeat_kv(kv_heads, tp_size) if isinstance(t, QuantLinear) else
+                                 _repeat_kv(t, kv_heads, tp_size)) for t in (k, v))
+                    parts = [rows(t, tp) for t in (q, k, v)]
+                    if kind == "bias":
+                        out[f"{dst}attention.qkv.bias"] = torch.cat(parts)
+                    elif isinstance(q, QuantLinear):
+                        linear(out, f"{dst}attention.qkv.", replace(
+                            parts[0], q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts])))
+                    else:
+                        linear(out, f"{dst}attention.qkv.", torch.cat(parts))
+                linear(out, f"{dst}attention.dense.", cols(get(f"{src}self_attn.o_proj.weight"), tp))
+                linear(out, f"{dst}mlp.fc.", rows(get(f"{src}mlp.gate_proj.weight"), tp))
+                linear(out, f"{dst}mlp.gate.", rows(get(f"{src}mlp.up_proj.weight"), tp))
+                linear(out, f"{dst}mlp.proj.", cols(get(f"{src}mlp.down_proj.weight"), tp))
                 if f"{src}self_attn.o_proj.bias" in w:
                     out[f"{dst}attention.dense.bias"] = w[f"{src}self_attn.o_proj.bias"]
                 if f"{src}mlp.gate_proj.bias" in w:

@@ -1,7 +1,8 @@
-"""TensorRT-LLM checkpoints (config.json + rank{N}.safetensors): written from tiny random Llamas by
-tests/trtllm_checkpoint.py (TensorRT-LLM's names and split rules, apart from the reader), read back into the
-Hugging Face tensors exactly, run to the greedy tokens of the Hugging Face folder and of transformers, split over
-ranks, and refused clearly when ember cannot read them."""
+"""TensorRT-LLM checkpoints (config.json + rank{N}.safetensors): written from tiny random Llamas, Qwen2s and
+Mistrals by tests/trtllm_checkpoint.py (TensorRT-LLM's names, split rules and quantized layouts, apart from the
+reader), read back into the Hugging Face tensors exactly (quantized ones into exactly their dequantized values), run
+to the greedy tokens of the Hugging Face folder and of transformers, split over ranks, and refused clearly when
+ember cannot read them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import hf_float32, hf_greedy, random_prompts, save_random_model
-from trtllm_checkpoint import write_trtllm_checkpoint
+from trtllm_checkpoint import quantized_linears, write_trtllm_checkpoint
 
 from ember import LLM, SamplingParams
 from ember.distributed import ParallelContext, WeightSlice
@@ -20,18 +21,24 @@ from ember.errors import ConfigError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 VOCAB = 999  # odd: a tp_size=2 checkpoint pads lm_head to 1000 rows and the reader trims them
-# name -> LlamaConfig switches: tied without biases (the converter copies the embedding into lm_head), untied with
-# attention and MLP biases (every bias name of the format)
+# name -> (config class, switches): Llama tied without biases (the converter copies the embedding into lm_head),
+# Llama untied with attention and MLP biases (every bias name of the format), Qwen2 tied with its q/k/v biases (written
+# as QWenForCausalLM, qwen_type 'qwen2'), Mistral untied with one KV head and no sliding window (the converter writes
+# none)
 MODELS = {
-    "tied": dict(tie_word_embeddings=True),
-    "untied-bias": dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True, rope_theta=500000.0),
+    "tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "untied-bias": ("LlamaConfig", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                                        rope_theta=500000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, num_key_value_heads=1, sliding_window=None)),
 }
 
 
 def _make_llama(kind: str, out_dir: str, tokenizer_dir: str) -> str:
     # biases start at zero: bias_std makes them count
-    return save_random_model("LlamaConfig", out_dir, tokenizer_dir, seed=7, bias_std=0.3, vocab_size=VOCAB,
-                             num_attention_heads=4, num_key_value_heads=2, **MODELS[kind])
+    cls, switches = MODELS[kind]
+    return save_random_model(cls, out_dir, tokenizer_dir, seed=7, bias_std=0.3, vocab_size=VOCAB,
+                             **{"num_attention_heads": 4, "num_key_value_heads": 2, **switches})
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +69,17 @@ LAYOUTS = {
 }
 
 
+TIED = [k for k in MODELS if MODELS[k][1]["tie_word_embeddings"]]
+
+
 @pytest.mark.parametrize("kind,layout", [(k, lay) for k in MODELS for lay in LAYOUTS
-                                         if k == "tied" or not LAYOUTS[lay][2].get("share_embedding_table")])
+                                         if k in TIED or not LAYOUTS[lay][2].get("share_embedding_table")])
 def test_rank_files_join_back_into_the_hugging_face_tensors(llamas, tmp_path, kind, layout):
     """Every layout reads back bit for bit, whole and through a selector's slices (only a tied model is exported
     without lm_head)."""
     from transformers import AutoConfig
 
+    from ember.config import ModelShape
     from ember.model_loader import TRTLLMCheckpoint, open_checkpoint
 
     tp, pp, options = LAYOUTS[layout]
@@ -78,16 +89,17 @@ def test_rank_files_join_back_into_the_hugging_face_tensors(llamas, tmp_path, ki
     ckpt = open_checkpoint(ckpt_dir)
     assert isinstance(ckpt, TRTLLMCheckpoint)
     config, ref = ckpt.hf_config(), AutoConfig.from_pretrained(src)
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "mlp_bias", "hidden_act",
-                "max_position_embeddings"):
-        assert getattr(config, key) == getattr(ref, key), key
+    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "attention_bias", "mlp_bias",
+                "hidden_act", "max_position_embeddings", "sliding_window", "use_sliding_window"):
+        assert getattr(config, key, None) == getattr(ref, key, None), key
+    assert ModelShape.of(config) == ModelShape.of(ref)
     assert config.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"]
-    assert config.architectures == ["LlamaForCausalLM"] and config.dtype == torch.float32
+    assert config.architectures == ref.architectures and config.dtype == torch.float32
     want = _hf_tensors(src)
     tied_out = options.get("share_embedding_table", False)
     assert config.tie_word_embeddings == tied_out
-    if kind == "tied":
+    if kind in TIED:
         want.pop("lm_head.weight", None)
         if not tied_out:  # the converter wrote the embedding as lm_head
             want["lm_head.weight"] = want["model.embed_tokens.weight"]
@@ -198,16 +210,28 @@ def test_checkpoints_ember_cannot_read_are_refused_clearly(llamas, tmp_path):
     from ember.model_loader import open_checkpoint, read_shape
 
     src = llamas["tied"]
-    for algo in ("W8A16", "W4A16_AWQ", "FP8"):
+    # the quant_algos read are tested below; these are refused before any weight is read, the algo named
+    reasons = {"FP8": "FP8 weights", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "TensorRT-LLM's own SmoothQuant layout",
+               "W4A16_GPTQ": "a layout ember does not read"}
+    for algo, reason in reasons.items():
         ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / algo), 1, quant_algo=algo)
         _copy_tokenizer(src, ckpt_dir)
-        with pytest.raises(ConfigError, match=rf"quant_algo='{algo}'.*unquantized.*quantization='int8' or 'int4'"):
+        with pytest.raises(ConfigError, match=rf"quant_algo='{algo}': {reason}.*W4A16_AWQ.*quantization='int8'"):
             LLM(ckpt_dir, dtype="float32", device="cpu", kv_cache_memory="16MiB")
         with pytest.raises(ConfigError, match=algo):
             open_checkpoint(ckpt_dir).native_quantization()
+    zero = write_trtllm_checkpoint(src, str(tmp_path / "zero"), 1, quant_algo="W4A16_AWQ", group_size=32)
+    _edit_config(zero, quantization={"quant_algo": "W4A16_AWQ", "group_size": 32, "has_zero_point": True})
+    with pytest.raises(ConfigError, match="has_zero_point=True"):
+        read_shape(zero)
+    qwen = write_trtllm_checkpoint(llamas["qwen2"], str(tmp_path / "qwen1"), 1)
+    _edit_config(qwen, qwen_type="qwen")
+    with pytest.raises(ConfigError, match=r"architecture='QWenForCausalLM' with qwen_type='qwen' .*Qwen \(v1\)"):
+        read_shape(qwen)
     other = write_trtllm_checkpoint(src, str(tmp_path / "gpt"), 1)
     _edit_config(other, architecture="GPTForCausalLM")
-    with pytest.raises(ConfigError, match=r"architecture='GPTForCausalLM' is not supported.*LlamaForCausalLM"):
+    with pytest.raises(ConfigError, match=r"architecture='GPTForCausalLM' is not supported.*LlamaForCausalLM.*"
+                                          r"MistralForCausalLM.*QWenForCausalLM"):
         read_shape(other)
     interleaved = write_trtllm_checkpoint(src, str(tmp_path / "gptj"), 1)
     _edit_config(interleaved, position_embedding_type="rope_gptj")
@@ -219,9 +243,14 @@ def test_checkpoints_ember_cannot_read_are_refused_clearly(llamas, tmp_path):
         read_shape(missing)
     engine = tmp_path / "engine"
     engine.mkdir()
-    (engine / "config.json").write_text(json.dumps({"version": "0.10.0", "pretrained_config": {}, "build_config": {}}))
+    (engine / "config.json").write_text(json.dumps({
+        "version": "0.11.0", "pretrained_config": {"architecture": "QWenForCausalLM", "dtype": "bfloat16"},
+        "build_config": {"max_batch_size": 4, "max_input_len": 100, "max_seq_len": 300}}))
     (engine / "rank0.engine").write_bytes(b"\0")
-    with pytest.raises(ConfigError, match="built TensorRT-LLM engine"):
+    with pytest.raises(ConfigError, match=r"engine built by trtllm-build \(TensorRT-LLM 0.11.0\).*rank0.engine.*cannot "
+                                          r"be recovered.*config.json \+ rank0.safetensors, architecture="
+                                          r"'QWenForCausalLM', dtype='bfloat16'.*built for max_batch_size=4, "
+                                          r"max_input_len=100, max_output_len=200: set them with max_num_seqs="):
         LLM(str(engine))
 
 
@@ -270,3 +299,188 @@ def test_a_folder_of_no_format_names_every_accepted_format(tmp_path):
     with pytest.raises(ConfigError) as e:
         LLM(str(tmp_path / "nowhere"))
     assert "does not exist" in str(e.value) and formats in str(e.value)
+
+
+# ---------------------------------------------------------------- families
+
+
+def test_the_family_names_of_the_converters_build_their_ember_models(llamas, tmp_path):
+    """Qwen2 as v0.12 names it (Qwen2ForCausalLM), InternLM (a Llama with q/k/v/o biases), and a Mistral whose
+    config.json carries a sliding window: each built as ember's family, the tensors as the Hugging Face folder's."""
+    from ember.model_loader import open_checkpoint
+
+    cases = {  # source kind, architecture written -> the architecture and model_type built
+        "qwen2-v12": ("qwen2", "Qwen2ForCausalLM", "Qwen2ForCausalLM", "qwen2"),
+        "internlm": ("untied-bias", "InternLMForCausalLM", "LlamaForCausalLM", "llama"),
+    }
+    for name, (kind, written, built, model_type) in cases.items():
+        ckpt_dir = write_trtllm_checkpoint(llamas[kind], str(tmp_path / name), 2, architecture=written)
+        ckpt = open_checkpoint(ckpt_dir)
+        config = ckpt.hf_config()
+        assert config.architectures == [built] and config.model_type == model_type, name
+        got, want = dict(ckpt.tensors(config)), _hf_tensors(llamas[kind])
+        want.setdefault("lm_head.weight", want["model.embed_tokens.weight"])
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want), name
+    assert open_checkpoint(str(tmp_path / "internlm")).hf_config().attention_bias
+    mistral = write_trtllm_checkpoint(llamas["mistral"], str(tmp_path / "mistral"), 1)
+    assert open_checkpoint(mistral).hf_config().sliding_window is None
+    _edit_config(mistral, sliding_window=48)
+    assert open_checkpoint(mistral).hf_config().sliding_window == 48
+    qwen = write_trtllm_checkpoint(llamas["qwen2"], str(tmp_path / "qwen-bias"), 1)
+    _edit_config(qwen, mlp_bias=True)
+    with pytest.raises(ConfigError, match=r"mlp_bias=True \(Qwen2's MLP has no biases\)"):
+        open_checkpoint(qwen).hf_config()
+
+
+# ---------------------------------------------------------------- quantized checkpoints
+
+GROUP = 16  # AWQ groups: the tiny models' 64 and 128 inputs, and their tp_size=4 shares, hold whole groups
+_PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def _dequantized(src: str, algo: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The float weights a ModelOpt checkpoint written from src stands for, computed here from the writer's integers
+    and scales: q * scale (each group's, AWQ; each row's, SmoothQuant) * prequant, in float32, rounded once to the
+    dtype; every other tensor as the Hugging Face folder holds it, in the dtype."""
+    from transformers import AutoConfig
+
+    state = {k: v.to(dtype) for k, v in _hf_tensors(src).items()}
+    layers = AutoConfig.from_pretrained(src).num_hidden_layers
+    for name, ql in quantized_linears(state, algo, GROUP, dtype, layers).items():
+        scale = ql.scale.float()
+        scale = scale.repeat_interleave(GROUP, dim=1) if algo == "W4A16_AWQ" else scale[:, None]
+        step = scale * ql.prequant.float()[None, :]
+        original = state[name].float()
+        state[name] = ((ql.q.float() * scale) * ql.prequant.float()[None, :]).to(dtype)
+        # the writer stored round(W / prequant / scale): within half a step of W (and the dtype's rounding)
+        assert ((state[name].float() - original).abs() <= step / 2 + original.abs() / 64 + 1e-6).all(), name
+    return state
+
+
+def _hf_folder_with(src: str, out: str, tensors: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, out)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"))
+    return out
+
+
+QUANT_LAYOUTS = ["tp1", "tp2", "tp4-repeated-kv", "tp2-pp2"]
+
+
+@pytest.mark.parametrize("algo,layout,dtype", [(a, lay, "float32") for a in ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
+                                               for lay in QUANT_LAYOUTS] + [("W4A16_AWQ", "tp2", "bfloat16")])
+def test_modelopt_quantized_weights_read_back_as_their_dequantized_values(llamas, tmp_path, algo, layout, dtype):
+    """Every tensor equals the dequantized value computed from the writer's integers, whole and through a
+    selector's slices (rows across packed int4 pairs and the ranks' boundaries, columns across groups)."""
+    from ember.model_loader import open_checkpoint
+
+    tp, pp, options = LAYOUTS[layout]
+    src = llamas["untied-bias"]
+    ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), tp, pp, quant_algo=algo, group_size=GROUP,
+                                       dtype=dtype, **options)
+    with open(os.path.join(ckpt_dir, "rank0.safetensors"), "rb") as f:  # the layout really is quantized
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["transformer.layers.0.attention.qkv.weight"]["dtype"] == "I8"
+    ckpt = open_checkpoint(ckpt_dir)
+    assert ckpt.native_quantization() is None  # float: ember quantizes again only when asked
+    config = ckpt.hf_config()
+    want = _dequantized(src, algo, getattr(torch, dtype))
+    got = dict(ckpt.tensors(config))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    for dim, start, stop in ((0, 5, 51), (0, 63, 70), (1, 3, 40), (1, 31, 33)):
+        def select(name, dim=dim, start=start, stop=stop):
+            if dim >= want[name].dim() or stop > want[name].shape[dim]:
+                return WeightSlice()
+            return WeightSlice(dim, start, stop)
+
+        for name, t in ckpt.tensors(config, select=select):
+            assert torch.equal(t, select(name).apply(want[name])), (name, dim, start, stop)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("algo", ["W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"])
+def test_modelopt_quantized_checkpoints_give_the_tokens_of_their_dequantized_weights(llamas, tmp_path, algo, tp):
+    """float32 greedy tokens of the checkpoint equal transformers' on a Hugging Face folder holding the same
+    dequantized weights; tp=2: the checkpoint's shares, read by a T=2 rank, equal that folder's."""
+    from ember.config import EngineConfig
+    from ember.model_loader import load_model
+
+    src = llamas["untied-bias"]
+    ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), tp, quant_algo=algo, group_size=GROUP)
+    hf_dir = _hf_folder_with(src, str(tmp_path / "hf"), _dequantized(src, algo))
+    prompts = random_prompts(3, 5, 30, VOCAB, seed=14)
+    ref = hf_float32(hf_dir)
+    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
+    if tp == 2:
+        ctx = ParallelContext(tp_size=2, tp_rank=1)
+        models = [load_model(EngineConfig(p, dtype="float32", device="cpu").resolve().model, ctx).model
+                  for p in (hf_dir, ckpt_dir)]
+        want_p, got_p = (dict(m.named_parameters()) for m in models)
+        assert sorted(got_p) == sorted(want_p) and all(torch.equal(got_p[n], want_p[n]) for n in want_p)
+
+
+def test_weight_only_checkpoints_load_when_their_weights_are_float_and_are_refused_when_preprocessed(llamas,
+                                                                                                    tmp_path):
+    """--disable_weight_only_quant_plugin keeps the float weights (transposed, [in, out]): read back exactly, and
+    ember quantizes them only when asked. The plugin's int8 / int4 weights were preprocessed for the converting GPU:
+    refused, saying why and what to pass instead."""
+    from ember.config import EngineConfig
+    from ember.model_loader import load_model, open_checkpoint
+
+    src = llamas["untied-bias"]
+    want = _hf_tensors(src)
+    for algo in ("W8A16", "W4A16"):
+        ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / f"{algo}-float"), 2, quant_algo=algo,
+                                           weight_only_plugin=False)
+        ckpt = open_checkpoint(ckpt_dir)
+        assert ckpt.native_quantization() is None
+        got = dict(ckpt.tensors(ckpt.hf_config()))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want), algo
+        plugin = write_trtllm_checkpoint(src, str(tmp_path / algo), 2, quant_algo=algo)
+        _copy_tokenizer(src, plugin)
+        message = (rf"quant_algo='{algo}'.*preprocessed for the kernels of the GPU that converted them.*cannot be "
+                   r"recovered\. Pass the Hugging Face folder .* or a checkpoint converted with "
+                   r"--disable_weight_only_quant_plugin")
+        with pytest.raises(ConfigError, match=message):
+            LLM(plugin, dtype="float32", device="cpu", kv_cache_memory="16MiB")
+        with pytest.raises(ConfigError, match=message):
+            open_checkpoint(plugin).native_quantization()
+    loaded = load_model(EngineConfig(str(tmp_path / "W8A16-float"), dtype="bfloat16", device="cpu",
+                                     quantization="int8").resolve().model)
+    assert loaded.quant is not None and loaded.quant.method == "int8"
+
+
+def test_quantized_layouts_ember_does_not_read_are_refused_clearly(llamas, tmp_path):
+    """TensorRT-LLM's own SmoothQuant tensors under a ModelOpt algo name, and AWQ weights not in ModelOpt's
+    [out/2, in] layout (as older converters preprocessed them, [in, out/2])."""
+    from safetensors.torch import load_file, save_file
+
+    from ember.model_loader import open_checkpoint
+
+    src = llamas["tied"]
+    sq = write_trtllm_checkpoint(src, str(tmp_path / "sq"), 1, quant_algo="W8A8_SQ_PER_CHANNEL")
+    rank0 = os.path.join(sq, "rank0.safetensors")
+    tensors = load_file(rank0)
+    tensors["transformer.layers.0.attention.dense.smoother"] = torch.ones(64)
+    save_file(tensors, rank0)
+    with pytest.raises(ConfigError, match=r"quant_algo='W8A8_SQ_PER_CHANNEL', in TensorRT-LLM's own SmoothQuant "
+                                          r"layout \(transformer.layers.0.attention.dense.smoother"):
+        open_checkpoint(sq).hf_config()
+    awq = write_trtllm_checkpoint(src, str(tmp_path / "awq"), 1, quant_algo="W4A16_AWQ", group_size=GROUP)
+    rank0 = os.path.join(awq, "rank0.safetensors")
+    tensors = load_file(rank0)
+    key = "transformer.layers.1.mlp.proj.weight"
+    tensors[key] = tensors[key].t().contiguous()  # [out/2, in] = [32, 128] -> [in, out/2]
+    save_file(tensors, rank0)
+    ckpt = open_checkpoint(awq)
+    with pytest.raises(ConfigError, match=rf"rank0.safetensors {key} is I8 \[128, 32\].*not ModelOpt's W4A16_AWQ"):
+        dict(ckpt.tensors(ckpt.hf_config()))
