@@ -294,6 +294,7 @@ def test_model_states_and_wrong_state_calls(tiny, caplog):
     assert engine.start_request_ids("a", loader, [1, 2, 3], gen) == (A.ALLSPARK_REQUEST_DENIED, None, None)
     assert "model 'a' is Initial: this call needs it Running" in caplog.text
     assert engine.stop_model("a") is A.ALLSPARK_INVALID_CALL_ERROR
+    assert A.ALLSPARK_ALLSPARK_INVALID_CALL_ERROR is A.ALLSPARK_INVALID_CALL_ERROR  # the binding's own name for it
     assert engine.start_model("a") is A.ALLSPARK_SUCCESS
     assert engine.get_model_state("a") is ModelState.Running
     assert engine.start_model("a") is A.ALLSPARK_INVALID_CALL_ERROR

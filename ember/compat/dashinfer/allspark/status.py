@@ -29,6 +29,8 @@ class AsStatus(IntEnum):
     ALLSPARK_LORA_ALREADY_LOADED = 24
     ALLSPARK_LORA_IN_USE = 25
     ALLSPARK_STREAMING = 200
+    # the name DashInfer's Python binding gives code 8 (a typo there): scripts written against it compare with it
+    ALLSPARK_ALLSPARK_INVALID_CALL_ERROR = 8
 
 
 class GenerateRequestStatus(IntEnum):
