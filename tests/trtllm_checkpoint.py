@@ -32,7 +32,9 @@ float, ``exclude_modules: ["lm_head"]``):
   ``weight`` int8 [in, out] (W4A16: int4 packed [in, out/2]) and ``per_channel_scale`` [out]. TensorRT-LLM then
   preprocesses the int8 for the converting GPU's kernels; we cannot, and write them unpreprocessed (the reader refuses
   them by dtype). weight_only_plugin=False (--disable_weight_only_quant_plugin): ``weight`` is the float share
-  transposed, [in, out], per_channel_scale still written.
+  transposed, [in, out], per_channel_scale still written. weight_only_plugin="modelopt" (ModelOpt's int8_wo / int4_wo
+  export): as ModelOpt's other layouts, with no prequant: ``weight`` int8 [out, in] and ``weights_scaling_factor``
+  [out] (W8A16), or int4 packed [out/2, in] and ``weights_scaling_factor`` [out, in / group_size] (W4A16).
 - any other algo: only written into config.json (the weights stay float).
 """
 
@@ -46,6 +48,7 @@ import torch
 
 MODELOPT_ALGOS = ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
 WEIGHT_ONLY_ALGOS = ("W8A16", "W4A16")
+INT4_ALGOS = ("W4A16_AWQ", "W4A16")  # packed int4 weights, grouped scales
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -99,7 +102,7 @@ def _quantize(w: torch.Tensor, algo: str, group_size: int, prequant: torch.Tenso
     """ModelOpt's symmetric rounding of w / prequant: int4 per group of inputs (AWQ) or int8 per output channel
     (SmoothQuant); the scales and prequant as stored (in dtype), the integers rounded against those."""
     x = w.float() / prequant.float()
-    if algo == "W4A16_AWQ":
+    if algo in INT4_ALGOS:
         out, k = x.shape
         amax = x.reshape(out, k // group_size, group_size).abs().amax(-1)
         scale = (amax.clamp(min=1e-6) / 7).to(dtype)
@@ -107,18 +110,21 @@ def _quantize(w: torch.Tensor, algo: str, group_size: int, prequant: torch.Tenso
         return QuantLinear(q, scale, prequant)
     scale = (x.abs().amax(-1).clamp(min=1e-6) / 127).to(dtype)
     q = (x / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-    act = (torch.rand(1, generator=g) + 0.5).to(torch.float32)
+    act = (torch.rand(1, generator=g) + 0.5).to(torch.float32) if algo == "W8A8_SQ_PER_CHANNEL" else None
     return QuantLinear(q, scale, prequant, act)
 
 
 def quantized_linears(state: dict[str, torch.Tensor], algo: str, group_size: int, dtype: torch.dtype,
                       layers: int, seed: int = 0) -> dict[str, QuantLinear]:
     """Hugging Face weight name -> its ModelOpt quantization, with random positive prequant scales (one for q, k
-    and v together: they share their input and TensorRT-LLM fuses them; one for each other linear)."""
+    and v together: they share their input and TensorRT-LLM fuses them; one for each other linear); weight-only
+    algos (W8A16 / W4A16) have none: a prequant of ones, not written."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, QuantLinear] = {}
 
     def scale_for(name: str) -> torch.Tensor:
+        if algo in WEIGHT_ONLY_ALGOS:
+            return torch.ones(state[name].shape[1], dtype=dtype)
         return (torch.randn(state[name].shape[1], generator=g) * 0.5).exp().to(dtype)
 
     for i in range(layers):
@@ -145,7 +151,7 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
                             use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
                             share_embedding_table: bool = False, dtype: str | None = None,
                             quant_algo: str | None = None, kv_cache_quant_algo: str | None = None,
-                            group_size: int = 128, weight_only_plugin: bool = True, seed: int = 0,
+                            group_size: int = 128, weight_only_plugin: bool | str = True, seed: int = 0,
                             architecture: str | None = None) -> str:
     """Convert the checkpoint in hf_folder (config.json + model.safetensors) into out_dir; no tokenizer files are
     written (TensorRT-LLM's converter writes none). share_embedding_table: leave lm_head out (a tied model exported
@@ -164,8 +170,8 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     tied = bool(hf.tie_word_embeddings)
-    modelopt = quant_algo in MODELOPT_ALGOS
-    weight_only = quant_algo in WEIGHT_ONLY_ALGOS
+    modelopt = quant_algo in MODELOPT_ALGOS or (quant_algo in WEIGHT_ONLY_ALGOS and weight_only_plugin == "modelopt")
+    weight_only = quant_algo in WEIGHT_ONLY_ALGOS and not modelopt
     config = {
         **_hf_config_fields(hf),
         "dtype": dtype,
@@ -213,9 +219,10 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
     def linear(out: dict, prefix: str, share) -> None:
         """A linear's rank share (a float tensor, or a QuantLinear) as the algo stores it."""
         if isinstance(share, QuantLinear):
-            out[prefix + "weight"] = pack_int4_rows(share.q) if quant_algo == "W4A16_AWQ" else share.q
+            out[prefix + "weight"] = pack_int4_rows(share.q) if quant_algo in INT4_ALGOS else share.q
             out[prefix + "weights_scaling_factor"] = share.scale
-            out[prefix + "prequant_scaling_factor"] = share.prequant
+            if quant_algo in MODELOPT_ALGOS:  # ModelOpt's weight-only export has no prequant scale
+                out[prefix + "prequant_scaling_factor"] = share.prequant
             if share.act is not None:
                 out[prefix + "activation_scaling_factor"] = share.act
         elif weight_only:

@@ -61,6 +61,8 @@ float weights of the weight-only layout are transposed.
 - W8A8_SQ_PER_CHANNEL (ModelOpt): ``weight`` int8 [out, in]; ``weights_scaling_factor`` [out];
   ``prequant_scaling_factor`` [in] (the smoothing); ``activation_scaling_factor`` (static, not needed for float
   weights). W[o, i] = q[o, i] * wsf[o] * prequant[i].
+- W8A16 / W4A16 exported by ModelOpt (int8_wo / int4_wo): as above with no prequant: ``weight`` int8 [out, in] and
+  ``weights_scaling_factor`` [out] (W8A16), or int4 pairs [out/2, in] and [out, in / group_size] (W4A16).
 - W8A16 / W4A16 converted with --disable_weight_only_quant_plugin: ``weight`` float [in, out] (transposed back);
   ``per_channel_scale`` is not needed.
 
@@ -69,7 +71,8 @@ because none of these layouts is one of ember's (its int4 is asymmetric with zer
 scale, its w8a8 has no smoothing vector, and its default for a quantized int8 checkpoint first measures SmoothQuant
 on calibration text), so requantizing at load would round the weights a second time unasked.
 
-Refused, with the reason in the error: W8A16 / W4A16 int8 weights (preprocessed for the converting GPU's GEMM
+Refused, with the reason in the error: W8A16 / W4A16 int8 weights of convert_checkpoint (``per_channel_scale``
+beside them; preprocessed for the converting GPU's GEMM
 kernels: rows permuted, columns interleaved, offset on SM70-89; the GPU is not recorded, so they cannot be
 recovered), TensorRT-LLM's own SmoothQuant layouts (``W8A8_SQ_*_PLUGIN``: per_channel_scale, act_scale, smoother,
 ...), FP8 and every other quant_algo, zero points, int8 weights without ModelOpt's scales and shapes. A
@@ -297,7 +300,7 @@ class TRTLLMCheckpoint:
             else:
                 why = "a layout ember does not read"
             raise ConfigError(f"{where}: {why}. ember reads quantized TensorRT-LLM checkpoints of quant_algo "
-                              f"{list(READ_QUANT_ALGOS)} (W8A16 / W4A16 only when converted with "
+                              f"{list(READ_QUANT_ALGOS)} (W8A16 / W4A16 when exported by ModelOpt or converted with "
                               f"--disable_weight_only_quant_plugin); {_HOW}")
         if self.quantization.get("has_zero_point"):
             raise ConfigError(f"{where} and has_zero_point=True: ember reads symmetric ModelOpt weights only; {_HOW}")
@@ -312,9 +315,9 @@ class TRTLLMCheckpoint:
                               f"does not read (it reads ModelOpt's: weights_scaling_factor, prequant_scaling_factor); "
                               f"{_HOW}")
         ints = sorted(k for k, d in dtypes.items() if d in _INT_DTYPES)
-        if algo in _WEIGHT_ONLY and ints:
-            raise ConfigError(self._preprocessed(ints[0]))
         bare = [k for k in ints if k[:-len("weight")] + "weights_scaling_factor" not in keys]
+        if algo in _WEIGHT_ONLY and bare:  # the plugin's layout (per_channel_scale); ModelOpt's has scaling factors
+            raise ConfigError(self._preprocessed(bare[0]))
         if bare:
             raise ConfigError(f"{where}, but {bare[0]} is {dtypes[bare[0]]} without weights_scaling_factor: not "
                               f"ModelOpt's layout of {algo}, which ember reads; {_HOW}")
@@ -326,9 +329,9 @@ class TRTLLMCheckpoint:
                 f"TensorRT-LLM's weight-only GEMM plugin: its int8 weights ({key}, ...) were preprocessed for the "
                 "kernels of the GPU that converted them (rows permuted, columns interleaved, offset on SM70-89), and "
                 "the checkpoint does not record which GPU that was, so the weights cannot be recovered. Pass the "
-                "Hugging Face folder it was converted from, or a checkpoint converted with "
-                "--disable_weight_only_quant_plugin (float weights, which ember reads; quantization='int8' or "
-                "'int4' quantizes them at load time)")
+                "Hugging Face folder it was converted from, a checkpoint ModelOpt exported (quantize.py --qformat "
+                "int8_wo / int4_wo), or one converted with --disable_weight_only_quant_plugin (float weights; "
+                "quantization='int8' or 'int4' quantizes them at load time)")
 
     def _head_size(self) -> int:
         c = self.config
@@ -576,7 +579,7 @@ class _Store:
 
     def format(self, rank: int, key: str) -> str:
         """'float' (as stored), 'float_t' (a weight-only checkpoint's float weight, stored [in, out]), 'int4'
-        (ModelOpt AWQ) or 'int8' (ModelOpt SmoothQuant); shapes checked."""
+        (ModelOpt AWQ, W4A16) or 'int8' (ModelOpt SmoothQuant, W8A16); shapes checked."""
         if (rank, key) in self._formats:
             return self._formats[(rank, key)]
         data = self.files[rank].get_slice(key)
@@ -589,12 +592,12 @@ class _Store:
                 and not self.ckpt._excluded(module) else "float"
         elif not linear:
             raise ConfigError(f"{where} is {dtype}: only linear weights are read quantized")
-        elif self.algo in _WEIGHT_ONLY:
+        elif self.algo in _WEIGHT_ONLY and module + ".weights_scaling_factor" not in self.keys(rank):
             raise ConfigError(self.ckpt._preprocessed(key))
-        elif self.algo not in ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"):
+        elif self.algo not in READ_QUANT_ALGOS:
             raise ConfigError(f"{where} is {dtype}, but quantization.quant_algo={self.algo!r} says nothing of how")
         else:
-            fmt = "int4" if self.algo == "W4A16_AWQ" else "int8"
+            fmt = "int4" if self.algo in ("W4A16_AWQ", "W4A16") else "int8"
             scale = self._shape(rank, module + ".weights_scaling_factor")
             pre = self._shape(rank, module + ".prequant_scaling_factor")
             rows, cols = (shape[0] * (2 if fmt == "int4" else 1), shape[1]) if len(shape) == 2 else (0, 0)

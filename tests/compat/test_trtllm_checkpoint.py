@@ -349,7 +349,7 @@ def _dequantized(src: str, algo: str, dtype: torch.dtype = torch.float32) -> dic
     layers = AutoConfig.from_pretrained(src).num_hidden_layers
     for name, ql in quantized_linears(state, algo, GROUP, dtype, layers).items():
         scale = ql.scale.float()
-        scale = scale.repeat_interleave(GROUP, dim=1) if algo == "W4A16_AWQ" else scale[:, None]
+        scale = scale.repeat_interleave(GROUP, dim=1) if algo in ("W4A16_AWQ", "W4A16") else scale[:, None]
         step = scale * ql.prequant.float()[None, :]
         original = state[name].float()
         state[name] = ((ql.q.float() * scale) * ql.prequant.float()[None, :]).to(dtype)
@@ -428,6 +428,30 @@ def test_modelopt_quantized_checkpoints_give_the_tokens_of_their_dequantized_wei
         assert sorted(got_p) == sorted(want_p) and all(torch.equal(got_p[n], want_p[n]) for n in want_p)
 
 
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16"])
+def test_modelopt_weight_only_exports_give_the_tokens_of_their_dequantized_weights(llamas, tmp_path, algo):
+    """ModelOpt's int8_wo / int4_wo export (its AWQ / SmoothQuant layout without a prequant scale) is not
+    preprocessed: read back as q * scale, and the float32 greedy tokens equal transformers' on those weights."""
+    from ember.model_loader import open_checkpoint
+
+    src = llamas["untied-bias"]
+    ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), 2, quant_algo=algo, group_size=GROUP,
+                                       weight_only_plugin="modelopt")
+    want = _dequantized(src, algo)
+    ckpt = open_checkpoint(ckpt_dir)
+    got = dict(ckpt.tensors(ckpt.hf_config()))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    hf_dir = _hf_folder_with(src, str(tmp_path / "hf"), want)
+    prompts = random_prompts(2, 5, 30, VOCAB, seed=15)
+    ref = hf_float32(hf_dir)
+    expected = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.shutdown()
+
+
 def test_weight_only_checkpoints_load_when_their_weights_are_float_and_are_refused_when_preprocessed(llamas,
                                                                                                     tmp_path):
     """--disable_weight_only_quant_plugin keeps the float weights (transposed, [in, out]): read back exactly, and
@@ -448,8 +472,8 @@ def test_weight_only_checkpoints_load_when_their_weights_are_float_and_are_refus
         plugin = write_trtllm_checkpoint(src, str(tmp_path / algo), 2, quant_algo=algo)
         _copy_tokenizer(src, plugin)
         message = (rf"quant_algo='{algo}'.*preprocessed for the kernels of the GPU that converted them.*cannot be "
-                   r"recovered\. Pass the Hugging Face folder .* or a checkpoint converted with "
-                   r"--disable_weight_only_quant_plugin")
+                   r"recovered\. Pass the Hugging Face folder .*, a checkpoint ModelOpt exported .*, or one "
+                   r"converted with --disable_weight_only_quant_plugin")
         with pytest.raises(ConfigError, match=message):
             LLM(plugin, dtype="float32", device="cpu", kv_cache_memory="16MiB")
         with pytest.raises(ConfigError, match=message):
