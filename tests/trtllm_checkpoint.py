@@ -35,6 +35,15 @@ float, ``exclude_modules: ["lm_head"]``):
   transposed, [in, out], per_channel_scale still written. weight_only_plugin="modelopt" (ModelOpt's int8_wo / int4_wo
   export): as ModelOpt's other layouts, with no prequant: ``weight`` int8 [out, in] and ``weights_scaling_factor``
   [out] (W8A16), or int4 packed [out/2, in] and ``weights_scaling_factor`` [out, in / group_size] (W4A16).
+- ``W8A8_SQ_*_PLUGIN`` (TensorRT-LLM's own SmoothQuant, convert_checkpoint --smoothquant, models/llama/convert.py):
+  random positive smoothing a layer: one s for q/k/v, folded into input_layernorm (stored ln / s; the weights
+  W * s[in] quantized), one for gate/up folded into post_layernorm likewise; o_proj and down_proj each get a
+  ``smoother`` m [1, in_r] (the runtime divides their input by it; W * m quantized). ``weight`` int8 [out_r, in]
+  (row-parallel [out, in_r]) = round(W' / scale), ``per_channel_scale`` float32 [1, out_r] per output channel
+  (row-parallel: [1, out] whole) in the per-channel modes, [1, 1] in the per-tensor ones (one for q, k and v
+  together); companions written for the reader to ignore: act_scale, scale_x_orig_quant, scale_y_accum_quant,
+  scale_w_quant_orig, scale_y_quant_orig, the layernorms' scale_to_int, the blocks' quantization_scaling_factor.
+  ``smoothquant_plugin_float_state`` gives the float weights the checkpoint stands for.
 - any other algo: only written into config.json (the weights stay float).
 """
 
@@ -49,6 +58,8 @@ import torch
 MODELOPT_ALGOS = ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
 WEIGHT_ONLY_ALGOS = ("W8A16", "W4A16")
 INT4_ALGOS = ("W4A16_AWQ", "W4A16")  # packed int4 weights, grouped scales
+SQ_PLUGIN_ALGOS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
+                   "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", "W8A8_SQ_PER_TENSOR_PLUGIN")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -137,6 +148,89 @@ def quantized_linears(state: dict[str, torch.Tensor], algo: str, group_size: int
     return out
 
 
+@dataclass(frozen=True)
+class SQLinear:
+    """One Hugging Face linear in TensorRT-LLM's SmoothQuant plugin layout: q int8 [out, in], scale float32 [out]
+    (per channel) or [1] (per tensor), smoother float32 [in] (o_proj, down_proj) or None; the float weight it stands
+    for is q * scale[o] / smoother[i]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    smoother: torch.Tensor | None = None
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scale.numel() == self.q.shape[0] and self.q.shape[0] > 1
+
+    def rows(self, n: int, i: int) -> "SQLinear":
+        return replace(self, q=_chunk(self.q, n, i), scale=_chunk(self.scale, n, i) if self.per_channel else self.scale)
+
+    def cols(self, n: int, i: int) -> "SQLinear":  # per_channel_scale stays whole, the smoother is split
+        sm = _chunk(self.smoother, n, i) if self.smoother is not None else None
+        return replace(self, q=_chunk(self.q, n, i, 1), smoother=sm)
+
+    def repeat_kv(self, kv_heads: int, tp: int) -> "SQLinear":
+        scale = _repeat_kv(self.scale, kv_heads, tp) if self.per_channel else self.scale
+        return replace(self, q=_repeat_kv(self.q, kv_heads, tp), scale=scale)
+
+    def float(self) -> torch.Tensor:
+        w = self.q.float() * self.scale.float()[:, None]
+        return w / self.smoother.float()[None, :] if self.smoother is not None else w
+
+
+def _sq_quantize(ws: list[torch.Tensor], per_channel: bool) -> list[torch.Tensor]:
+    """Symmetric int8 scales of the (already smoothed, float32) weights: per row, or one for them all."""
+    if per_channel:
+        return [w.abs().amax(-1).clamp(min=1e-6) / 127 for w in ws]
+    amax = torch.stack([w.abs().amax() for w in ws]).amax().clamp(min=1e-6) / 127
+    return [amax.reshape(1) for _ in ws]
+
+
+def smoothquant_plugin(state: dict[str, torch.Tensor], algo: str, layers: int, seed: int = 0
+                       ) -> tuple[dict[str, SQLinear], dict[str, torch.Tensor]]:
+    """(Hugging Face linear name -> its SQLinear, Hugging Face layernorm name -> the smoothed weight stored, in the
+    state's dtype), from the float state (in the checkpoint's dtype), with random positive smoothing vectors."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    per_channel = "SQ_PER_CHANNEL" in algo
+    linears: dict[str, SQLinear] = {}
+    norms: dict[str, torch.Tensor] = {}
+
+    def smoothing(n: int) -> torch.Tensor:
+        return (torch.randn(n, generator=g) * 0.5).exp()
+
+    for i in range(layers):
+        src = f"model.layers.{i}."
+        for norm, projs in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
+            ln = state[f"{src}{norm}.weight"]
+            s = smoothing(ln.shape[0])
+            norms[f"{src}{norm}.weight"] = (ln.float() / s).to(ln.dtype)
+            names = [f"{src}{p}.weight" for p in projs]
+            ws = [state[n].float() * s[None, :] for n in names]
+            for n, w, scale in zip(names, ws, _sq_quantize(ws, per_channel)):
+                q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+                linears[n] = SQLinear(q, scale.float())
+        for proj in ("self_attn.o_proj", "mlp.down_proj"):
+            n = f"{src}{proj}.weight"
+            m = smoothing(state[n].shape[1])
+            w = state[n].float() * m[None, :]
+            scale = _sq_quantize([w], per_channel)[0]
+            linears[n] = SQLinear((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.float(), m)
+    return linears, norms
+
+
+def smoothquant_plugin_float_state(state: dict[str, torch.Tensor], algo: str, layers: int, seed: int = 0
+                                   ) -> dict[str, torch.Tensor]:
+    """The float weights a SmoothQuant plugin checkpoint written from state (in the checkpoint's dtype) stands for:
+    the smoothed layernorm weights as stored, each linear q * scale / smoother computed in float32 and rounded once
+    to the dtype, every other tensor as in state."""
+    linears, norms = smoothquant_plugin(state, algo, layers, seed)
+    out = dict(state)
+    out.update(norms)
+    out.update({n: ql.float().to(state[n].dtype) for n, ql in linears.items()})
+    return out
+
+
 def _hf_config_fields(hf) -> dict:
     """architecture-specific config.json fields as the converters write them."""
     arch = hf.architectures[0]
@@ -172,6 +266,7 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
     tied = bool(hf.tie_word_embeddings)
     modelopt = quant_algo in MODELOPT_ALGOS or (quant_algo in WEIGHT_ONLY_ALGOS and weight_only_plugin == "modelopt")
     weight_only = quant_algo in WEIGHT_ONLY_ALGOS and not modelopt
+    sq_plugin = quant_algo in SQ_PLUGIN_ALGOS
     config = {
         **_hf_config_fields(hf),
         "dtype": dtype,
@@ -192,7 +287,8 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
         "share_embedding_table": share_embedding_table,
         "mapping": {"world_size": tp_size * pp_size, "tp_size": tp_size, "pp_size": pp_size},
         "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo,
-                         "group_size": group_size, "smoothquant_val": None, "has_zero_point": False,
+                         "group_size": group_size, "smoothquant_val": 0.5 if sq_plugin else None,
+                         "has_zero_point": False,
                          "pre_quant_scale": quant_algo == "W4A16_AWQ",
                          "exclude_modules": ["lm_head"] if modelopt else None},
         "kv_dtype": dtype,
@@ -212,13 +308,27 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
 
     w = {k: v.to(torch_dtype) for k, v in state.items()}
     quant = quantized_linears(w, quant_algo, group_size, torch_dtype, layers, seed) if modelopt else {}
+    if sq_plugin:
+        quant, norms = smoothquant_plugin(w, quant_algo, layers, seed)
+        w.update(norms)
     embedding = w["model.embed_tokens.weight"]
     head = embedding if tied else w["lm_head.weight"]
     per_stage = layers // pp_size
 
     def linear(out: dict, prefix: str, share) -> None:
-        """A linear's rank share (a float tensor, or a QuantLinear) as the algo stores it."""
-        if isinstance(share, QuantLinear):
+        """A linear's rank share (a float tensor, a QuantLinear or an SQLinear) as the algo stores it."""
+        if isinstance(share, SQLinear):
+            one = torch.ones(1, dtype=torch.float32)
+            out[prefix + "weight"] = share.q
+            out[prefix + "per_channel_scale"] = share.scale.reshape(1, -1).float()
+            if share.smoother is not None:
+                out[prefix + "smoother"] = share.smoother.reshape(1, -1).float()
+            out[prefix + "act_scale"] = torch.full((1, 1), 0.7)
+            out[prefix + "scale_x_orig_quant"] = one * 3.0
+            out[prefix + "scale_y_accum_quant"] = share.scale.reshape(1, -1).float() / 3.0
+            out[prefix + "scale_w_quant_orig"] = share.scale.reshape(1, -1).float()
+            out[prefix + "scale_y_quant_orig"] = one * 0.25
+        elif isinstance(share, QuantLinear):
             out[prefix + "weight"] = pack_int4_rows(share.q) if quant_algo in INT4_ALGOS else share.q
             out[prefix + "weights_scaling_factor"] = share.scale
             if quant_algo in MODELOPT_ALGOS:  # ModelOpt's weight-only export has no prequant scale
@@ -241,10 +351,10 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
         return quant.get(name, w[name])
 
     def rows(t, i: int):
-        return t.rows(tp_size, i) if isinstance(t, QuantLinear) else _chunk(t, tp_size, i)
+        return t.rows(tp_size, i) if isinstance(t, (QuantLinear, SQLinear)) else _chunk(t, tp_size, i)
 
     def cols(t, i: int):
-        return t.cols(tp_size, i) if isinstance(t, QuantLinear) else _chunk(t, tp_size, i, 1)
+        return t.cols(tp_size, i) if isinstance(t, (QuantLinear, SQLinear)) else _chunk(t, tp_size, i, 1)
 
     for pp in range(pp_size):
         for tp in range(tp_size):
@@ -262,11 +372,14 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
                         continue
                     q, k, v = (get(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv")
                     if kv_heads < tp_size:
-                        k, v = ((t.repeat_kv(kv_heads, tp_size) if isinstance(t, QuantLinear) else
+                        k, v = ((t.repeat_kv(kv_heads, tp_size) if isinstance(t, (QuantLinear, SQLinear)) else
                                  _repeat_kv(t, kv_heads, tp_size)) for t in (k, v))
                     parts = [rows(t, tp) for t in (q, k, v)]
                     if kind == "bias":
                         out[f"{dst}attention.qkv.bias"] = torch.cat(parts)
+                    elif isinstance(q, SQLinear):
+                        scale = torch.cat([p.scale for p in parts]) if q.per_channel else parts[0].scale
+                        linear(out, f"{dst}attention.qkv.", SQLinear(torch.cat([p.q for p in parts]), scale))
                     elif isinstance(q, QuantLinear):
                         linear(out, f"{dst}attention.qkv.", replace(
                             parts[0], q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts])))
@@ -286,6 +399,10 @@ def write_trtllm_checkpoint(hf_folder: str, out_dir: str, tp_size: int = 1, pp_s
                     out[f"{dst}attention.kv_cache_scaling_factor"] = torch.tensor([1.0], dtype=torch.float32)
                 out[f"{dst}input_layernorm.weight"] = w[f"{src}input_layernorm.weight"]
                 out[f"{dst}post_layernorm.weight"] = w[f"{src}post_attention_layernorm.weight"]
+                if sq_plugin:
+                    for name in ("input_layernorm.scale_to_int", "post_layernorm.scale_to_int",
+                                 "attention.quantization_scaling_factor", "mlp.quantization_scaling_factor"):
+                        out[dst + name] = torch.tensor([2.0], dtype=torch.float32)
             if pp == pp_size - 1:
                 out["transformer.ln_f.weight"] = w["model.norm.weight"]
                 if not share_embedding_table:

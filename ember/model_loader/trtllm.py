@@ -53,7 +53,8 @@ quantized linear weight (qkv, dense, fc, gate, proj; lm_head too if it is stored
 float32 and rounded once to the dtype; its rank shares are split like the float weight's (column-parallel: rows and
 their scales; row-parallel: columns, their groups' scales and the prequant scale). Whether a weight is quantized is
 read from its tensor (int8, with a weights_scaling_factor beside it); exclude_modules is read only to tell which
-float weights of the weight-only layout are transposed.
+float weights of the weight-only layout are transposed. Under a ``W8A8_SQ_*_PLUGIN`` algo a quantized weight is an
+int8 one with a per_channel_scale beside it.
 
 - W4A16_AWQ (ModelOpt): ``weight`` int8 [out/2, in], signed int4 pairs of output channels (low nibble the even
   one); ``weights_scaling_factor`` [out, in / group_size]; ``prequant_scaling_factor`` [in] (AWQ's activation scale,
@@ -61,6 +62,14 @@ float weights of the weight-only layout are transposed.
 - W8A8_SQ_PER_CHANNEL (ModelOpt): ``weight`` int8 [out, in]; ``weights_scaling_factor`` [out];
   ``prequant_scaling_factor`` [in] (the smoothing); ``activation_scaling_factor`` (static, not needed for float
   weights). W[o, i] = q[o, i] * wsf[o] * prequant[i].
+- W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN, W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN,
+  W8A8_SQ_PER_TENSOR_PLUGIN (TensorRT-LLM's own SmoothQuant, convert_checkpoint --smoothquant): ``weight`` int8
+  [out, in]; ``per_channel_scale`` float32 [1, out] (per-channel modes; a row-parallel layer's whole on every rank)
+  or [1, 1] (per-tensor modes); ``smoother`` [1, in] (dense and proj only: the runtime divides their input by it).
+  W[o, i] = q[o, i] * per_channel_scale[o] / smoother[i]. The smoothing of qkv and fc / gate was folded into the
+  stored input_layernorm / post_layernorm weights, read as they are. act_scale, scale_x_orig_quant,
+  scale_y_accum_quant, scale_w_quant_orig, scale_y_quant_orig, the layernorms' scale_to_int and the layers'
+  quantization_scaling_factor are not needed for float weights.
 - W8A16 / W4A16 exported by ModelOpt (int8_wo / int4_wo): as above with no prequant: ``weight`` int8 [out, in] and
   ``weights_scaling_factor`` [out] (W8A16), or int4 pairs [out/2, in] and [out, in / group_size] (W4A16).
 - W8A16 / W4A16 converted with --disable_weight_only_quant_plugin: ``weight`` float [in, out] (transposed back);
@@ -74,8 +83,8 @@ on calibration text), so requantizing at load would round the weights a second t
 Refused, with the reason in the error: W8A16 / W4A16 int8 weights of convert_checkpoint (``per_channel_scale``
 beside them; preprocessed for the converting GPU's GEMM
 kernels: rows permuted, columns interleaved, offset on SM70-89; the GPU is not recorded, so they cannot be
-recovered), TensorRT-LLM's own SmoothQuant layouts (``W8A8_SQ_*_PLUGIN``: per_channel_scale, act_scale, smoother,
-...), FP8 and every other quant_algo, zero points, int8 weights without ModelOpt's scales and shapes. A
+recovered), TensorRT-LLM's SmoothQuant tensors under ModelOpt's W8A8_SQ_PER_CHANNEL, FP8 and every other
+quant_algo, zero points, int8 weights without their layout's scales and shapes. A
 ``kv_cache_quant_algo`` is ignored with a warning (ember keeps its KV cache in the model's dtype).
 """
 
@@ -110,7 +119,10 @@ FAMILIES = {
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # the quant_algo values whose weights are read (dequantized to float); every other one is refused
-READ_QUANT_ALGOS = ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16")
+# TensorRT-LLM's own SmoothQuant (convert_checkpoint --smoothquant [--per_channel] [--per_token])
+SQ_PLUGIN_ALGOS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
+                   "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", "W8A8_SQ_PER_TENSOR_PLUGIN")
+READ_QUANT_ALGOS = ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16", *SQ_PLUGIN_ALGOS)
 _WEIGHT_ONLY = ("W8A16", "W4A16")
 # tensors of TensorRT-LLM's own SmoothQuant layout (convert_checkpoint --smoothquant): not ModelOpt's
 _SQ_PLUGIN_TENSORS = ("per_channel_scale", "act_scale", "smoother", "scale_to_int", "quantization_scaling_factor",
@@ -137,6 +149,12 @@ _NO_QWEN2_BIAS = ("attention.dense.bias", "mlp.fc.bias", "mlp.gate.bias", "mlp.p
 _LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")  # what quant_algo quantizes
 # a quantized linear's companions (read with its weight, or not needed for float weights)
 _SCALES = ("weights_scaling_factor", "prequant_scaling_factor", "activation_scaling_factor", "per_channel_scale")
+# a SmoothQuant plugin linear's companions not needed for float weights (per_channel_scale and smoother are read)
+_SQ_PLUGIN_LINEAR = ("per_channel_scale", "smoother", "act_scale", "scale_x_orig_quant", "scale_y_accum_quant",
+                     "scale_w_quant_orig", "scale_y_quant_orig")
+# ... and a layer's (the layernorms' and the blocks' static activation scales)
+_SQ_PLUGIN_LAYER = ("input_layernorm.scale_to_int", "post_layernorm.scale_to_int",
+                    "attention.quantization_scaling_factor", "mlp.quantization_scaling_factor")
 _IGNORED = ("attention.kv_cache_scaling_factor",)  # a KV-cache quantization scale: ember keeps its cache in float
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _INT_DTYPES = ("I8", "U8")
@@ -293,8 +311,7 @@ class TRTLLMCheckpoint:
         where = f"model={self.path!r} is a TensorRT-LLM checkpoint quantized with quant_algo={algo!r}"
         if algo not in READ_QUANT_ALGOS:
             if algo.startswith("W8A8_SQ"):
-                why = ("TensorRT-LLM's own SmoothQuant layout (per_channel_scale, act_scale, smoother, ... for its "
-                       "SmoothQuant GEMM plugin), which ember does not read")
+                why = "a SmoothQuant variant ember does not read"
             elif "FP8" in algo:
                 why = "FP8 weights, which ember has no layout for"
             else:
@@ -315,6 +332,13 @@ class TRTLLMCheckpoint:
                               f"does not read (it reads ModelOpt's: weights_scaling_factor, prequant_scaling_factor); "
                               f"{_HOW}")
         ints = sorted(k for k, d in dtypes.items() if d in _INT_DTYPES)
+        if algo in SQ_PLUGIN_ALGOS:
+            bare = [k for k in ints if k[:-len("weight")] + "per_channel_scale" not in keys]
+            if bare:
+                raise ConfigError(f"{where}, but {bare[0]} is {dtypes[bare[0]]} without per_channel_scale: not "
+                                  f"TensorRT-LLM's SmoothQuant layout of {algo}, which ember reads; {_HOW}")
+            self._quant_checked = True
+            return
         bare = [k for k in ints if k[:-len("weight")] + "weights_scaling_factor" not in keys]
         if algo in _WEIGHT_ONLY and bare:  # the plugin's layout (per_channel_scale); ModelOpt's has scaling factors
             raise ConfigError(self._preprocessed(bare[0]))
@@ -494,7 +518,8 @@ class TRTLLMCheckpoint:
                 prefix, hf = f"transformer.layers.{j}.", f"model.layers.{offset + j}."
                 suffixes = sorted(k[len(prefix):] for k in names if k.startswith(prefix))
                 unknown = [s for s in suffixes if (s not in _LAYER_TENSORS and s not in _QKV and s not in _IGNORED
-                                                   and not _is_scale(s)) or (qwen2 and s in _NO_QWEN2_BIAS)]
+                                                   and not _is_scale(s, self.quant_algo))
+                           or (qwen2 and s in _NO_QWEN2_BIAS)]
                 if unknown:
                     raise ConfigError(f"model={self.path!r}: TensorRT-LLM tensors {[prefix + s for s in unknown]} "
                                       "are not read by ember (quantization scales of a layout it does not read, or "
@@ -554,9 +579,12 @@ class TRTLLMCheckpoint:
                     yield name, _read(store, joined, sl)
 
 
-def _is_scale(suffix: str) -> bool:
-    """A quantized linear's companion tensor (``attention.qkv.weights_scaling_factor``, ...)."""
+def _is_scale(suffix: str, algo: str | None = None) -> bool:
+    """A quantized linear's companion tensor (``attention.qkv.weights_scaling_factor``, ...); under a SmoothQuant
+    plugin algo also that layout's (``attention.dense.smoother``, ``input_layernorm.scale_to_int``, ...)."""
     module, _, name = suffix.rpartition(".")
+    if algo in SQ_PLUGIN_ALGOS and (suffix in _SQ_PLUGIN_LAYER or (module in _LINEARS and name in _SQ_PLUGIN_LINEAR)):
+        return True
     return module in _LINEARS and name in _SCALES
 
 
@@ -579,7 +607,8 @@ class _Store:
 
     def format(self, rank: int, key: str) -> str:
         """'float' (as stored), 'float_t' (a weight-only checkpoint's float weight, stored [in, out]), 'int4'
-        (ModelOpt AWQ, W4A16) or 'int8' (ModelOpt SmoothQuant, W8A16); shapes checked."""
+        (ModelOpt AWQ, W4A16), 'int8' (ModelOpt SmoothQuant, W8A16) or 'int8_sq' (TensorRT-LLM's SmoothQuant
+        plugin layout); shapes checked."""
         if (rank, key) in self._formats:
             return self._formats[(rank, key)]
         data = self.files[rank].get_slice(key)
@@ -596,6 +625,17 @@ class _Store:
             raise ConfigError(self.ckpt._preprocessed(key))
         elif self.algo not in READ_QUANT_ALGOS:
             raise ConfigError(f"{where} is {dtype}, but quantization.quant_algo={self.algo!r} says nothing of how")
+        elif self.algo in SQ_PLUGIN_ALGOS:
+            fmt = "int8_sq"
+            scale = self._shape(rank, module + ".per_channel_scale")
+            smoother = self._shape(rank, module + ".smoother")
+            rows, cols = shape if len(shape) == 2 else (0, 0)
+            n = 1 if "SQ_PER_TENSOR" in self.algo else rows
+            if dtype != "I8" or len(shape) != 2 or scale not in ([1, n], [n]) \
+                    or smoother not in (None, [1, cols], [cols]):
+                raise ConfigError(f"{where} is {dtype} {shape} with per_channel_scale {scale} and smoother "
+                                  f"{smoother}: not TensorRT-LLM's {self.algo} layout (weight I8 [out, in], "
+                                  f"per_channel_scale [1, {'1' if n == 1 else 'out'}], smoother [1, in] or none)")
         else:
             fmt = "int4" if self.algo in ("W4A16_AWQ", "W4A16") else "int8"
             scale = self._shape(rank, module + ".weights_scaling_factor")
@@ -636,6 +676,13 @@ class _Store:
         if fmt == "float_t":
             return data[c0:c1, r0:r1].t().contiguous()
         module = key[:-len(".weight")]
+        if fmt == "int8_sq":
+            pcs = f.get_slice(module + ".per_channel_scale")
+            s = pcs[:].float().reshape(-1)
+            w = data[r0:r1, c0:c1].float() * (s if s.numel() == 1 else s[r0:r1]).reshape(-1, 1)
+            if module + ".smoother" in self.keys(rank):
+                w = w / f.get_slice(module + ".smoother")[:].float().reshape(-1)[c0:c1].reshape(1, -1)
+            return w.to(self.dtype or torch.float32)
         scale = f.get_slice(module + ".weights_scaling_factor")
         if fmt == "int4":
             g = self.group

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import hf_float32, hf_greedy, random_prompts, save_random_model
-from trtllm_checkpoint import quantized_linears, write_trtllm_checkpoint
+from trtllm_checkpoint import quantized_linears, smoothquant_plugin_float_state, write_trtllm_checkpoint
 
 from ember import LLM, SamplingParams
 from ember.distributed import ParallelContext, WeightSlice
@@ -211,7 +211,7 @@ def test_checkpoints_ember_cannot_read_are_refused_clearly(llamas, tmp_path):
 
     src = llamas["tied"]
     # the quant_algos read are tested below; these are refused before any weight is read, the algo named
-    reasons = {"FP8": "FP8 weights", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "TensorRT-LLM's own SmoothQuant layout",
+    reasons = {"FP8": "FP8 weights", "W8A8_SQ_PER_TENSOR": "a SmoothQuant variant ember does not read",
                "W4A16_GPTQ": "a layout ember does not read"}
     for algo, reason in reasons.items():
         ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / algo), 1, quant_algo=algo)
@@ -508,3 +508,85 @@ def test_quantized_layouts_ember_does_not_read_are_refused_clearly(llamas, tmp_p
     ckpt = open_checkpoint(awq)
     with pytest.raises(ConfigError, match=rf"rank0.safetensors {key} is I8 \[128, 32\].*not ModelOpt's W4A16_AWQ"):
         dict(ckpt.tensors(ckpt.hf_config()))
+
+
+# ---------------------------------------------------------------- TensorRT-LLM's own SmoothQuant (plugin) layout
+
+
+def _sq_plugin_float(src: str, algo: str) -> dict[str, torch.Tensor]:
+    """The float weights of a SmoothQuant plugin checkpoint written from src, from the writer's integers, scales and
+    smoothing (the smoothed layernorms as stored, q * per_channel_scale / smoother)."""
+    from transformers import AutoConfig
+
+    state = _hf_tensors(src)
+    want = smoothquant_plugin_float_state(state, algo, AutoConfig.from_pretrained(src).num_hidden_layers)
+    # the float model's function within the int8 rounding (10%: per tensor): each linear times the layernorm before
+    # it (which holds its smoothing), o_proj / down_proj alone
+    for name, t in want.items():
+        if not name.endswith("proj.weight"):
+            continue
+        norm = "" if ("o_proj" in name or "down_proj" in name) else \
+            "input_layernorm" if "self_attn" in name else "post_attention_layernorm"
+        ln, ln_want = ((d[name.split(".self_attn")[0].split(".mlp")[0] + f".{norm}.weight"][None, :] if norm else 1.0)
+                       for d in (state, want))
+        assert (t * ln_want - state[name] * ln).norm() <= 0.1 * (state[name] * ln).norm(), name
+    return want
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("algo", ["W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "W8A8_SQ_PER_TENSOR_PLUGIN"])
+def test_smoothquant_plugin_weights_read_back_as_their_dequantized_values(llamas, tmp_path, algo, tp):
+    """convert_checkpoint --smoothquant: int8 weights with per_channel_scale (and dense / proj's smoother) read
+    back as q * scale / smoother, the smoothed layernorms as stored, the companions ignored; whole and sliced."""
+    from safetensors.torch import load_file, save_file
+
+    from ember.model_loader import open_checkpoint
+
+    src = llamas["untied-bias"]
+    ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), tp, quant_algo=algo)
+    rank0 = load_file(os.path.join(ckpt_dir, "rank0.safetensors"))
+    assert rank0["transformer.layers.0.attention.qkv.weight"].dtype == torch.int8
+    assert "transformer.layers.0.mlp.proj.smoother" in rank0 and "transformer.layers.0.mlp.fc.act_scale" in rank0
+    assert "transformer.layers.0.input_layernorm.scale_to_int" in rank0
+    ckpt = open_checkpoint(ckpt_dir)
+    assert ckpt.native_quantization() is None
+    config = ckpt.hf_config()
+    want = _sq_plugin_float(src, algo)
+    got = dict(ckpt.tensors(config))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    for dim, start, stop in ((0, 5, 51), (1, 3, 40), (1, 31, 33)):
+        def select(name, dim=dim, start=start, stop=stop):
+            if dim >= want[name].dim() or stop > want[name].shape[dim]:
+                return WeightSlice()
+            return WeightSlice(dim, start, stop)
+
+        for name, t in ckpt.tensors(config, select=select):
+            assert torch.equal(t, select(name).apply(want[name])), (name, dim, start, stop)
+    if tp == 1:  # a per_channel_scale of the wrong shape, and an int8 weight without one: refused, saying why
+        key = "transformer.layers.1.mlp.fc."
+        bad = dict(rank0, **{key + "per_channel_scale": torch.ones(1, 7)})
+        save_file(bad, os.path.join(ckpt_dir, "rank0.safetensors"))
+        with pytest.raises(ConfigError, match=rf"{key}weight is I8 \[128, 64\] with per_channel_scale \[1, 7\].*"
+                                              rf"not TensorRT-LLM's {algo} layout"):
+            dict(open_checkpoint(ckpt_dir).tensors(config))
+        del bad[key + "per_channel_scale"]
+        save_file(bad, os.path.join(ckpt_dir, "rank0.safetensors"))
+        with pytest.raises(ConfigError, match=rf"{key}weight is I8 without per_channel_scale"):
+            open_checkpoint(ckpt_dir).hf_config()
+
+
+def test_smoothquant_plugin_checkpoint_gives_the_tokens_of_its_dequantized_weights(llamas, tmp_path):
+    algo = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+    src = llamas["untied-bias"]
+    ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), 1, quant_algo=algo)
+    hf_dir = _hf_folder_with(src, str(tmp_path / "hf"), _sq_plugin_float(src, algo))
+    prompts = random_prompts(3, 5, 30, VOCAB, seed=16)
+    ref = hf_float32(hf_dir)
+    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
