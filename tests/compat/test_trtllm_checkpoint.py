@@ -276,16 +276,22 @@ def test_kinds_are_told_apart_and_the_limits_read_from_the_config(llamas, tmp_pa
     assert open_checkpoint(half).hf_config().rope_parameters == dict(scaled, rope_theta=123.0)
 
 
-def test_a_kv_cache_quantization_scale_is_ignored_and_the_float_weights_load(llamas, tmp_path, caplog):
-    src = llamas["tied"]
-    ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), 1, kv_cache_quant_algo="INT8")
-    prompts = random_prompts(2, 5, 20, VOCAB, seed=13)
-    want = [hf_greedy(hf_float32(src), p, GREEDY.max_tokens) for p in prompts]
-    llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
+def _greedy_like_transformers(ckpt_dir: str, tokenizer: str, reference: str, n: int, max_len: int, seed: int) -> None:
+    """The checkpoint's float32 greedy tokens in ember equal transformers' on the reference Hugging Face folder."""
+    prompts = random_prompts(n, 5, max_len, VOCAB, seed=seed)
+    ref = hf_float32(reference)
+    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(ckpt_dir, tokenizer=tokenizer, dtype="float32", device="cpu", kv_cache_memory="16MiB")
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     finally:
         llm.shutdown()
+
+
+def test_a_kv_cache_quantization_scale_is_ignored_and_the_float_weights_load(llamas, tmp_path, caplog):
+    src = llamas["tied"]
+    ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), 1, kv_cache_quant_algo="INT8")
+    _greedy_like_transformers(ckpt_dir, src, src, 2, 20, seed=13)
     assert "kv_cache_quant_algo='INT8' is ignored" in caplog.text
 
 
@@ -412,14 +418,7 @@ def test_modelopt_quantized_checkpoints_give_the_tokens_of_their_dequantized_wei
     src = llamas["untied-bias"]
     ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), tp, quant_algo=algo, group_size=GROUP)
     hf_dir = _hf_folder_with(src, str(tmp_path / "hf"), _dequantized(src, algo))
-    prompts = random_prompts(3, 5, 30, VOCAB, seed=14)
-    ref = hf_float32(hf_dir)
-    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
-    try:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
-    finally:
-        llm.shutdown()
+    _greedy_like_transformers(ckpt_dir, src, hf_dir, 3, 30, seed=14)
     if tp == 2:
         ctx = ParallelContext(tp_size=2, tp_rank=1)
         models = [load_model(EngineConfig(p, dtype="float32", device="cpu").resolve().model, ctx).model
@@ -442,14 +441,7 @@ def test_modelopt_weight_only_exports_give_the_tokens_of_their_dequantized_weigh
     got = dict(ckpt.tensors(ckpt.hf_config()))
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
     hf_dir = _hf_folder_with(src, str(tmp_path / "hf"), want)
-    prompts = random_prompts(2, 5, 30, VOCAB, seed=15)
-    ref = hf_float32(hf_dir)
-    expected = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
-    try:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
-    finally:
-        llm.shutdown()
+    _greedy_like_transformers(ckpt_dir, src, hf_dir, 2, 30, seed=15)
 
 
 def test_weight_only_checkpoints_load_when_their_weights_are_float_and_are_refused_when_preprocessed(llamas,
@@ -582,11 +574,4 @@ def test_smoothquant_plugin_checkpoint_gives_the_tokens_of_its_dequantized_weigh
     src = llamas["untied-bias"]
     ckpt_dir = write_trtllm_checkpoint(src, str(tmp_path / "trt"), 1, quant_algo=algo)
     hf_dir = _hf_folder_with(src, str(tmp_path / "hf"), _sq_plugin_float(src, algo))
-    prompts = random_prompts(3, 5, 30, VOCAB, seed=16)
-    ref = hf_float32(hf_dir)
-    want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    llm = LLM(ckpt_dir, tokenizer=src, dtype="float32", device="cpu", kv_cache_memory="16MiB")
-    try:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
-    finally:
-        llm.shutdown()
+    _greedy_like_transformers(ckpt_dir, src, hf_dir, 3, 30, seed=16)

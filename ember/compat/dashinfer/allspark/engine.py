@@ -100,46 +100,34 @@ def engine_config(cfg: AsModelConfig, warn: bool = True):
                         tensor_parallel_size=tp, **lora)
 
 
-def _reports_status(call):
-    """A call that returns an AsStatus reports a wrong model state, an unknown model or an unknown request as its
-    status (logged with the reason), as DashInfer's engine calls do, instead of raising."""
+def _reporting(as_request: bool):
+    """A call that reports its failures as DashInfer's engine calls do, its reason logged, instead of raising: a wrong
+    model state, an unknown model or an unknown request as AsException's status; a request start also a prompt
+    that is empty or leaves no room under max_length (ALLSPARK_EXCEED_LIMIT_ERROR) and a bad generation field
+    (ALLSPARK_PARAM_ERROR), returned as (status, None, None). Inputs of the wrong type still raise ValueError, as
+    DashInfer's do."""
 
-    @functools.wraps(call)
-    def reporting(self, *args, **kwargs):
-        try:
-            return call(self, *args, **kwargs)
-        except AsException as e:
-            logger.error("%s: %s", call.__name__, e)
-            return e.status
+    def wrap(call):
+        @functools.wraps(call)
+        def reporting(self, *args, **kwargs):
+            try:
+                return call(self, *args, **kwargs)
+            except (AsException, PromptLengthError, _BadGeneration) as e:
+                logger.error("%s: %s", call.__name__, e)
+                status = e.status if isinstance(e, AsException) else _STATUS_OF[type(e)]
+                return (status, None, None) if as_request else status
 
-    return reporting
+        return reporting
 
-
-def _starts_request(call):
-    """A request start returns (status, None, None) when it cannot start, the reason logged (DashInfer's way):
-    ALLSPARK_EXCEED_LIMIT_ERROR for a prompt that is empty or leaves no room under max_length, ALLSPARK_PARAM_ERROR
-    for a bad generation field or an unknown model, ALLSPARK_REQUEST_DENIED for a model that is not running. Inputs
-    of the wrong type still raise ValueError, as DashInfer's do."""
-
-    @functools.wraps(call)
-    def starting(self, *args, **kwargs):
-        try:
-            return call(self, *args, **kwargs)
-        except AsException as e:
-            logger.error("%s: %s", call.__name__, e)
-            return e.status, None, None
-        except PromptLengthError as e:
-            logger.error("%s: %s", call.__name__, e)
-            return AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR, None, None
-        except _BadGeneration as e:
-            logger.error("%s: %s", call.__name__, e)
-            return AsStatus.ALLSPARK_PARAM_ERROR, None, None
-
-    return starting
+    return wrap
 
 
 class _BadGeneration(ValueError):
     """A generation config field out of range (the message names it)."""
+
+
+_STATUS_OF = {PromptLengthError: AsStatus.ALLSPARK_EXCEED_LIMIT_ERROR, _BadGeneration: AsStatus.ALLSPARK_PARAM_ERROR}
+_reports_status, _starts_request = _reporting(as_request=False), _reporting(as_request=True)
 
 
 _KV_CACHE_DTYPES = {AsCacheMode.AsCacheDefault: "auto", AsCacheMode.AsCacheQuantI8: "int8",

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from typing import List, Optional
 
+from ember.compat.tensorrt_llm.examples.llm_examples import _bool  # upstream: from llm_examples import *
+
 LLM_EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llm_examples.py')
 ENGINE_DIR = "/tmp/hlapi.engine.example"
 
@@ -69,15 +71,6 @@ def run_quant(prompt: str, model_dir: str, examples_root: Optional[str], llm_exa
     _run_cmd(_example(llm_examples, "run_llm_with_quantization", f"--prompt={prompt}", "--quant_type=int4_awq",
                       f"--model_dir={model_dir}"),
              "Running LLM with INT4 AWQ quantization")
-
-
-def _bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "t", "yes", "y", "on"):
-        return True
-    if v in ("0", "false", "f", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"{value!r} is not a valid boolean")
 
 
 def _parser() -> argparse.ArgumentParser:
