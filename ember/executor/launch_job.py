@@ -9,6 +9,7 @@ until rank 0 stops it) until the job is done."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -60,20 +61,8 @@ def serve_job(rank: int, local_rank: int) -> int:
 
 
 def _serve(spec, rank: int, local_rank: int, store) -> None:
-    """One engine, as ``rank.run_rank`` serves a spawned rank, through the engine's own store."""
-    from ember.distributed import groups
-    from ember.executor.rank import checked_in, rank_model_config, serve
-    from ember.worker.worker import Worker
+    """One engine, as ``rank.run_rank`` serves any rank, through the engine's own store."""
+    from ember.executor.rank import run_rank
 
-    store.set(checked_in(rank), "1")
-    if spec.model.device.startswith("cuda"):
-        import torch
-
-        torch.cuda.set_device(local_rank)
-    ctx = groups.init(rank, spec.tp_size, spec.pp_size, spec.model.device.split(":")[0], store)
-    try:
-        ranks_here = envs.local_world_size() or spec.ranks_on_node
-        worker = Worker(rank_model_config(spec.model, local_rank, ranks_here), spec.cache, ctx)
-        serve(worker, ctx)
-    finally:
-        groups.destroy()
+    run_rank(dataclasses.replace(spec, rank=rank, local_rank=local_rank,
+                                 ranks_on_node=envs.local_world_size() or spec.ranks_on_node), store)

@@ -52,14 +52,15 @@ def rank_model_config(model: ModelConfig, local_rank: int, ranks_on_node: int) -
     return dataclasses.replace(model, **changes) if changes else model
 
 
-def join(spec: RankSpec) -> ParallelContext:
-    """Connect to rank 0 and build the groups (collective: every rank calls it)."""
-    store = None
-    if spec.store_host is not None:
+def join(spec: RankSpec, store=None) -> ParallelContext:
+    """Connect to rank 0 and build the groups (collective: every rank calls it); store: rank 0's store when the
+    caller holds it already (a launched job's engine), else the spec's or the launcher's."""
+    if store is None and spec.store_host is not None:
         import torch.distributed as dist
 
         store = dist.TCPStore(spec.store_host, spec.store_port, spec.tp_size * spec.pp_size, is_master=False,
                               timeout=groups.timeout())
+    if store is not None:
         store.set(checked_in(spec.rank), "1")  # rank 0 waits for these, watching that no rank died first
     if spec.model.device.startswith("cuda"):
         import torch
@@ -85,11 +86,11 @@ def serve(worker, ctx: ParallelContext) -> None:
             dist.send_object_list([result], dst=0, group=ctx.control_group)
 
 
-def run_rank(spec: RankSpec) -> None:
-    """Join, load this rank's share of the model, serve, leave."""
+def run_rank(spec: RankSpec, store=None) -> None:
+    """Join (through store when given, see join), load this rank's share of the model, serve, leave."""
     from ember.worker.worker import Worker
 
-    ctx = join(spec)
+    ctx = join(spec, store)
     try:
         worker = Worker(rank_model_config(spec.model, spec.local_rank, spec.ranks_on_node), spec.cache, ctx)
         serve(worker, ctx)
