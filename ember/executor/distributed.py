@@ -151,6 +151,9 @@ class DistributedExecutor:
                 import torch.distributed as dist
 
                 dist.broadcast_object_list([(STOP, ())], src=0, group=self.ctx.control_group)
+                # every rank has it before any leaves the group: a rank leaving with traffic still in flight on
+                # gloo's pairs could abort its process ("terminate called without an active exception", seen once)
+                dist.gather_object(None, [None] * self.world, dst=0, group=self.ctx.control_group)
             except RuntimeError:
                 self.dead = EngineDeadError("a rank was gone at shutdown")
         self._close()

@@ -77,7 +77,8 @@ def serve(worker, ctx: ParallelContext) -> None:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=ctx.control_group)
         method, args = box[0]
-        if method == STOP:
+        if method == STOP:  # acknowledged, so that no rank leaves the group while another still talks on it
+            dist.gather_object(None, None, dst=0, group=ctx.control_group)
             return
         result = getattr(worker, method)(*args)
         if method != "execute_model":

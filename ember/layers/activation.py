@@ -1,4 +1,4 @@
-"""SiLU-gated MLP activation over a fused gate/up projection."""
+"""Gated MLP activations over a fused gate/up projection: act(gate) * up, the act named by the config."""
 
 from __future__ import annotations
 
@@ -17,3 +17,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             return kernels.silu_and_mul_bf16(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up: Gemma's GeGLU (transformers' ``gelu_pytorch_tanh``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# a config's hidden_act / hidden_activation -> the gated activation
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
+def gated_activation(field: str, name: str):
+    """The gated activation a config names; an unknown one fails naming the field, its value and the choices."""
+    act = GATED_ACTIVATIONS.get(name)
+    if act is None:
+        raise ValueError(f"{field}={name!r} is not supported: use one of {sorted(GATED_ACTIVATIONS)}")
+    return act

@@ -75,9 +75,22 @@ def _causal_mask(q_len: int, ctx: int, window: int | None, device: torch.device)
     return mask
 
 
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-cap of the scaled scores, ``cap * tanh(s / cap)``, as transformers writes it."""
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-          scale: float) -> torch.Tensor:
-    """q [B, Hq, L, D], k/v [B, Hkv, S, D]."""
+          scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q [B, Hq, L, D], k/v [B, Hkv, S, D]. With a soft-cap (which SDPA lacks) the scores are written out."""
+    if softcap:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = _capped(torch.matmul(q, k.transpose(-1, -2)).float() * scale, softcap)
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
     if q.shape[1] != k.shape[1]:
         if _HAS_GQA:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
@@ -91,7 +104,7 @@ _BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence against its gathered, padded context.
 
     q [nd, Hq, D]; k, v [nd, S, Hkv, D] as gathered (block-major); mask [nd, 1, 1, S] -> [nd, Hq, D].
@@ -104,12 +117,12 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if Hkv <= _BLOCK_DIAGONAL_MAX_KV_HEADS:
         eye = torch.eye(Hkv, dtype=q.dtype, device=q.device)[None, :, None, :, None]
         qb = (q.view(nd, Hkv, G, 1, D) * eye).view(nd, Hq, Hkv * D)
-        scores = torch.bmm(qb, k.view(nd, S, Hkv * D).transpose(1, 2)).float() * scale
+        scores = _capped(torch.bmm(qb, k.view(nd, S, Hkv * D).transpose(1, 2)).float() * scale, softcap)
         probs = scores.masked_fill(~mask[:, 0], float("-inf")).softmax(dim=-1)
         out = torch.bmm(probs.to(v.dtype), v.view(nd, S, Hkv * D)).view(nd, Hkv, G, Hkv, D)
         return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(nd, Hq, D)
     qd = q.view(nd, Hkv, G, D)  # query heads of one KV group become rows
-    scores = torch.matmul(qd, k.transpose(1, 2).transpose(-1, -2)).float() * scale
+    scores = _capped(torch.matmul(qd, k.transpose(1, 2).transpose(-1, -2)).float() * scale, softcap)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     return torch.matmul(probs.to(v.dtype), v.transpose(1, 2)).reshape(nd, Hq, D)
 
@@ -137,6 +150,7 @@ class AttentionBackend:
 
     __slots__ = ("batch_invariant",)
     name: ClassVar[str]
+    softcap: ClassVar[bool] = False  # whether it applies a layer's score soft-cap (Gemma 2)
 
     def __init__(self, device: torch.device, batch_invariant: bool = True) -> None:
         """Construct through ``select_attention_backend``, which checks ``supports`` first."""
@@ -196,6 +210,7 @@ class TorchAttention(AttentionBackend):
 
     __slots__ = ()
     name = "torch"
+    softcap = True
 
     @classmethod
     def supports(cls, device: torch.device, kv_format: KVCacheFormat | None, block_size: int = 16) -> bool:
@@ -208,7 +223,7 @@ class TorchAttention(AttentionBackend):
         kd = _gather(layer, layer.k_cache, flat, fmt, q.dtype).view(nd, -1, Hkv, D)
         vd = _gather(layer, layer.v_cache, flat, fmt, q.dtype).view(nd, -1, Hkv, D)
         mask = meta.decode_mask(layer.sliding_window, layer.k_cache.shape[1])
-        return _decode_attention(q, kd, vd, mask, layer.scale)
+        return _decode_attention(q, kd, vd, mask, layer.scale, layer.softcap)
 
     def prefill(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
                 fmt: KVCacheFormat | None) -> torch.Tensor:
@@ -222,10 +237,10 @@ class TorchAttention(AttentionBackend):
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         window = layer.sliding_window
         if fresh and (window is None or span.context_len <= window):
-            o = _sdpa(qs, ks, vs, None, True, layer.scale)
+            o = _sdpa(qs, ks, vs, None, True, layer.scale, layer.softcap)
         else:
             mask = _causal_mask(span.length, span.context_len, window, q.device)
-            o = _sdpa(qs, ks, vs, mask, False, layer.scale)
+            o = _sdpa(qs, ks, vs, mask, False, layer.scale, layer.softcap)
         return o.squeeze(0).transpose(0, 1)
 
 
@@ -234,6 +249,7 @@ class InPlaceAttention(TorchAttention):
     and ``paged_decode_attention`` (each sequence's blocks read where they lie, no gathered copy)."""
 
     __slots__ = ("kernels",)
+    softcap = False
 
     def write(self, layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               fmt: KVCacheFormat | None) -> None:
@@ -336,18 +352,29 @@ def select_attention_backend(device: torch.device, kv_format: KVCacheFormat | No
 def bind_attention_backend(layers: list[PagedAttention], device: torch.device, kv_format: KVCacheFormat | None,
                            block_size: int = 16, name: str | None = None,
                            batch_invariant: bool = True) -> AttentionBackend:
-    """Select the backend once and give it to every layer; returns it (its ``name`` says which)."""
+    """Select the backend once and give it to every layer; returns it (its ``name`` says which). Layers with a
+    score soft-cap take the ``torch`` backend (the compiled kernels do not cap)."""
+    capped = any(layer.softcap for layer in layers)
+    if capped and name is None:
+        name = TorchAttention.name
     backend = select_attention_backend(device, kv_format, name, block_size, batch_invariant)
+    if capped and not backend.softcap:
+        raise ConfigError(f"attention backend {name!r} cannot soft-cap attention scores (attn_logit_softcapping): "
+                          f"use {TorchAttention.name!r}")
     for layer in layers:
         layer.backend = backend
     return backend
 
 
 class PagedAttention(Layer):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> None:
+        """scale: what the scores are multiplied by (default head_dim ** -0.5; Gemma's query_pre_attn_scalar);
+        softcap: scaled scores become ``softcap * tanh(s / softcap)`` (Gemma 2), None: not capped."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap or None
         self.sliding_window = sliding_window
         # bound by the model runner once the pool is allocated
         self.k_cache = torch.empty(0)

@@ -39,3 +39,16 @@ class RMSNorm(Layer):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, ``norm(x) * (1 + w)``: checkpoints store w, the layer holds 1 + w (added once at load, in
+    float32 as transformers adds it each call, so float32 results are the same bits) and runs as RMSNorm."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__(dim, eps, dtype)
+
+    def load_weight(self, tensor: torch.Tensor, name: str = "weight") -> None:
+        if tuple(tensor.shape) != tuple(self.weight.shape):
+            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model needs {tuple(self.weight.shape)}")
+        self.weight.data.copy_((1.0 + tensor.float()).to(self.weight.dtype))

@@ -16,18 +16,21 @@ from ember.layers.base import Layer
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The RoPE settings of a transformers config, for both the 4.x and the 5.x attribute names."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE settings of a transformers config, for both the 4.x and the 5.x attribute names; layer_type: those of
+    one kind of layer where the config keeps one set per kind (Gemma 3: ``sliding_attention``, ``full_attention``)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
     return params
 
 
 class RotaryEmbedding(Layer):
-    def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
+    def __init__(self, config: Any, head_dim: int, max_position: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         rope_type = params["rope_type"]
         if rope_type not in _STATIC_ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported: use one of {_STATIC_ROPE_TYPES}")
@@ -38,7 +41,8 @@ class RotaryEmbedding(Layer):
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             hf_config = config.to_transformers() if hasattr(config, "to_transformers") else config  # a GGUFConfig
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -176,6 +176,9 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
     elif stored and mode != native.mode:
         raise ValueError(f"quantization={mode!r}: {config.path} is stored quantized as {native.describe()}; "
                          "convert the original checkpoint to change it, or use quantization=None or 'none'")
+    elif mode in QUANT_ALGORITHMS and not _calibratable(ckpt):
+        raise ValueError(f"quantization={mode!r} is not supported for {model_config(ckpt).architectures}: its "
+                         "scales fold into Llama-style norms; use 'int8', 'int4', 'w8a8' or None")
     # int4 keeps the groups it is stored in (GGUF Q4 blocks load exactly); AWQ changes the weights: its own default
     keeps_blocks = native is not None and native.method == "int4" and (stored or mode not in QUANT_ALGORITHMS)
     group = config.quant_group_size or (native.group_size if keeps_blocks else 128)
@@ -193,12 +196,17 @@ def default_mode(config: ModelConfig, ckpt: Checkpoint, native: QuantConfig, sto
     32 for these types), so that prefill runs the VNNI int8 GEMM, twice bf16's products a cycle on CPU.
     Qwen2.5-Coder-0.5B's Q5_0/Q6_K/Q4_K/Q8_0 file passes (perplexity within 0.1% of bf16 activations'; W1 and
     batch-1 in docs/benchmarks.md); SmolLM2-135M as Q8_0 does not (+1.2%) and keeps bf16 activations."""
-    if stored or native.method != "int8" or native.algorithm is not None:
+    if stored or native.method != "int8" or native.algorithm is not None or not _calibratable(ckpt):
         return native.mode
     from ember.model_loader.calibrated import smoothquant_holds
 
     holds = smoothquant_holds(ckpt, model_config(ckpt), config.tokenizer, config.device)
     return "smoothquant" if holds else native.mode
+
+
+def _calibratable(ckpt: Checkpoint) -> bool:
+    """Whether AWQ / SmoothQuant scales can fold into the model's norms (the Llama family's layout)."""
+    return resolve_architecture(getattr(model_config(ckpt), "architectures", None))[1].calibrated
 
 
 def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple[int, ...]:

@@ -26,7 +26,10 @@ GGUF_ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+_GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w (llama.cpp adds the offset); four norms a layer
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_QUANT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 
@@ -50,6 +53,7 @@ _TENSOR_NAMES = {
 }
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -103,11 +107,37 @@ class GGUFCheckpoint:
             kwargs["rope_scaling"] = rope
         if "head_dim" not in kwargs:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        if self.gguf_arch in _GEMMA:
+            kwargs.update(self._gemma_kwargs(kwargs))
         for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
             value = self.file.value("tokenizer.ggml." + key)
             if value is not None:
                 kwargs[name] = int(value)
         return kwargs
+
+    def _gemma_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp fixes for Gemma where the file does not say: every sixth layer global (Gemma 3, unless
+        ``attention.sliding_window_pattern`` says otherwise; Gemma 2 alternates), Gemma 3's sliding layers on RoPE base 10000, scores scaled by head_dim ** -0.5 (hidden / heads
+        for the 27B models), GeGLU; Gemma 2's soft-caps as stored."""
+        prefix, n = self.gguf_arch + ".", int(kwargs["num_hidden_layers"])
+        heads, head_dim = int(kwargs["num_attention_heads"]), int(kwargs["head_dim"])
+        out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
+        pattern = self.meta.get(prefix + "attention.sliding_window_pattern", 6)  # newer converters write it
+        if self.gguf_arch == "gemma3":
+            sliding = [bool(p) for p in pattern] if isinstance(pattern, list) else [
+                (i + 1) % int(pattern) != 0 for i in range(n)]
+            out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+            out["rope_local_base_freq"] = 10000.0
+            big = n == 62
+        else:
+            out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if prefix + key in self.meta:
+                    out[key] = float(self.meta[prefix + key])
+            big = n == 46
+        hidden = int(kwargs["hidden_size"])
+        out["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        return out
 
     def generation_config(self) -> dict[str, Any]:
         return {}  # GGUF carries no sampling defaults
@@ -126,7 +156,7 @@ class GGUFCheckpoint:
         as float. The embedding table and LM head are int8 when they are stored in block types."""
         linear, table = set(), set()
         for t in self.file.tensors:
-            name = _hf_name(t.name) or ""
+            name = _hf_name(t.name, self.gguf_arch) or ""
             if name.endswith("_proj.weight"):
                 linear.add(t.tensor_type.name)
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -140,7 +170,7 @@ class GGUFCheckpoint:
         """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
         1 when none is (other types are dequantized and can be sliced anywhere)."""
         return max((32 for t in self.file.tensors
-                    if t.tensor_type.name in GGUF_DIRECT_TYPES and (_hf_name(t.name) or "").endswith(suffix)),
+                    if t.tensor_type.name in GGUF_DIRECT_TYPES and (_hf_name(t.name, self.gguf_arch) or "").endswith(suffix)),
                    default=1)
 
     def tensors(self, config: Any, keep_quantized: bool = False, select: Select = read_all
@@ -152,7 +182,7 @@ class GGUFCheckpoint:
             kind = t.tensor_type.name
             if kind not in SUPPORTED_QUANT_TYPES:
                 raise ValueError(f"GGUF tensor {t.name} has type {kind}: supported types are {SUPPORTED_QUANT_TYPES}")
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, self.gguf_arch)
             if name is None:
                 continue
             sl = select(name)
@@ -179,16 +209,19 @@ class GGUFCheckpoint:
             w = np.array(w if trim is None else w[:, trim[0]:trim[1]], copy=True)  # the file is mapped read-only
             if heads is not None:
                 w = _unpermute(w, heads)
+            if self.gguf_arch in _GEMMA and name.endswith("norm.weight"):
+                w -= 1.0  # back to the checkpoint's w: the model adds 1 as transformers does
             yield name, torch.from_numpy(w)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, kind = gguf_name.rpartition(".")
     if base in _TENSOR_NAMES:
         return f"{_TENSOR_NAMES[base]}.{kind}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{kind}"
+        part = "pre_feedforward_layernorm" if m.group(2) == "ffn_norm" and arch in _GEMMA else _LAYER_NAMES[m.group(2)]
+        return f"model.layers.{m.group(1)}.{part}.{kind}"
     return None
 
 

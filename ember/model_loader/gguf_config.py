@@ -18,6 +18,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": None},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": None},
+    "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096},
+    "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096},
 }
 _WINDOWED_BY_FLAG = ("qwen2", "qwen3")  # sliding_window counts only with use_sliding_window, which GGUF never sets
 
@@ -44,14 +46,23 @@ class GGUFConfig:
     mlp_bias: bool = False
     use_sliding_window: bool = False
     dtype: Any = None
+    # Gemma 2 / 3 (None elsewhere): see ember/models/gemma.py
+    layer_types: list[str] | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_activation: str | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False)  # what to_transformers passes
 
     @classmethod
     def of(cls, model_type: str, architecture: str, kwargs: dict[str, Any]) -> "GGUFConfig":
         """kwargs: transformers config arguments read from the metadata (hidden_size, rope_theta, rope_scaling...)."""
         defaults = _DEFAULTS[model_type]
-        rope = dict(kwargs.get("rope_scaling") or {"rope_type": "default"})
+        rope: dict[str, Any] = dict(kwargs.get("rope_scaling") or {"rope_type": "default"})
         rope["rope_theta"] = float(kwargs.get("rope_theta", 10000.0))
+        if "rope_local_base_freq" in kwargs:  # Gemma 3: global layers as above, sliding ones their own base
+            rope = {"full_attention": rope, "sliding_attention": {
+                "rope_type": "default", "rope_theta": float(kwargs["rope_local_base_freq"])}}
         window = kwargs.get("sliding_window", defaults["sliding_window"])
         return cls(
             model_type=model_type, architectures=[architecture], vocab_size=int(kwargs["vocab_size"]),
@@ -63,7 +74,10 @@ class GGUFConfig:
             rope_parameters=rope, tie_word_embeddings=bool(kwargs.get("tie_word_embeddings", False)),
             sliding_window=None if model_type in _WINDOWED_BY_FLAG else window,
             rms_norm_eps=float(kwargs.get("rms_norm_eps", 1e-6)), bos_token_id=kwargs.get("bos_token_id"),
-            eos_token_id=kwargs.get("eos_token_id"), kwargs=dict(kwargs))
+            eos_token_id=kwargs.get("eos_token_id"), layer_types=kwargs.get("layer_types"),
+            query_pre_attn_scalar=kwargs.get("query_pre_attn_scalar"), hidden_activation=kwargs.get("hidden_activation"),
+            attn_logit_softcapping=kwargs.get("attn_logit_softcapping"),
+            final_logit_softcapping=kwargs.get("final_logit_softcapping"), kwargs=dict(kwargs))
 
     @property
     def rope_scaling(self) -> dict[str, Any]:

@@ -26,9 +26,11 @@ def load_hf_config(path: str) -> Any:
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model={path!r} has no config.json: not a Hugging Face checkpoint folder")
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs as strict dataclasses
+
     try:
         return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+    except (ValueError, KeyError, OSError, json.JSONDecodeError, StrictDataclassError) as e:
         raise ValueError(f"model={path!r}: config.json could not be read ({e})") from e
 
 

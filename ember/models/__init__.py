@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from ember.models.gemma import GemmaForCausalLM
 from ember.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

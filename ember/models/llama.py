@@ -12,7 +12,7 @@ the MLP, its vocabulary rows (tensor parallelism, as Megatron splits a decoder),
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +85,11 @@ class HeadSplit:
 
 
 class Attention(Layer):
-    def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
-                 dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
+    def __init__(self, config: Any, sw: FamilySwitches, window: int | None, dtype: torch.dtype,
+                 quant: QuantConfig | None, parallel: ParallelContext, scale: float | None = None,
+                 norm: type[RMSNorm] = RMSNorm, softcap: float | None = None) -> None:
+        """scale: the scores' scale (None: head_dim ** -0.5); norm: the q / k norms' class (Gemma's offset);
+        softcap: the scores' tanh soft-cap (Gemma 2)."""
         super().__init__()
         shape = ModelShape.of(config)
         split = HeadSplit.of(shape, parallel)
@@ -95,10 +98,9 @@ class Attention(Layer):
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, sw.qkv_bias, dtype, quant)
         self.o_proj = row_parallel_linear(q, config.hidden_size, sw.o_bias, dtype, quant, parallel,
                                           shape.num_heads * shape.head_dim)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
-        self.rope = rope
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, window)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps, dtype) if sw.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, window, scale, softcap)
         self.split = (q, kv, kv)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
@@ -117,8 +119,11 @@ class Attention(Layer):
 
 
 class MLP(Layer):
-    def __init__(self, config: Any, dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext,
+                 act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
+        """act: the gated activation, act(gate) * up over the fused projection's output."""
         super().__init__()
+        self.act = act
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size // parallel.tp_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias, dtype, quant)
@@ -126,14 +131,14 @@ class MLP(Layer):
                                              config.intermediate_size)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(Layer):
-    def __init__(self, config: Any, sw: FamilySwitches, window: int | None, rope: RotaryEmbedding,
-                 dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> None:
+    def __init__(self, config: Any, sw: FamilySwitches, window: int | None, dtype: torch.dtype,
+                 quant: QuantConfig | None, parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(config, sw, window, rope, dtype, quant, parallel)
+        self.self_attn = Attention(config, sw, window, dtype, quant, parallel)
         self.mlp = MLP(config, dtype, quant, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -168,7 +173,7 @@ class LlamaModel(Layer):
                                            quant is not None and quant.embeddings, parallel) \
             if parallel.is_first_stage or (tied and parallel.is_last_stage) else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, sw, w, self.rope, dtype, quant, parallel) if self.start <= i < self.stop
+            DecoderLayer(config, sw, w, dtype, quant, parallel) if self.start <= i < self.stop
             else MissingLayer() for i, w in enumerate(layer_windows(architecture, config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if parallel.is_last_stage else None
@@ -200,6 +205,9 @@ _STACKED = {
 
 
 class LlamaForCausalLM(Layer):
+    model_class: type[Layer] = LlamaModel  # a family over these layers builds its own decoder stack here
+    calibrated = True  # AWQ / SmoothQuant scales fold into input_layernorm / post_attention_layernorm
+
     def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
                  quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()
@@ -208,7 +216,7 @@ class LlamaForCausalLM(Layer):
         self.parallel = parallel
         self.shape = ModelShape.of(config)
         self.heads = HeadSplit.of(self.shape, parallel)
-        self.model = LlamaModel(architecture, config, max_position, dtype, quant, parallel)
+        self.model = self.model_class(architecture, config, max_position, dtype, quant, parallel)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype,
                               tied_to=self.model.embed_tokens if self.tied else None,

