@@ -50,5 +50,6 @@ class OffsetRMSNorm(RMSNorm):
 
     def load_weight(self, tensor: torch.Tensor, name: str = "weight") -> None:
         if tuple(tensor.shape) != tuple(self.weight.shape):
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model needs {tuple(self.weight.shape)}")
+            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model needs "
+                             f"{tuple(self.weight.shape)}")
         self.weight.data.copy_((1.0 + tensor.float()).to(self.weight.dtype))

@@ -117,8 +117,9 @@ class GGUFCheckpoint:
 
     def _gemma_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """What llama.cpp fixes for Gemma where the file does not say: every sixth layer global (Gemma 3, unless
-        ``attention.sliding_window_pattern`` says otherwise; Gemma 2 alternates), Gemma 3's sliding layers on RoPE base 10000, scores scaled by head_dim ** -0.5 (hidden / heads
-        for the 27B models), GeGLU; Gemma 2's soft-caps as stored."""
+        ``attention.sliding_window_pattern`` says otherwise; Gemma 2 alternates), Gemma 3's sliding layers on RoPE
+        base 10000, scores scaled by head_dim ** -0.5 (hidden / heads for the 27B models), GeGLU; Gemma 2's
+        soft-caps as stored."""
         prefix, n = self.gguf_arch + ".", int(kwargs["num_hidden_layers"])
         heads, head_dim = int(kwargs["num_attention_heads"]), int(kwargs["head_dim"])
         out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
@@ -169,8 +170,8 @@ class GGUFCheckpoint:
     def kept_block_size(self, suffix: str) -> int:
         """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
         1 when none is (other types are dequantized and can be sliced anywhere)."""
-        return max((32 for t in self.file.tensors
-                    if t.tensor_type.name in GGUF_DIRECT_TYPES and (_hf_name(t.name, self.gguf_arch) or "").endswith(suffix)),
+        return max((32 for t in self.file.tensors if t.tensor_type.name in GGUF_DIRECT_TYPES
+                    and (_hf_name(t.name, self.gguf_arch) or "").endswith(suffix)),
                    default=1)
 
     def tensors(self, config: Any, keep_quantized: bool = False, select: Select = read_all

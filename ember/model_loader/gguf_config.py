@@ -75,7 +75,8 @@ class GGUFConfig:
             sliding_window=None if model_type in _WINDOWED_BY_FLAG else window,
             rms_norm_eps=float(kwargs.get("rms_norm_eps", 1e-6)), bos_token_id=kwargs.get("bos_token_id"),
             eos_token_id=kwargs.get("eos_token_id"), layer_types=kwargs.get("layer_types"),
-            query_pre_attn_scalar=kwargs.get("query_pre_attn_scalar"), hidden_activation=kwargs.get("hidden_activation"),
+            query_pre_attn_scalar=kwargs.get("query_pre_attn_scalar"),
+            hidden_activation=kwargs.get("hidden_activation"),
             attn_logit_softcapping=kwargs.get("attn_logit_softcapping"),
             final_logit_softcapping=kwargs.get("final_logit_softcapping"), kwargs=dict(kwargs))
 

@@ -5,8 +5,8 @@ after attention and a pair around the MLP (four a layer); GeGLU (``hidden_activa
 sqrt(hidden_size); scores scaled by ``query_pre_attn_scalar ** -0.5``; sliding-window and global layers
 (``layer_types``), Gemma 3's with their own RoPE base (``rope_parameters`` per layer type); Gemma 3's q / k norms;
 Gemma 2's tanh soft-caps of the attention scores (``attn_logit_softcapping``: the ``torch`` attention backend,
-the compiled kernels do not cap) and of the final logits (``final_logit_softcapping``). Weight names, the tensor-parallel split,
-LoRA and loading are the Llama family's.
+the compiled kernels do not cap) and of the final logits (``final_logit_softcapping``). Weight names, the
+tensor-parallel split, LoRA and loading are the Llama family's.
 """
 
 from __future__ import annotations

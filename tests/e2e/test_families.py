@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from conftest import hf_float32, hf_greedy, random_prompts, save_random_model
 from gguf_writer import write_gguf
 
