@@ -68,6 +68,15 @@ def test_greedy_parity_with_transformers(kind, family_dirs):
     assert _ours(path, prompts, max_num_batched_tokens=8, max_model_len=128) == expected
 
 
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_tensor_parallel_split_matches_transformers(kind, family_dirs):
+    """Two ranks: Gemma 3's one KV head is held by both, Gemma 2's two are split; vocabulary rows split."""
+    hf = _reference(family_dirs[kind])
+    prompts = random_prompts(2, 10, 40, hf.config.vocab_size, seed=4)
+    got = _ours(family_dirs[kind], prompts, tensor_parallel_size=2)
+    assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
 def test_gemma2_soft_caps_change_the_answer(family_dirs):
     """The soft-caps this test's Gemma 2 sets decide tokens, so parity above covers them."""
     hf = _reference(family_dirs["gemma2"])
