@@ -10,6 +10,7 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -35,10 +36,19 @@ def write_gguf(hf_model, arch: str, path: str, qtype: str = "F32") -> None:
         w.add_value_length(cfg.head_dim)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "phi3":  # as llama.cpp's Phi3MiniModel: rotary dims, LongRoPE's switch and its factors as tensors
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        if cfg.sliding_window:
+            w.add_sliding_window(cfg.sliding_window)
+        if rope["rope_type"] == "longrope":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            for kind in ("long", "short"):
+                w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    layer = _GEMMA_LAYER if gemma else _LAYER
+    layer = _GEMMA_LAYER if gemma else _PHI3_LAYER if arch == "phi3" else _LAYER
     for name, t in hf_model.state_dict().items():
         base, kind = name.rsplit(".", 1)
         if base.startswith("model.layers."):

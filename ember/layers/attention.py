@@ -52,6 +52,13 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
+    def sequence_ends(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T] the length of each token's sequence after this step (a decode row: its position + 1)."""
+        ends = positions + 1
+        for span in self.prefills:
+            ends[span.start:span.start + span.length] = span.context_len
+        return ends
+
     def decode_mask(self, window: int | None, block_size: int) -> torch.Tensor:
         """[num_decode, 1, 1, S] True where a key may be attended; cached per window across layers."""
         mask = self._masks.get(window)

@@ -28,6 +28,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 _GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w (llama.cpp adds the offset); four norms a layer
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -55,7 +56,7 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
@@ -109,6 +110,8 @@ class GGUFCheckpoint:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
         if self.gguf_arch in _GEMMA:
             kwargs.update(self._gemma_kwargs(kwargs))
+        if self.gguf_arch == "phi3":
+            kwargs.update(self._phi3_kwargs(kwargs))
         for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
             value = self.file.value("tokenizer.ggml." + key)
             if value is not None:
@@ -138,6 +141,25 @@ class GGUFCheckpoint:
             big = n == 46
         hidden = int(kwargs["hidden_size"])
         out["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        return out
+
+    def _phi3_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Phi-3's partial rotary (``rope.dimension_count`` of head_dim) and LongRoPE: its factors are tensors
+        (``rope_factors_short`` / ``_long``), its switch ``rope.scaling.original_context_length``; the attention
+        factor is left to transformers' formula (max / original context), from which llama.cpp computed it."""
+        prefix, out = "phi3.", {}
+        dims = self.meta.get(prefix + "rope.dimension_count")
+        if dims is not None and int(dims) != int(kwargs["head_dim"]):
+            out["partial_rotary_factor"] = int(dims) / int(kwargs["head_dim"])
+        factors = {t.name: t for t in self.file.tensors if t.name.startswith("rope_factors_")}
+        if factors:
+            rope = {"rope_type": "longrope",
+                    "original_max_position_embeddings": int(self.meta[prefix + "rope.scaling.original_context_length"])}
+            for kind in ("short", "long"):
+                rope[f"{kind}_factor"] = [float(v) for v in _dequantize(factors[f"rope_factors_{kind}.weight"].data,
+                                                                        factors[f"rope_factors_{kind}.weight"].tensor_type)]
+            out["rope_scaling"] = rope
+            out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         return out
 
     def generation_config(self) -> dict[str, Any]:
@@ -221,7 +243,11 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"{_TENSOR_NAMES[base]}.{kind}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m and m.group(2) in _LAYER_NAMES:
-        part = "pre_feedforward_layernorm" if m.group(2) == "ffn_norm" and arch in _GEMMA else _LAYER_NAMES[m.group(2)]
+        part = _LAYER_NAMES[m.group(2)]
+        if m.group(2) == "ffn_norm" and arch in _GEMMA:
+            part = "pre_feedforward_layernorm"
+        elif m.group(2) == "ffn_up" and arch == "phi3":  # llama.cpp keeps Phi-3's gate and up fused, as ffn_up
+            part = "mlp.gate_up_proj"
         return f"model.layers.{m.group(1)}.{part}.{kind}"
     return None
 

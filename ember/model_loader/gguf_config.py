@@ -19,6 +19,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": None},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": None},
     "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096},
+    "phi3": {"max_position_embeddings": 4096, "sliding_window": None},
     "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096},
 }
 _WINDOWED_BY_FLAG = ("qwen2", "qwen3")  # sliding_window counts only with use_sliding_window, which GGUF never sets
@@ -60,6 +61,8 @@ class GGUFConfig:
         defaults = _DEFAULTS[model_type]
         rope: dict[str, Any] = dict(kwargs.get("rope_scaling") or {"rope_type": "default"})
         rope["rope_theta"] = float(kwargs.get("rope_theta", 10000.0))
+        if "partial_rotary_factor" in kwargs:
+            rope["partial_rotary_factor"] = float(kwargs["partial_rotary_factor"])
         if "rope_local_base_freq" in kwargs:  # Gemma 3: global layers as above, sliding ones their own base
             rope = {"full_attention": rope, "sliding_attention": {
                 "rope_type": "default", "rope_theta": float(kwargs["rope_local_base_freq"])}}

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from ember.models.gemma import GemmaForCausalLM
 from ember.models.llama import LlamaForCausalLM
+from ember.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }

@@ -109,7 +109,7 @@ class GemmaModel(Layer):
             x, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
         else:
             x, residual = intermediate
-        ropes = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.ropes.items()}  # once a step per kind
+        ropes = {t: rope.cos_sin(positions, x.dtype, meta) for t, rope in self.ropes.items()}  # once a step a kind
         for layer in self.local_layers:
             x, residual = layer(ropes[layer.layer_type], x, residual, meta, lora)
         if self.norm is None:

@@ -52,7 +52,7 @@ def layer_windows(architecture: str, config: Any) -> list[int | None]:
     """The sliding window of each layer, None for full attention, as transformers decides it."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer, when the config sets one
         return [window] * n
     layer_types = getattr(config, "layer_types", None)
     if layer_types and window:
@@ -189,7 +189,7 @@ class LlamaModel(Layer):
             x, residual = self.embed_tokens(ids), None
         else:
             x, residual = intermediate
-        rope = self.rope.cos_sin(positions, x.dtype)  # once a step, shared by every layer
+        rope = self.rope.cos_sin(positions, x.dtype, meta)  # once a step, shared by every layer
         for layer in self.local_layers:
             x, residual = layer(rope, x, residual, meta, lora)
         if self.norm is None:
