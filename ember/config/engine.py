@@ -9,6 +9,7 @@ from dataclasses import InitVar, dataclass
 from typing import TYPE_CHECKING
 
 from ember import envs
+from ember.config import hub
 from ember.config.cache import KV_CACHE_DTYPES, CacheConfig, is_ratio, parse_bytes
 from ember.config.checks import boolean, check, integer, number, one_of
 from ember.config.model import (
@@ -155,7 +156,8 @@ class EngineConfig:
 
     def _model(self) -> ModelConfig:
         device = self.device if self.device != "auto" else ("cuda" if cuda_available() else "cpu")
-        tokenizer = os.path.expanduser(str(self.tokenizer)) if self.tokenizer is not None else None
+        tokenizer = (hub.resolve(str(self.tokenizer), arg="tokenizer", files=hub.TOKENIZER_FILES,
+                                 accepted="a tokenizer folder") if self.tokenizer is not None else None)
         calibration = (os.path.abspath(os.path.expanduser(str(self.calibration_data))) if self.calibration_data
                        else None)
         lora = LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ember.config import hub
 from ember.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -56,14 +57,13 @@ def default_model_path() -> str:
     return path
 
 
-def model_path(model: str | None) -> str:
+def model_path(model: str | None, revision: str | None = None) -> str:
     """The checkpoint path: a folder with config.json (Hugging Face, or a TensorRT-LLM checkpoint: the loader tells
-    them apart), a .gguf or .asmodel file, or a folder holding exactly one of those files."""
+    them apart), a .gguf or .asmodel file, or a folder holding exactly one of those files; a name that is no path
+    here but a hub id (``org/name``) is the snapshot folder of the Hugging Face cache (``ember.config.hub``)."""
     formats = ("a Hugging Face folder, a TensorRT-LLM checkpoint folder, a .gguf file, an .asmodel file, or a folder "
                "with one .gguf/.asmodel")
-    path = default_model_path() if model is None else os.path.expanduser(str(model))
-    if not os.path.exists(path):
-        raise ConfigError(f"model={path!r} does not exist: pass {formats}")
+    path = default_model_path() if model is None else hub.resolve(str(model), revision, accepted=formats)
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         files = sorted(f for f in os.listdir(path) if f.endswith((".gguf", ".asmodel")))
         if len(files) != 1:

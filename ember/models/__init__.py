@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ember.models.gemma import GemmaForCausalLM
 from ember.models.llama import LlamaForCausalLM
+from ember.models.moe import MoEForCausalLM
 from ember.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -11,6 +12,10 @@ MODEL_REGISTRY: dict[str, type] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,

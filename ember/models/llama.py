@@ -43,7 +43,9 @@ def family_switches(architecture: str, config: Any) -> FamilySwitches:
     attention_bias = bool(getattr(config, "attention_bias", False))
     if architecture == "Qwen2ForCausalLM":
         return FamilySwitches(qkv_bias=True, o_bias=False, qk_norm=False)
-    if architecture == "Qwen3ForCausalLM":
+    if architecture == "Qwen2MoeForCausalLM":
+        return FamilySwitches(qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False, qk_norm=False)
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         return FamilySwitches(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
     return FamilySwitches(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=False)
 
@@ -52,7 +54,7 @@ def layer_windows(architecture: str, config: Any) -> list[int | None]:
     """The sliding window of each layer, None for full attention, as transformers decides it."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer, when the config sets one
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):  # every layer, when set
         return [window] * n
     layer_types = getattr(config, "layer_types", None)
     if layer_types and window:
@@ -136,10 +138,12 @@ class MLP(Layer):
 
 class DecoderLayer(Layer):
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, dtype: torch.dtype,
-                 quant: QuantConfig | None, parallel: ParallelContext) -> None:
+                 quant: QuantConfig | None, parallel: ParallelContext, mlp: Layer | None = None,
+                 attention: Layer | None = None) -> None:
+        """mlp / attention: a family's own sublayer in place of the Llama one (a sparse MoE, OLMoE's attention)."""
         super().__init__()
-        self.self_attn = Attention(config, sw, window, dtype, quant, parallel)
-        self.mlp = MLP(config, dtype, quant, parallel)
+        self.self_attn = attention or Attention(config, sw, window, dtype, quant, parallel)
+        self.mlp = mlp or MLP(config, dtype, quant, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -173,11 +177,16 @@ class LlamaModel(Layer):
                                            quant is not None and quant.embeddings, parallel) \
             if parallel.is_first_stage or (tied and parallel.is_last_stage) else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, sw, w, dtype, quant, parallel) if self.start <= i < self.stop
+            self.make_layer(architecture, config, i, sw, w, dtype, quant, parallel) if self.start <= i < self.stop
             else MissingLayer() for i, w in enumerate(layer_windows(architecture, config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if parallel.is_last_stage else None
         self.local_layers = [self.layers[i] for i in range(self.start, self.stop)]  # a plain list: no lookup a step
+
+    def make_layer(self, architecture: str, config: Any, index: int, sw: FamilySwitches, window: int | None,
+                   dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> Layer:
+        """Decoder layer ``index``; a family whose layers differ in a sublayer builds them here."""
+        return DecoderLayer(config, sw, window, dtype, quant, parallel)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoRABatch | None = None

@@ -14,7 +14,7 @@ import sys
 import uvicorn
 
 from ember import envs
-from ember.config import EngineConfig, default_model_path
+from ember.config import EngineConfig, default_model_path, hub
 from ember.errors import ConfigError
 from ember.frontend.client import start_client
 from ember.lora.adapter import lora_settings
@@ -25,6 +25,8 @@ from ember.server.app import ServedModel, ServerSettings, build_app
 def _names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
     if args.served_model_name:
         return tuple(args.served_model_name)
+    if model and not os.path.exists(os.path.expanduser(model)) and hub.is_hub_id(model):
+        return (model,)  # a hub id is the model's name, as clients spell it ("org/name")
     path = os.path.normpath(model or default_model_path())
     name = os.path.basename(path)
     for suffix in (".gguf", ".asmodel"):

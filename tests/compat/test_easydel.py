@@ -380,8 +380,10 @@ def test_bad_model_arguments_fail_before_loading(llama_dir, kwargs, match):
         ed.AutoEasyDeLModelForCausalLM.from_pretrained(llama_dir, **kwargs)
 
 
-def test_hub_name_not_on_disk_fails_clearly():
-    with pytest.raises(ConfigError, match="not a file or folder on this machine.*downloads nothing"):
+def test_hub_name_not_on_disk_fails_clearly(monkeypatch, tmp_path):
+    """The page's hub id, offline and absent from the cache: the error names the id and the cache it looked in."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="'Qwen/Qwen3-8B'.*not in the Hugging Face cache"):
         ed.AutoEasyDeLModelForCausalLM.from_pretrained("Qwen/Qwen3-8B")
 
 

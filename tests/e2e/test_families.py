@@ -26,6 +26,17 @@ PHI3 = ("Phi3Config", dict(
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
         "original_max_position_embeddings": 64, "short_factor": [1.0 + 0.1 * i for i in range(6)],
         "long_factor": [2.0 + 0.5 * i for i in range(6)]}))
+# Mixture-of-Experts: the router's top-k with and without renormalising, Qwen3's dense layer among sparse ones,
+# Qwen2's gated shared expert, OLMoE's whole-projection q / k norms and clip_qkv, Mixtral's window
+_MOE = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+MOE = {
+    "mixtral": ("MixtralConfig", dict(_MOE, num_local_experts=4, num_experts_per_tok=2, sliding_window=48)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                         head_dim=16, mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48)),
+    "olmoe": ("OlmoeConfig", dict(_MOE, num_experts=8, num_experts_per_tok=2, clip_qkv=4.0)),
+}
 FAMILIES = {
     "gemma3": ("Gemma3TextConfig", dict(
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, num_hidden_layers=4, sliding_window=WINDOW,
@@ -37,8 +48,10 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4, sliding_window=WINDOW,
         query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     "phi3": PHI3,
+    **MOE,
 }
-# what llama.cpp assumes of a Gemma GGUF (every sixth layer global for Gemma 3, scores scaled by head_dim)
+# GGUF files as llama.cpp writes them; Gemma's as llama.cpp assumes them (every sixth layer global for Gemma 3,
+# scores scaled by head_dim)
 GGUF_FAMILIES = {
     "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                                         num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=32)),

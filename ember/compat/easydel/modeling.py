@@ -25,8 +25,7 @@ from ember.compat.easydel.enums import (
     PartitionAxis,
 )
 from ember.compat.easydel.values import member, torch_dtype
-from ember.config import EngineConfig
-from ember.errors import ConfigError
+from ember.config import EngineConfig, hub
 from ember.quantization.config import INT4_GROUP_SIZES
 
 logger = logging.getLogger("ember")
@@ -154,12 +153,10 @@ class AutoEasyDeLModelForCausalLM:
 def _checkpoint_path(name: Any) -> str:
     if not isinstance(name, (str, os.PathLike)):
         raise ValueError(f"pretrained_model_name_or_path={name!r} is not a path: pass a Hugging Face folder, a "
-                         ".gguf file or an .asmodel file")
-    if not os.path.exists(os.path.expanduser(str(name))):
-        raise ConfigError(f"pretrained_model_name_or_path={str(name)!r} is not a file or folder on this machine, and "
-                          "ember downloads nothing from a hub: download the model first (for example with "
-                          "`huggingface-cli download`) and pass its folder, a .gguf file or an .asmodel file")
-    return EngineConfig(model=str(name)).resolve().model.path
+                         ".gguf file, an .asmodel file or a hub id ('org/name')")
+    path = hub.resolve(str(name), arg="pretrained_model_name_or_path",
+                       accepted="a Hugging Face folder, a .gguf file or an .asmodel file")
+    return EngineConfig(model=path).resolve().model.path
 
 
 def _hf_config(path: str) -> Any:

@@ -19,7 +19,7 @@ from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfig
 from ember.compat.dashinfer.allspark.lora import LoraRecipe
 from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig, AsModelRuntimeConfigBuilder
 from ember.compat.dashinfer.allspark.status import ModelSerializerException, TargetDevice
-from ember.config import ModelShape
+from ember.config import ModelShape, hub
 from ember.model_loader import asmodel, open_checkpoint
 from ember.quantization.config import QuantConfig
 
@@ -218,16 +218,18 @@ class LLM:
 
 
 class HuggingFaceModel(LLM):
-    """A Hugging Face checkpoint folder (or a GGUF file) to serialize for the engine. ember reads local files only:
-    a hub id that is not a local path fails (nothing is downloaded)."""
+    """A Hugging Face checkpoint folder (or a GGUF file) to serialize for the engine. A hub id that is not a local
+    path is resolved by ``ember.config.hub``: the Hugging Face cache, then ModelScope's (when the modelscope package
+    is installed), then a download unless HF_HUB_OFFLINE is set."""
 
     def __init__(self, pretrain_model_name_or_path: str, pretrain_model_name: str, in_memory_serialize: bool = False,
                  user_set_data_type: str | None = None, trust_remote_code: bool = False) -> None:
         super().__init__()
-        path = os.path.expanduser(str(pretrain_model_name_or_path or ""))
-        if not path or not os.path.exists(path):
-            raise ValueError(f"pretrain_model_name_or_path={pretrain_model_name_or_path!r} does not exist: pass a "
-                             "local Hugging Face folder or .gguf file (ember does not download models)")
+        if not pretrain_model_name_or_path:
+            raise ValueError(f"pretrain_model_name_or_path={pretrain_model_name_or_path!r} is empty: pass a local "
+                             "Hugging Face folder, a .gguf file or a hub id")
+        path = hub.resolve(str(pretrain_model_name_or_path), arg="pretrain_model_name_or_path", modelscope=True,
+                           accepted="a local Hugging Face folder or .gguf file")
         if os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))

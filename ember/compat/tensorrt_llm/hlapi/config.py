@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from ember.compat.tensorrt_llm.quantization.mode import QuantConfig
+from ember.config import hub
 from ember.model_loader.trtllm_engine import engine_folder_message, is_engine_config
 
 logger = logging.getLogger("ember")
@@ -118,9 +119,7 @@ class ModelConfig:
                              "model_dir")
         if self.plugin_config:
             raise ValueError("plugin_config is not supported: it configures TensorRT plugins; ember has none")
-        self.model_dir = os.path.expanduser(str(self.model_dir))
-        if not os.path.exists(self.model_dir):
-            raise ValueError(f"model_dir={self.model_dir!r} does not exist")
+        self.model_dir = hub.resolve(str(self.model_dir), arg="model_dir", accepted=", ".join(FORMATS))
         if isinstance(self.max_beam_width, bool) or not isinstance(self.max_beam_width, int) \
                 or self.max_beam_width < 1:
             raise ValueError(f"max_beam_width={self.max_beam_width!r} is out of range: it must be an integer >= 1")
