@@ -7,6 +7,7 @@ so that the one rotate-half implementation serves both formats (as transformers 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +30,12 @@ GGUF_ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
 }
+# llama.cpp renormalises the top-k weights for these (unless the file says, ``expert_weights_norm``)
+_MOE_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 _GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w (llama.cpp adds the offset); four norms a layer
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_QUANT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
@@ -44,8 +50,13 @@ _CONFIG_KEYS = {
     "attention.key_length": "head_dim",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.sliding_window": "sliding_window",
+    "attention.clamp_kqv": "clip_qkv",
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -58,7 +69,11 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps")  # [experts, rows, cols]: one tensor each expert
 
 
 class GGUFCheckpoint:
@@ -79,6 +94,8 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF general.architecture={self.gguf_arch!r} is not supported: "
                              f"ember supports {sorted(GGUF_ARCHITECTURES)}")
         self.architecture, self.model_type = GGUF_ARCHITECTURES[self.gguf_arch]
+        if self.gguf_arch == "llama" and self.meta.get("llama.expert_count"):  # llama.cpp writes Mixtral as llama
+            self.architecture, self.model_type = "MixtralForCausalLM", "mixtral"
         self._config: GGUFConfig | None = None
 
     def hf_config(self) -> Any:
@@ -112,6 +129,10 @@ class GGUFCheckpoint:
             kwargs.update(self._gemma_kwargs(kwargs))
         if self.gguf_arch == "phi3":
             kwargs.update(self._phi3_kwargs(kwargs))
+        if kwargs.get("num_experts"):
+            kwargs["norm_topk_prob"] = bool(self.meta.get(prefix + "expert_weights_norm", _MOE_NORM[self.gguf_arch]))
+            if self.model_type == "mixtral":
+                kwargs["num_local_experts"] = kwargs.pop("num_experts")
         for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
             value = self.file.value("tokenizer.ggml." + key)
             if value is not None:
@@ -148,9 +169,8 @@ class GGUFCheckpoint:
         (``rope_factors_short`` / ``_long``), its switch ``rope.scaling.original_context_length``; the attention
         factor is left to transformers' formula (max / original context), from which llama.cpp computed it."""
         prefix, out = "phi3.", {}
-        dims = self.meta.get(prefix + "rope.dimension_count")
-        if dims is not None and int(dims) != int(kwargs["head_dim"]):
-            out["partial_rotary_factor"] = int(dims) / int(kwargs["head_dim"])
+        dims = self.meta.get(prefix + "rope.dimension_count", kwargs["head_dim"])
+        out["partial_rotary_factor"] = int(dims) / int(kwargs["head_dim"])
         factors = {t.name: t for t in self.file.tensors if t.name.startswith("rope_factors_")}
         if factors:
             rope = {"rope_type": "longrope",
@@ -178,7 +198,7 @@ class GGUFCheckpoint:
         block dequantized to bf16, and decodes 1.24-1.47x faster); None (float) when any linear weight is stored
         as float. The embedding table and LM head are int8 when they are stored in block types."""
         linear, table = set(), set()
-        for t in self.file.tensors:
+        for t in self._entries():
             name = _hf_name(t.name, self.gguf_arch) or ""
             if name.endswith("_proj.weight"):
                 linear.add(t.tensor_type.name)
@@ -192,16 +212,29 @@ class GGUFCheckpoint:
     def kept_block_size(self, suffix: str) -> int:
         """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
         1 when none is (other types are dequantized and can be sliced anywhere)."""
-        return max((32 for t in self.file.tensors if t.tensor_type.name in GGUF_DIRECT_TYPES
+        return max((32 for t in self._entries() if t.tensor_type.name in GGUF_DIRECT_TYPES
                     and (_hf_name(t.name, self.gguf_arch) or "").endswith(suffix)),
                    default=1)
+
+    def _entries(self) -> Iterator[GGUFTensor]:
+        """The file's tensors, each expert of a stacked expert tensor (``blk.N.ffn_gate_exps``) on its own as
+        ``blk.N.ffn_gate_exps.E`` (its rows of the map, never copied); Qwen2-MoE's 1-D shared gate as one row."""
+        for t in self.file.tensors:
+            base, _, kind = t.name.rpartition(".")
+            if _EXPERTS.fullmatch(base) and len(t.shape) == 3:
+                for e in range(int(t.shape[2])):
+                    yield dataclasses.replace(t, name=f"{base}.{e}.{kind}", shape=tuple(t.shape[:2]), data=t.data[e])
+            elif base.endswith("ffn_gate_inp_shexp") and len(t.shape) == 1:
+                yield dataclasses.replace(t, shape=(int(t.shape[0]), 1), data=t.data.reshape(1, -1))
+            else:
+                yield t
 
     def tensors(self, config: Any, keep_quantized: bool = False, select: Select = read_all
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """keep_quantized: Q8_0 / Q4_0 / Q4_1 weights come as QuantizedTensor (never expanded to float).
         select: the part of each tensor to read (rows, or columns on quantization-block boundaries)."""
         permute = self.gguf_arch in ("llama", "mistral")
-        for t in self.file.tensors:
+        for t in self._entries():
             kind = t.tensor_type.name
             if kind not in SUPPORTED_QUANT_TYPES:
                 raise ValueError(f"GGUF tensor {t.name} has type {kind}: supported types are {SUPPORTED_QUANT_TYPES}")
@@ -239,6 +272,9 @@ class GGUFCheckpoint:
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, kind = gguf_name.rpartition(".")
+    m = re.fullmatch(_EXPERTS.pattern + r"\.(\d+)", base)  # one expert of a stacked tensor (see _entries)
+    if m:
+        return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.{kind}"
     if base in _TENSOR_NAMES:
         return f"{_TENSOR_NAMES[base]}.{kind}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)

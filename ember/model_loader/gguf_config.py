@@ -19,10 +19,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": None},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": None},
     "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096},
-    "phi3": {"max_position_embeddings": 4096, "sliding_window": None},
+    "phi3": {"max_position_embeddings": 4096, "sliding_window": None, "rms_norm_eps": 1e-5},
+    "mixtral": {"max_position_embeddings": 131072, "sliding_window": None, "rms_norm_eps": 1e-5,
+                "rope_theta": 1e6},
+    "qwen2_moe": {"max_position_embeddings": 32768, "sliding_window": None},
+    "qwen3_moe": {"max_position_embeddings": 32768, "sliding_window": None},
+    "olmoe": {"max_position_embeddings": 4096, "sliding_window": None, "rms_norm_eps": 1e-5},
     "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096},
 }
-_WINDOWED_BY_FLAG = ("qwen2", "qwen3")  # sliding_window counts only with use_sliding_window, which GGUF never sets
+_WINDOWED_BY_FLAG = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size", "norm_topk_prob", "clip_qkv")  # sliding_window counts only with use_sliding_window, which GGUF never sets
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,14 @@ class GGUFConfig:
     hidden_activation: str | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture-of-Experts (None elsewhere): see ember/models/moe.py
+    num_experts: int | None = None
+    num_local_experts: int | None = None  # Mixtral's name for num_experts
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    norm_topk_prob: bool | None = None
+    clip_qkv: float | None = None  # OLMoE
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False)  # what to_transformers passes
 
     @classmethod
@@ -60,7 +75,7 @@ class GGUFConfig:
         """kwargs: transformers config arguments read from the metadata (hidden_size, rope_theta, rope_scaling...)."""
         defaults = _DEFAULTS[model_type]
         rope: dict[str, Any] = dict(kwargs.get("rope_scaling") or {"rope_type": "default"})
-        rope["rope_theta"] = float(kwargs.get("rope_theta", 10000.0))
+        rope["rope_theta"] = float(kwargs.get("rope_theta", defaults.get("rope_theta", 10000.0)))
         if "partial_rotary_factor" in kwargs:
             rope["partial_rotary_factor"] = float(kwargs["partial_rotary_factor"])
         if "rope_local_base_freq" in kwargs:  # Gemma 3: global layers as above, sliding ones their own base
@@ -76,12 +91,13 @@ class GGUFConfig:
             max_position_embeddings=int(kwargs.get("max_position_embeddings", defaults["max_position_embeddings"])),
             rope_parameters=rope, tie_word_embeddings=bool(kwargs.get("tie_word_embeddings", False)),
             sliding_window=None if model_type in _WINDOWED_BY_FLAG else window,
-            rms_norm_eps=float(kwargs.get("rms_norm_eps", 1e-6)), bos_token_id=kwargs.get("bos_token_id"),
+            rms_norm_eps=float(kwargs.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))), bos_token_id=kwargs.get("bos_token_id"),
             eos_token_id=kwargs.get("eos_token_id"), layer_types=kwargs.get("layer_types"),
             query_pre_attn_scalar=kwargs.get("query_pre_attn_scalar"),
             hidden_activation=kwargs.get("hidden_activation"),
             attn_logit_softcapping=kwargs.get("attn_logit_softcapping"),
-            final_logit_softcapping=kwargs.get("final_logit_softcapping"), kwargs=dict(kwargs))
+            final_logit_softcapping=kwargs.get("final_logit_softcapping"),
+            **{k: kwargs.get(k) for k in _MOE_FIELDS}, kwargs=dict(kwargs))
 
     @property
     def rope_scaling(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from ember.layers.lora import LoRABatch
 from ember.layers.moe import MoEShape, SparseMoE
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
-from ember.models.llama import Attention, DecoderLayer, FamilySwitches, HeadSplit, LlamaForCausalLM, LlamaModel
+from ember.models.llama import Attention, DecoderLayer, FamilySwitches, LlamaForCausalLM, LlamaModel
 from ember.quantization import QuantConfig, QuantizedTensor
 
 _QWEN = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")

@@ -59,7 +59,11 @@ GGUF_FAMILIES = {
                                     sliding_window=WINDOW, query_pre_attn_scalar=32, attn_logit_softcapping=2.0,
                                     final_logit_softcapping=3.0)),
     "phi3": PHI3,
+    **MOE,  # but what llama.cpp cannot say: Mixtral's window, Qwen3-MoE's dense layers
+    "mixtral": ("MixtralConfig", dict(MOE["mixtral"][1], sliding_window=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(MOE["qwen3_moe"][1], mlp_only_layers=[])),
 }
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}  # llama.cpp's names
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +107,29 @@ def test_tensor_parallel_split_matches_transformers(kind, family_dirs):
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_experts_run_quantized(family_dirs, quantization):
+    """Every expert's projections hold int8 / int4 weights (the router stays float: it picks the experts); int8
+    keeps bf16's greedy tokens on this model."""
+    from internals import worker_of
+
+    from ember.layers.linear import Linear
+    from ember.layers.moe import ExpertMLP, SparseMoE
+
+    prompt = [[100, 200, 300, 400, 500]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(family_dirs["qwen3_moe"], dtype="bfloat16", quantization=quantization, kv_cache_memory="16MiB") as llm:
+        model = worker_of(llm).loaded.model
+        experts = [m for e in model.modules() if isinstance(e, ExpertMLP) for m in e.modules() if isinstance(m, Linear)]
+        routers = [m.gate for m in model.modules() if isinstance(m, SparseMoE)]
+        got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert experts and all(m.weight is None and m.qmm is not None for m in experts)
+    assert routers and all(m.weight is not None and m.qmm is None for m in routers)
+    if quantization == "int8":
+        with LLM(family_dirs["qwen3_moe"], dtype="bfloat16", quantization="none", kv_cache_memory="16MiB") as llm:
+            assert got == llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_gemma2_soft_caps_change_the_answer(family_dirs):
     """The soft-caps this test's Gemma 2 sets decide tokens, so parity above covers them."""
     hf = _reference(family_dirs["gemma2"])
@@ -121,7 +148,7 @@ def test_gguf_written_as_llama_cpp_does_matches_the_source_model(kind, tokenizer
     src = save_random_model(cls, str(tmp_path / "hf"), tokenizer_dir, **kw)
     hf = _reference(src)
     path = str(tmp_path / f"{kind}.gguf")
-    write_gguf(hf, kind, path)
+    write_gguf(hf, GGUF_ARCH.get(kind, kind), path)
     prompts = random_prompts(3, 5, 50, hf.config.vocab_size, seed=3)
     llm = LLM(path, tokenizer=tokenizer_dir, dtype="float32", kv_cache_memory="32MiB")
     try:

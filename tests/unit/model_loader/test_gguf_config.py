@@ -13,6 +13,7 @@ from ember.config import ModelShape
 from ember.layers.rotary import RotaryEmbedding, rope_parameters
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.models.llama import family_switches, layer_windows
+from ember.models.moe import moe_shape
 
 ENGINE_READS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
@@ -55,6 +56,13 @@ CASES = {
                               context_length=32768, kv_heads=1)),
     "gemma3-linear-rope": ("gemma3", dict(key_length=16, value_length=16, sliding_window=1024, kv_heads=1,
                                           rope_freq_base=1000000.0, rope_scaling_type=None)),
+    "mixtral": ("llama", dict(expert_count=8, expert_used_count=2, context_length=32768)),
+    "qwen3moe": ("qwen3moe", dict(expert_count=8, expert_used_count=2, expert_feed_forward_length=32,
+                                  key_length=16, value_length=16)),
+    "qwen2moe": ("qwen2moe", dict(expert_count=8, expert_used_count=4, expert_feed_forward_length=32,
+                                  expert_shared_feed_forward_length=48)),
+    "olmoe": ("olmoe", dict(expert_count=8, expert_used_count=2, clamp_kqv=8.0)),
+    "phi3-defaults": ("phi3", dict(context_length=4096)),
     "gemma2": ("gemma2", dict(key_length=32, value_length=32, sliding_window=4096, attn_logit_softcapping=50.0,
                               final_logit_softcapping=30.0)),
 }
@@ -82,6 +90,9 @@ def test_gguf_config_matches_transformers(case, tmp_path):
     architecture = ours.architectures[0]
     assert layer_windows(architecture, ours) == layer_windows(architecture, ref)
     assert family_switches(architecture, ours) == family_switches(architecture, ref)
+    if arch in ("llama", "qwen3moe", "qwen2moe", "olmoe") and "expert_count" in extra:
+        assert moe_shape(architecture, ours) == moe_shape(architecture, ref)
+        assert getattr(ours, "clip_qkv", None) == getattr(ref, "clip_qkv", None)
     kinds = [None]
     if arch in ("gemma2", "gemma3"):
         for name in GEMMA_READS:
