@@ -27,9 +27,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmoe": {"max_position_embeddings": 4096, "sliding_window": None, "rms_norm_eps": 1e-5},
     "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096},
 }
+# sliding_window counts only with use_sliding_window, which GGUF never sets
 _WINDOWED_BY_FLAG = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# read from the metadata by name when the file has them (MoE; OLMoE's clip_qkv)
 _MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-               "shared_expert_intermediate_size", "norm_topk_prob", "clip_qkv")  # sliding_window counts only with use_sliding_window, which GGUF never sets
+               "shared_expert_intermediate_size", "norm_topk_prob", "clip_qkv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,8 @@ class GGUFConfig:
             max_position_embeddings=int(kwargs.get("max_position_embeddings", defaults["max_position_embeddings"])),
             rope_parameters=rope, tie_word_embeddings=bool(kwargs.get("tie_word_embeddings", False)),
             sliding_window=None if model_type in _WINDOWED_BY_FLAG else window,
-            rms_norm_eps=float(kwargs.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))), bos_token_id=kwargs.get("bos_token_id"),
+            rms_norm_eps=float(kwargs.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
+            bos_token_id=kwargs.get("bos_token_id"),
             eos_token_id=kwargs.get("eos_token_id"), layer_types=kwargs.get("layer_types"),
             query_pre_attn_scalar=kwargs.get("query_pre_attn_scalar"),
             hidden_activation=kwargs.get("hidden_activation"),
