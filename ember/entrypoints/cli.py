@@ -18,7 +18,8 @@ from ember.sampling_params import SamplingParams, StructuredOutputsParams
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
-                   help="Hugging Face folder, .gguf or .asmodel file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="Hugging Face folder, .gguf or .asmodel file, or a hub id org/name from the Hugging Face "
+                        "cache (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -116,6 +116,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                  quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
         self.moe = moe_shape(architecture, config)
         self.mixtral = architecture == "MixtralForCausalLM"
+        self.olmoe = architecture == "OlmoeForCausalLM"
         super().__init__(architecture, config, max_position, dtype, quant, parallel)
 
     def _projections(self) -> Iterable[Linear]:
@@ -139,7 +140,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             if proj in ("gate_proj", "up_proj"):
                 return WeightSlice(0, p.tp_rank * inter, (p.tp_rank + 1) * inter)
             return WeightSlice(1, p.tp_rank * inter, (p.tp_rank + 1) * inter)  # down_proj
-        if proj in ("q_norm", "k_norm") and isinstance(self.model.local_layers[0].self_attn, OlmoeAttention):
+        if proj in ("q_norm", "k_norm") and self.olmoe:  # over the whole projection: this rank's heads' part
             return super().weight_slice(name.replace(f"{proj}.", f"{proj[0]}_proj."))
         return whole  # the router and the shared expert's gate are whole on every rank, as norms are
 
@@ -147,10 +148,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         super().load_weights(self._renamed(weights))
 
     def _renamed(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        olmoe = isinstance(self.model.local_layers[0].self_attn, OlmoeAttention) if self.model.local_layers else False
         for name, tensor in weights:
             name = self._name(name)
-            if olmoe:
+            if self.olmoe:
                 name = name.replace(".self_attn.q_norm.", ".self_attn.q_norm_full.").replace(
                     ".self_attn.k_norm.", ".self_attn.k_norm_full.")
             yield name, tensor
