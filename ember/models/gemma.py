@@ -14,18 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from ember.config import ModelShape
-from ember.distributed import ParallelContext, layer_range
+from ember.distributed import ParallelContext
 from ember.layers.activation import gated_activation
 from ember.layers.attention import AttentionMetadata
 from ember.layers.base import Layer
-from ember.layers.embedding import VocabEmbedding
 from ember.layers.lora import LoRABatch
 from ember.layers.norm import OffsetRMSNorm
 from ember.layers.rotary import RotaryEmbedding
-from ember.models.llama import MLP, Attention, FamilySwitches, LlamaForCausalLM, MissingLayer, layer_windows
+from ember.models.llama import MLP, Attention, DecoderLayer, FamilySwitches, LlamaForCausalLM, LlamaModel
 from ember.quantization import QuantConfig
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -49,10 +46,10 @@ def _per_type_rope(config: Any) -> bool:
 
 class GemmaDecoderLayer(Layer):
     def __init__(self, config: Any, architecture: str, layer_type: str, window: int | None, dtype: torch.dtype,
-                 quant: QuantConfig | None, parallel: ParallelContext) -> None:
+                 quant: QuantConfig | None, parallel: ParallelContext, per_type_rope: bool = False) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.layer_type = layer_type
+        self.rope_kind = layer_type if per_type_rope else DecoderLayer.rope_kind  # the model's table it reads
         bias = bool(getattr(config, "attention_bias", False))
         switches = FamilySwitches(qkv_bias=bias, o_bias=bias, qk_norm=architecture == "Gemma3ForCausalLM")
         self.self_attn = Attention(config, switches, window, dtype, quant, parallel,
@@ -78,43 +75,25 @@ class GemmaDecoderLayer(Layer):
         return self.post_feedforward_layernorm(self.mlp(x, lora)), residual
 
 
-class GemmaModel(Layer):
-    def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
-                 quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
-        super().__init__()
-        self.parallel, self.dtype = parallel, dtype
-        self.start, self.stop = layer_range(config.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
-        head_dim = ModelShape.of(config).head_dim
-        types = layer_types(config)
-        per_type = _per_type_rope(config)
-        self.ropes = nn.ModuleDict({t: RotaryEmbedding(config, head_dim, max_position, t if per_type else None)
-                                    for t in sorted(set(types))})
-        self.embed_scale = config.hidden_size ** 0.5  # applied in the activations' dtype, as transformers does
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                           quant is not None and quant.embeddings, parallel) \
-            if parallel.is_first_stage or (tied and parallel.is_last_stage) else None
-        windows = layer_windows(architecture, config)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, architecture, t, w, dtype, quant, parallel) if self.start <= i < self.stop
-            else MissingLayer() for i, (t, w) in enumerate(zip(types, windows)))
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if parallel.is_last_stage else None
-        self.local_layers = [self.layers[i] for i in range(self.start, self.stop)]
+class GemmaModel(LlamaModel):
+    """The Llama stack with Gemma's layers, its (1 + w) final norm, the scaled embedding and a RoPE table a kind of
+    layer where the config keeps one set a kind (Gemma 3)."""
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoRABatch | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if intermediate is None:
-            x = self.embed_tokens(ids)
-            x, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
-        else:
-            x, residual = intermediate
-        ropes = {t: rope.cos_sin(positions, x.dtype, meta) for t, rope in self.ropes.items()}  # once a step a kind
-        for layer in self.local_layers:
-            x, residual = layer(ropes[layer.layer_type], x, residual, meta, lora)
-        if self.norm is None:
-            return x, residual
-        return self.norm(x, residual)[0]
+    norm_class = OffsetRMSNorm
+
+    def make_ropes(self, config: Any, head_dim: int, max_position: int) -> dict[str, RotaryEmbedding]:
+        if not _per_type_rope(config):
+            return super().make_ropes(config, head_dim, max_position)
+        return {t: RotaryEmbedding(config, head_dim, max_position, t) for t in sorted(set(layer_types(config)))}
+
+    def make_layer(self, architecture: str, config: Any, index: int, sw: FamilySwitches, window: int | None,
+                   dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> Layer:
+        return GemmaDecoderLayer(config, architecture, layer_types(config)[index], window, dtype, quant, parallel,
+                                 per_type_rope=_per_type_rope(config))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        return x * torch.tensor(self.embed_tokens.dim ** 0.5, dtype=x.dtype)  # in x's dtype, as transformers does
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

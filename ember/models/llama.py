@@ -137,6 +137,8 @@ class MLP(Layer):
 
 
 class DecoderLayer(Layer):
+    rope_kind = "all"  # which of the model's RoPE tables the layer reads (LlamaModel.make_ropes)
+
     def __init__(self, config: Any, sw: FamilySwitches, window: int | None, dtype: torch.dtype,
                  quant: QuantConfig | None, parallel: ParallelContext, mlp: Layer | None = None,
                  attention: Layer | None = None) -> None:
@@ -164,13 +166,18 @@ class MissingLayer(nn.Module):
 
 
 class LlamaModel(Layer):
+    """The decoder stack. A family over these layers changes what differs through its hooks: ``make_layer`` (its
+    decoder layers), ``make_ropes`` (one RoPE table, or one a kind of layer), ``embed`` and ``norm_class``."""
+
+    norm_class: type[RMSNorm] = RMSNorm  # the final norm's
+
     def __init__(self, architecture: str, config: Any, max_position: int, dtype: torch.dtype,
                  quant: QuantConfig | None = None, parallel: ParallelContext = ParallelContext()) -> None:
         super().__init__()
         sw = family_switches(architecture, config)
         self.parallel, self.dtype = parallel, dtype
         self.start, self.stop = layer_range(config.num_hidden_layers, parallel.pp_size, parallel.pp_rank)
-        self.rope = RotaryEmbedding(config, ModelShape.of(config).head_dim, max_position)
+        self.ropes = nn.ModuleDict(self.make_ropes(config, ModelShape.of(config).head_dim, max_position))
         tied = bool(getattr(config, "tie_word_embeddings", False))
         # the last stage holds the table too when the LM head is tied to it
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
@@ -180,8 +187,15 @@ class LlamaModel(Layer):
             self.make_layer(architecture, config, i, sw, w, dtype, quant, parallel) if self.start <= i < self.stop
             else MissingLayer() for i, w in enumerate(layer_windows(architecture, config))
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if parallel.is_last_stage else None
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype) if parallel.is_last_stage else None
         self.local_layers = [self.layers[i] for i in range(self.start, self.stop)]  # a plain list: no lookup a step
+
+    def make_ropes(self, config: Any, head_dim: int, max_position: int) -> dict[str, RotaryEmbedding]:
+        """The RoPE tables by the ``rope_kind`` of the layers that read them: one for every layer here."""
+        return {DecoderLayer.rope_kind: RotaryEmbedding(config, head_dim, max_position)}
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
 
     def make_layer(self, architecture: str, config: Any, index: int, sw: FamilySwitches, window: int | None,
                    dtype: torch.dtype, quant: QuantConfig | None, parallel: ParallelContext) -> Layer:
@@ -195,12 +209,12 @@ class LlamaModel(Layer):
         previous stage's (x, residual). The last stage returns the normed hidden states, the others (x, residual).
         lora: which adapter slot each row uses (None: every row runs the base model)."""
         if intermediate is None:
-            x, residual = self.embed_tokens(ids), None
+            x, residual = self.embed(ids), None
         else:
             x, residual = intermediate
-        rope = self.rope.cos_sin(positions, x.dtype, meta)  # once a step, shared by every layer
+        ropes = {k: rope.cos_sin(positions, x.dtype, meta) for k, rope in self.ropes.items()}  # once a step a table
         for layer in self.local_layers:
-            x, residual = layer(rope, x, residual, meta, lora)
+            x, residual = layer(ropes[layer.rope_kind], x, residual, meta, lora)
         if self.norm is None:
             return x, residual
         return self.norm(x, residual)[0]
