@@ -375,6 +375,23 @@ def _hf_folder_with(src: str, out: str, tensors: dict[str, torch.Tensor]) -> str
 QUANT_LAYOUTS = ["tp1", "tp2", "tp4-repeated-kv", "tp2-pp2"]
 
 
+def _assert_reads_exactly(ckpt, config, want: dict, slices) -> None:
+    """The checkpoint reads every tensor of ``want`` with its dtype and values, whole and cut by each
+    (dim, start, stop) of ``slices`` (a tensor too small or of too few dims for one is read whole)."""
+    got = dict(ckpt.tensors(config))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    for dim, start, stop in slices:
+        def select(name, dim=dim, start=start, stop=stop):
+            if dim >= want[name].dim() or stop > want[name].shape[dim]:
+                return WeightSlice()
+            return WeightSlice(dim, start, stop)
+
+        for name, t in ckpt.tensors(config, select=select):
+            assert torch.equal(t, select(name).apply(want[name])), (name, dim, start, stop)
+
+
 @pytest.mark.parametrize("algo,layout,dtype", [(a, lay, "float32") for a in ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
                                                for lay in QUANT_LAYOUTS] + [("W4A16_AWQ", "tp2", "bfloat16")])
 def test_modelopt_quantized_weights_read_back_as_their_dequantized_values(llamas, tmp_path, algo, layout, dtype):
@@ -393,18 +410,7 @@ def test_modelopt_quantized_weights_read_back_as_their_dequantized_values(llamas
     assert ckpt.native_quantization() is None  # float: ember quantizes again only when asked
     config = ckpt.hf_config()
     want = _dequantized(src, algo, getattr(torch, dtype))
-    got = dict(ckpt.tensors(config))
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
-    for dim, start, stop in ((0, 5, 51), (0, 63, 70), (1, 3, 40), (1, 31, 33)):
-        def select(name, dim=dim, start=start, stop=stop):
-            if dim >= want[name].dim() or stop > want[name].shape[dim]:
-                return WeightSlice()
-            return WeightSlice(dim, start, stop)
-
-        for name, t in ckpt.tensors(config, select=select):
-            assert torch.equal(t, select(name).apply(want[name])), (name, dim, start, stop)
+    _assert_reads_exactly(ckpt, config, want, ((0, 5, 51), (0, 63, 70), (1, 3, 40), (1, 31, 33)))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -544,18 +550,7 @@ def test_smoothquant_plugin_weights_read_back_as_their_dequantized_values(llamas
     assert ckpt.native_quantization() is None
     config = ckpt.hf_config()
     want = _sq_plugin_float(src, algo)
-    got = dict(ckpt.tensors(config))
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
-    for dim, start, stop in ((0, 5, 51), (1, 3, 40), (1, 31, 33)):
-        def select(name, dim=dim, start=start, stop=stop):
-            if dim >= want[name].dim() or stop > want[name].shape[dim]:
-                return WeightSlice()
-            return WeightSlice(dim, start, stop)
-
-        for name, t in ckpt.tensors(config, select=select):
-            assert torch.equal(t, select(name).apply(want[name])), (name, dim, start, stop)
+    _assert_reads_exactly(ckpt, config, want, ((0, 5, 51), (1, 3, 40), (1, 31, 33)))
     if tp == 1:  # a per_channel_scale of the wrong shape, and an int8 weight without one: refused, saying why
         key = "transformer.layers.1.mlp.fc."
         bad = dict(rank0, **{key + "per_channel_scale": torch.ones(1, 7)})

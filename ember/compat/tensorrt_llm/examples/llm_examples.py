@@ -197,9 +197,10 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"{value!r} is not a valid boolean")
 
 
-def _command_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm_examples.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _commands(prog: str, doc: str):
+    """(parser, command): a parser of subcommands; ``command(name, help)`` adds one taking the examples' common
+    --prompt and --model_dir (this file's and run_examples.py's)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
@@ -207,6 +208,12 @@ def _command_parser() -> argparse.ArgumentParser:
         p.add_argument('--prompt', type=str, default="What is LLM?")
         p.add_argument('--model_dir', type=str, required=True, help='The directory of the model.')
         return p
+
+    return parser, command
+
+
+def _command_parser() -> argparse.ArgumentParser:
+    parser, command = _commands("llm_examples.py", __doc__)
 
     p = command("run_llm_generate", "Run LLM on a HF model, a TRT-LLM checkpoint or a saved engine; save it to "
                                     "--engine_dir if given.")

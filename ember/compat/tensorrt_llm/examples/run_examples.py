@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from ember.compat.tensorrt_llm.examples.llm_examples import _bool  # upstream: from llm_examples import *
+from ember.compat.tensorrt_llm.examples.llm_examples import _bool, _commands  # upstream: from llm_examples import *
 
 LLM_EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llm_examples.py')
 ENGINE_DIR = "/tmp/hlapi.engine.example"
@@ -74,14 +74,10 @@ def run_quant(prompt: str, model_dir: str, examples_root: Optional[str], llm_exa
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="run_examples.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser, common = _commands("run_examples.py", __doc__)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        p.add_argument('--prompt', type=str, default="What is LLM?")
-        p.add_argument('--model_dir', type=str, required=True, help='The directory of the model.')
+        p = common(name, help)
         p.add_argument('--examples_root', type=str, default=None,
                        help='The directory of the TensorRT-LLM examples (accepted; not used).')
         p.add_argument('--llm_examples', type=str, default=LLM_EXAMPLES, help='The path to llm_examples.py.')
