@@ -21,7 +21,9 @@ import tempfile
 
 
 def run_tree(tree: str, mode: str, out: str, extra: list[str], env_extra: dict[str, str] | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), **(env_extra or {}))
+    # the tree first; what was on PYTHONPATH (packages installed with --target) stays behind it
+    path = os.pathsep.join(p for p in (os.path.abspath(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, **(env_extra or {}))
     cmd = [sys.executable, "-m", "ember.entrypoints.cli", "bench", mode, "--backends", "ember", "--repeats", "1",
            "--out", out, *extra]
     subprocess.run(cmd, env=env, cwd=os.path.abspath(tree), check=True, stdout=subprocess.DEVNULL)

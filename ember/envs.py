@@ -10,7 +10,7 @@
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
 | ``EMBER_DIST_TIMEOUT`` | seconds a collective of a split model may wait before it fails (a hung rank) | 600 |
 | ``EMBER_API_KEY`` | the key ``ember serve`` requires (``Bearer KEY``) when ``--api-key`` is not given | none |
-| ``EMBER_ENGINE_CORE_PROCESS`` | ``1`` runs the engine core in its own process (``uni``, ``mp`` executors) | ``0`` |
+| ``EMBER_ENGINE_CORE_PROCESS`` | ``1`` runs the engine core in its own process (``uni``, ``mp`` executors), ``0`` on a thread | ``1`` on CUDA (``uni``), else ``0`` |
 | ``EMBER_LAUNCH_SHARED_STORE`` | ``1`` (set by ``trtllm-hlapi-launch``): launched engines meet its worker nodes | unset |
 | ``EMBER_BENCH_VENVS`` | where ``benchmarks/setup_baselines.sh`` put the baselines' environments | ``.bench/venvs`` |
 
@@ -77,13 +77,14 @@ def mkldnn_linear_enabled() -> bool:
     return _flag(MKLDNN_LINEAR, True)
 
 
-def engine_core_process() -> bool:
-    """EMBER_ENGINE_CORE_PROCESS: '1' (the core in its own process) or '0' / unset; anything else is refused."""
-    raw = os.environ.get(ENGINE_CORE_PROCESS, "0")
-    if raw not in ("0", "1"):
+def engine_core_process() -> bool | None:
+    """EMBER_ENGINE_CORE_PROCESS: '1' (the core in its own process), '0' (in the caller's) or unset (None: the
+    device's default); anything else is refused."""
+    raw = os.environ.get(ENGINE_CORE_PROCESS, "")
+    if raw not in ("", "0", "1"):
         raise ConfigError(f"{ENGINE_CORE_PROCESS}={raw!r} is not supported: use 1 (the engine core in its own "
-                          "process) or 0 (in the caller's)")
-    return raw == "1"
+                          "process) or 0 (in the caller's), or leave it unset for the device's default")
+    return None if raw == "" else raw == "1"
 
 
 def host_tier_on_cpu() -> bool:

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# tests that look inside an engine (tests/internals.py) need its core in this process, the default on CPU only; the
+# core's own process (CUDA's default) is tested on every device by tests/e2e/test_core_process.py
+os.environ.setdefault("EMBER_ENGINE_CORE_PROCESS", "0")
 
 VOCAB_TOKENIZER_DIR = "tokenizer"
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: data/, the scripts and helper modules

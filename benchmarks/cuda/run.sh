@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs, in one call each (see docs/cuda.md):
-#   bash benchmarks/cuda/run.sh tests   # the suite on CUDA (device "auto" picks the GPU), log in $OUT
+#   bash benchmarks/cuda/run.sh tests   # the suite on CUDA (device "auto" picks the GPU), log in $OUT; pass -n 8
 #   bash benchmarks/cuda/run.sh latency # batch-1 latency alone (the last part of bench)
+#   bash benchmarks/cuda/run.sh compare # the engine core on a thread vs in its own process (EMBER_ENGINE_CORE_PROCESS=1):
+#                                       # W1 and batch-1, interleaved (REPEATS=, default 2)
 #   bash benchmarks/cuda/run.sh bench   # ember (graphs on / off) vs transformers on CUDA: W1, batch-1 latency,
 #                                       # batch invariance; QUANT=1 adds the quantization modes
 #                                       # (BACKENDS=, REPEATS= narrow it)
@@ -40,14 +42,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee -a "$OUT/gpu.txt"
 case "$1" in
 tests)
-    # full-model tests need the 94 MB file (perplexity bounds, footprint, the slow end-to-end ones)
-    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m "not slow" --timeout 240 -rfEs \
+    # every tier (tests/unit alone is MARK="not slow"); tests that need the whole 94 MB file are deselected
+    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider ${MARK:+-m "$MARK"} --timeout 240 -rfEs \
         -k "not perplexity_of_every_mode_on_the_default_model and not default_model_keeps_its_gguf_footprint" \
         "${@:2}" 2>&1 | tee "$OUT/pytest.log"
     exit "${PIPESTATUS[0]}" ;;
-bench|latency)
+bench|latency|compare)
     M=/tmp/smollm2-random
     python3 benchmarks/cuda/random_smollm2.py $M --tokenizer-gguf .gpu/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+    if [ "$1" = compare ]; then
+        python3 benchmarks/compare_trees.py . . --after-env EMBER_ENGINE_CORE_PROCESS=1 --repeats "${REPEATS:-2}" \
+            --latency-runs 1 --bench-args "--model $M --device cuda --dtype bfloat16" --out "$OUT/compare.json" 2>&1 \
+            | tee "$OUT/compare.log" | tail -20
+        exit "${PIPESTATUS[0]}"
+    fi
     common=(--model $M --backends "${BACKENDS:-ember,ember-eager,hf}" --python hf=python3 --device cuda
             --dtype bfloat16 --repeats "${REPEATS:-3}")
     if [ "$1" = latency ]; then
@@ -65,5 +73,5 @@ bench|latency)
             --out "$OUT/bench/quantization.json" 2>&1 | tail -12
     fi
     ;;
-*) echo "usage: $0 prepare|tests|bench|latency" >&2; exit 2 ;;
+*) echo "usage: $0 prepare|tests|bench|latency|compare" >&2; exit 2 ;;
 esac

@@ -52,12 +52,16 @@ CORE_COMMAND = [sys.executable, "-m", "ember.frontend.core_process"]
 
 
 def use_core_process(resolved: ResolvedConfig) -> bool:
-    """``EMBER_ENGINE_CORE_PROCESS=1``: the core in its own process; ``0`` or unset: in the caller's process, on a
-    thread (measured faster on this project's CPU machine, docs/architecture.md; not yet measured on CUDA)."""
+    """``EMBER_ENGINE_CORE_PROCESS=1``: the core in its own process; ``0``: in the caller's process, on a thread.
+    Unset, each device gets the transport measured faster there (docs/architecture.md): the thread on CPU, where the
+    client's output work would compete with the model for the cores; the process on CUDA for the ``uni`` executor
+    (an H100 decoded 1.09x faster at batch 1 with W1 equal; ``mp`` on CUDA is not measured and keeps the thread)."""
     value = envs.engine_core_process()
+    backend = resolved.parallel.backend
+    if value is None:
+        return resolved.model.device.startswith("cuda") and backend == "uni"
     if not value:
         return False
-    backend = resolved.parallel.backend
     if backend not in _PROCESS_BACKENDS:
         raise ConfigError(f"{envs.ENGINE_CORE_PROCESS}=1 is not supported with the {backend!r} executor: its ranks "
                           f"join the caller's process group; use one of {', '.join(_PROCESS_BACKENDS)} or unset it")
