@@ -16,6 +16,7 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
 #ifdef EMBER_AVX512_BF16
 torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
 torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w);
+torch::Tensor grouped_dense_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor offsets);
 #endif
 void add_rms_norm_(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 
@@ -35,6 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of a bf16 [rows, 2I] projection (AVX512)");
   m.def("dense_gemm", &dense_gemm, "x [M, K] . w [N, K]^T, both float32 or both bf16, each output one fixed-order "
         "chain whatever M is (AVX512)", py::arg("x"), py::arg("w"));
+  m.def("grouped_dense_gemm", &grouped_dense_gemm, "a Mixture-of-Experts projection: rows of x grouped by expert "
+        "(offsets [E + 1]) . w [E, N, K]^T, each row dense_gemm's bits against its expert (AVX512)", py::arg("x"),
+        py::arg("w"), py::arg("offsets"));
 #endif
   m.def("rotary_", &rotary_, "in place: rotate-half RoPE of x [T, H, D] by cos/sin [T, D]");
   m.def("add_rms_norm_", &add_rms_norm_, "in place: residual += x (if given); x = rms_norm(residual or x) * w");

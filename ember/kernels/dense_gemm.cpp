@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "avx512_util.h"
 
@@ -151,6 +152,80 @@ void gemm(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, 
   }
 }
 
+// A Mixture-of-Experts projection: expert e's rows of x are rows off[e] .. off[e + 1], its weight w + e * N * K.
+// The work is cut into (expert, range of CH weight rows) tasks over every expert hit, so one parallel region covers
+// all of them (a decode token's 8 experts are 8 x N / CH tasks, not 8 calls); within a task the blocking is
+// gemm_rows' (up to 4 rows) or gemm_tiles' (from 5), and every output the same chain as dense_gemm's.
+constexpr int64_t CH = 64;  // weight rows a task
+
+template <class E, int M>
+EMBER_INLINE void rows_range(const typename E::T* x, int64_t K, const typename E::T* w, int64_t N, int64_t n0,
+                             int64_t n1, typename E::T* y) {
+  constexpr int B = 16 / M;
+  const typename E::T* xr[M];
+  for (int m = 0; m < M; ++m) xr[m] = x + m * K;
+  for (int64_t r = n0; r < n1; r += B) {
+    const typename E::T* wr[B];
+    for (int j = 0; j < B; ++j) wr[j] = w + ember_fixed::min<int64_t>(r + j, N - 1) * K;
+    const int64_t pf = r + (PF + 1) * B <= N ? PF * B * K : 0;
+    block<E, M, B>(xr, wr, K, pf, ember_fixed::min<int64_t>(B, n1 - r), y + r, N);
+  }
+}
+
+template <class E>
+void tiles_range(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, int64_t n0,
+                 int64_t n1, typename E::T* y) {
+  const int64_t panel = ember_fixed::max<int64_t>(TILE, PANEL_BYTES / (K * sizeof(typename E::T)) / TILE * TILE);
+  for (int64_t p0 = 0; p0 < M; p0 += panel) {
+    const int64_t p1 = ember_fixed::min<int64_t>(M, p0 + panel);
+    for (int64_t r = n0; r < n1; r += TILE) {
+      const typename E::T* wr[TILE];
+      for (int j = 0; j < TILE; ++j) wr[j] = w + ember_fixed::min<int64_t>(r + j, N - 1) * K;
+      const int64_t nr = ember_fixed::min<int64_t>(TILE, n1 - r);
+      for (int64_t m0 = p0; m0 < p1; m0 += TILE) {
+        const typename E::T* xr[TILE];
+        for (int m = 0; m < TILE; ++m) xr[m] = x + ember_fixed::min<int64_t>(m0 + m, M - 1) * K;
+        typename E::T* yt = y + m0 * N + r;
+        switch (ember_fixed::min<int64_t>(TILE, p1 - m0)) {
+          case 1: block<E, 1, TILE>(xr, wr, K, 0, nr, yt, N); break;
+          case 2: block<E, 2, TILE>(xr, wr, K, 0, nr, yt, N); break;
+          case 3: block<E, 3, TILE>(xr, wr, K, 0, nr, yt, N); break;
+          default: block<E, TILE, TILE>(xr, wr, K, 0, nr, yt, N); break;
+        }
+      }
+    }
+  }
+}
+
+template <class E>
+void grouped_gemm(const typename E::T* x, const int64_t* off, int64_t experts, int64_t K, const typename E::T* w,
+                  int64_t N, typename E::T* y) {
+  std::vector<int64_t> task_expert, task_row;  // (expert, first weight row) of each task
+  for (int64_t e = 0; e < experts; ++e) {
+    if (off[e + 1] == off[e]) continue;
+    for (int64_t r = 0; r < N; r += CH) {
+      task_expert.push_back(e);
+      task_row.push_back(r);
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(task_expert.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t e = task_expert[t], n0 = task_row[t], n1 = ember_fixed::min<int64_t>(N, n0 + CH);
+      const int64_t m = off[e + 1] - off[e];
+      const typename E::T* xe = x + off[e] * K;
+      const typename E::T* we = w + e * N * K;
+      typename E::T* ye = y + off[e] * N;
+      switch (m) {
+        case 1: rows_range<E, 1>(xe, K, we, N, n0, n1, ye); break;
+        case 2: rows_range<E, 2>(xe, K, we, N, n0, n1, ye); break;
+        case 3: rows_range<E, 3>(xe, K, we, N, n0, n1, ye); break;
+        case 4: rows_range<E, 4>(xe, K, we, N, n0, n1, ye); break;
+        default: tiles_range<E>(xe, m, K, we, N, n0, n1, ye); break;
+      }
+    }
+  });
+}
+
 }  // namespace
 EMBER_FIXED_ORDER_END
 
@@ -172,6 +247,37 @@ torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w) {
     gemm<F32>(x.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>());
   else
     gemm<BF16>(x.data_ptr<c10::BFloat16>(), M, K, wc.data_ptr<c10::BFloat16>(), N, y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
+// x [P, K]: the rows routed to each expert, expert e's at rows offsets[e] .. offsets[e + 1] (offsets int64 [E + 1],
+// from 0 to P, never decreasing); w [E, N, K]. Returns y [P, N], row p = x[p] . w[e]^T for its expert e, the same
+// bits dense_gemm(x[p:p+1], w[e]) gives: a Mixture-of-Experts projection in one call for every expert hit.
+torch::Tensor grouped_dense_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor offsets) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "grouped_dense_gemm: x [P, K], w [E, N, K]");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && offsets.device().is_cpu(),
+              "grouped_dense_gemm: CPU tensors");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "grouped_dense_gemm: x and w both float32 or both bf16");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1,
+              "grouped_dense_gemm: offsets int64 [E + 1]");
+  x = x.contiguous();
+  auto wc = w.contiguous();
+  auto off = offsets.contiguous();
+  const int64_t P = x.size(0), K = x.size(1), E = wc.size(0), N = wc.size(1);
+  const int64_t* o = off.data_ptr<int64_t>();
+  TORCH_CHECK(o[0] == 0 && o[E] == P, "grouped_dense_gemm: offsets must run from 0 to the ", P, " rows of x");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(o[e + 1] >= o[e], "grouped_dense_gemm: offsets must not decrease (expert ", e, ")");
+  auto y = torch::empty({P, N}, x.options());
+  if (P == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  if (x.scalar_type() == at::kFloat)
+    grouped_gemm<F32>(x.data_ptr<float>(), o, E, K, wc.data_ptr<float>(), N, y.data_ptr<float>());
+  else
+    grouped_gemm<BF16>(x.data_ptr<c10::BFloat16>(), o, E, K, wc.data_ptr<c10::BFloat16>(), N,
+                       y.data_ptr<c10::BFloat16>());
   return y;
 }
 #endif

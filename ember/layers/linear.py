@@ -110,6 +110,7 @@ class Linear(Layer):
         self.qmm: QuantizedMatmul | None = None
         self.lora: LoRAStack | None = None  # resident adapters (``enable_lora``); None: no LoRA on this projection
         self._parts: list[tuple[int, QuantizedTensor]] = []  # quantized row blocks as loaded, until finalize
+        self.run_by_owner = False  # set by a layer that runs this weight itself (the grouped MoE): no packed copy
 
     def load_weight(self, value: torch.Tensor | QuantizedTensor, offset: int = 0, name: str = "weight") -> None:
         rows, cols = tuple(value.shape)
@@ -130,7 +131,7 @@ class Linear(Layer):
             self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant)
             return
         self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
-        if prepack and self.dense is None:
+        if prepack and self.dense is None and not self.run_by_owner:
             self.prepacked = PrepackedWeight(self.weight)
 
     @property

@@ -126,6 +126,64 @@ def test_dense_kernel_edge_shapes(avx512):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_kernel_gives_each_row_dense_gemm_bits_against_its_expert(avx512, dtype):
+    """The MoE projection kernel: experts with no rows, 1-4 rows (the rows blocking) and more (the tiles), outputs
+    that are not a multiple of a task's 64 rows; every row equals dense_gemm of it alone against its expert."""
+    g = torch.Generator().manual_seed(3)
+    counts = [0, 1, 2, 3, 4, 0, 5, 13, 70, 0]
+    w = torch.randn(len(counts), 150, 72, generator=g).to(dtype)
+    x = torch.randn(sum(counts), 72, generator=g).to(dtype)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    y = avx512.grouped_dense_gemm(x, w, offsets)
+    assert y.shape == (sum(counts), 150) and y.dtype == dtype
+    for e, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        if a < b:
+            assert torch.equal(y[a:b], _rows_alone(lambda r: avx512.dense_gemm(r, w[e]), x[a:b])), f"expert {e}"
+    assert avx512.grouped_dense_gemm(x[:0], w, torch.zeros(len(counts) + 1, dtype=torch.long)).shape == (0, 150)
+    for bad, message in ((offsets.flip(0), "from 0"), (torch.tensor([0, 5, 3, *offsets[3:].tolist()]), "decrease"),
+                         (offsets[:-1], r"int64 \[E \+ 1\]"), (offsets.int(), "int64")):
+        with pytest.raises(RuntimeError, match=message):
+            avx512.grouped_dense_gemm(x, w, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_experts_run_grouped_with_the_bits_of_one_call_each(avx512, monkeypatch, dtype):
+    """A SparseMoE of float experts finalized on a CPU with AVX512-BF16 kernels stacks them (each expert's Linear a
+    view of its slice, no packed copy) and runs two grouped calls; its output equals, to the bit, the same layer
+    running one Linear call an expert, at 1 to 40 tokens, and each token's row is the same alone (invariance)."""
+    from ember.distributed import ParallelContext
+    from ember.layers import moe as moe_module
+    from ember.layers.activation import silu_and_mul
+    from ember.layers.moe import MoEShape, SparseMoE
+
+    monkeypatch.setattr(linear_module, "cpu_kernels", lambda: avx512)
+    monkeypatch.setattr(moe_module, "cpu_kernels", lambda: avx512)
+    g = torch.Generator().manual_seed(9)
+    shape = MoEShape(num_experts=8, top_k=3, intermediate_size=40, normalize_top_k=True, shared_intermediate_size=24)
+    layers = []
+    for _ in range(2):
+        layer = SparseMoE(64, shape, silu_and_mul, dtype, None, ParallelContext())
+        torch.manual_seed(11)  # both layers get the same weights
+        for p in layer.parameters():
+            p.data.copy_(torch.randn(p.shape) * 0.2)
+        layers.append(layer)
+    grouped, looped = layers
+    for m in grouped.modules():  # as the loader does: the MoE first, then its children
+        if hasattr(m, "finalize"):
+            m.finalize(torch.device("cpu"), mkldnn_prepack_available(dtype), batch_invariant=True)
+    for m in looped.modules():
+        if m is not looped and hasattr(m, "finalize"):
+            m.finalize(torch.device("cpu"), mkldnn_prepack_available(dtype), batch_invariant=True)
+    assert grouped.grouped is avx512 and looped.grouped is None
+    expert = grouped.experts[5].gate_up_proj
+    assert expert.weight.data_ptr() == grouped.w_gate_up[5].data_ptr() and expert.prepacked is None
+    x = torch.randn(40, 64, generator=g).to(dtype)
+    for t in (1, 2, 5, 40):
+        assert torch.equal(grouped(x[:t]), looped(x[:t])), f"{t} tokens"
+    assert torch.equal(_rows_alone(grouped, x), grouped(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float_layers_of_an_invariant_model_use_the_dense_kernel_on_avx512(avx512, monkeypatch, dtype):
     """Linear (and its fused subclasses) and the tied LM head, finalized batch-invariant on a CPU whose kernels
     have AVX512-BF16 (this machine's, or the emulated module put in their place), run ``dense_gemm``, bias added
