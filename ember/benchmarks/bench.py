@@ -1,6 +1,6 @@
 """``ember bench throughput | latency | serving``: the orchestration. Backends run interleaved (the order rotates
 every repeat, so drift in the machine's speed spreads over all of them); medians over the repeats; ratios are
-ember's figure over the backend's. ``ember bench report`` (current.py) turns the records into docs/benchmarks.md's
+ember's figure over the backend's. ``ember bench report`` (current.py) turns the records into docs/results.md's
 tables."""
 
 from __future__ import annotations

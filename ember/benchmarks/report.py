@@ -1,5 +1,5 @@
 """What ``ember bench`` writes: a JSON record (machine, arguments, every run, medians, ratios), a PNG chart and a
-Markdown table (the tables docs/benchmarks.md shows: ``ember bench report``, ember/benchmarks/current.py)."""
+Markdown table (the tables docs/results.md shows: ``ember bench report``, ember/benchmarks/current.py)."""
 
 from __future__ import annotations
 
