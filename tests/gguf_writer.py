@@ -103,8 +103,12 @@ def write_gguf(hf_model, arch: str, path: str, qtype: str = "F32") -> None:
     for gname, parts in stacked.items():
         arrays[gname] = np.stack([parts[e] for e in sorted(parts)])
     for gname, a in arrays.items():
-        if qtype != "F32" and a.ndim >= 2 and a.shape[-1] % 32 == 0:
-            kind = getattr(gguf.GGMLQuantizationType, qtype)
+        kind_name = _block_type(qtype, gname)
+        if kind_name == "Q4_K" and a.ndim == 2 and a.shape[-1] % 256 == 0:
+            q = quantize_q4_k(a)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif kind_name not in ("F32", "Q4_K") and a.ndim >= 2 and a.shape[-1] % 32 == 0:
+            kind = getattr(gguf.GGMLQuantizationType, kind_name)
             q = gguf.quants.quantize(a, kind)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
         else:
@@ -113,3 +117,38 @@ def write_gguf(hf_model, arch: str, path: str, qtype: str = "F32") -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _block_type(qtype: str, gguf_name: str) -> str:
+    """"Q4_K_M": Q4_K, with the tensors llama.cpp's Q4_K_M gives more bits (attn_v, ffn_down, the token table) in
+    Q5_0, a 5-bit type the gguf package can write (it has no Q6_K encoder); any other qtype: every tensor in it."""
+    if qtype != "Q4_K_M":
+        return qtype
+    return "Q5_0" if any(k in gguf_name for k in ("attn_v.", "ffn_down.", "token_embd.")) else "Q4_K"
+
+
+def quantize_q4_k(a: np.ndarray) -> np.ndarray:
+    """float32 [N, K] (K a multiple of 256) -> ggml's Q4_K blocks as raw bytes [N, K / 256 * 144]: per 32 values a
+    scale and a min (w ~ d * sc * q - dmin * m, q in 0..15), the 8 sub-blocks' 6-bit sc and m packed as
+    ``get_scale_min_k4`` reads them. A plain encoder (no search over scales as llama.cpp's): the tests need valid
+    blocks, and read them back with the gguf package's decoder as the reference."""
+    n, k = a.shape
+    sub = a.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(-1), 0.0)  # Q4_K subtracts a non-negative min
+    scale = (sub.max(-1) - lo) / 15.0
+    d = np.maximum(scale.max(-1), 1e-8) / 63.0
+    dmin = np.maximum((-lo).max(-1), 1e-8) / 63.0
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / d[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(-lo / dmin[..., None]), 0, 63).astype(np.uint8)
+    step = (d[..., None] * sc)[..., None]
+    q = np.clip(np.rint((sub + (dmin[..., None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    scales = np.zeros((n, k // 256, 12), np.uint8)
+    scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
+    q = q.reshape(n, k // 256, 4, 2, 32)  # each 64 values: the first 32 in low nibbles, the next 32 in high ones
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    head = np.stack([d, dmin], -1).astype(np.float16).view(np.uint8).reshape(n, k // 256, 4)
+    return np.concatenate([head, scales, qs], -1).reshape(n, k // 256 * 144)
+

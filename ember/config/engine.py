@@ -67,8 +67,8 @@ class EngineConfig:
     # batch, chunking, prefix-cache hits, preemption); False takes faster kernels whose rounding depends on the
     # batch (docs/batch_invariance.md has what each path costs; CUDA is not covered yet)
     batch_invariant: bool = True
-    # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1 blocks
-    # stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load; "awq" (int4
+    # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1/Q4_K
+    # blocks stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load; "awq" (int4
     # after AWQ's activation-aware scales) | "smoothquant" (w8a8 after smoothing) = calibrate on text first, once: the
     # transformed float weights are cached (docs/quantization.md)
     quantization: str | None = None

@@ -98,6 +98,7 @@ class Linear(Layer):
         self.kind, self.group_size = ("", 0) if quant is None else quant.linear_layout(layout_features or in_features)
         if self.kind == "int8":  # one scale a row of what this rank holds (a stored scale stays as it is)
             self.group_size = in_features
+        self.mixed = quant is not None and quant.mixed  # int4 if every part comes as int4 of this group, else int8
         if self.kind == "int4" and in_features % self.group_size:
             raise ValueError(f"int4 groups of {self.group_size} do not divide this rank's {in_features} inputs of "
                              f"a {layout_features}-input layer: choose a tensor_parallel_size whose slices hold "
@@ -119,6 +120,9 @@ class Linear(Layer):
                              f"rows, got shape {(rows, cols)}")
         if self.quant is None:
             load_float(self.weight.data[offset:offset + rows], value, name)
+        elif self.mixed and not (isinstance(value, QuantizedTensor) and value.kind == "int4"
+                                 and value.group_size == self.group_size):
+            self._parts.append((offset, requantize(value, "int8", self.in_features)))
         else:
             self._parts.append((offset, requantize(value, self.kind, self.group_size)))
 
@@ -126,9 +130,14 @@ class Linear(Layer):
         """After loading: lay the weight out for the device (quantized kernel; a float weight: ember's fixed-order
         dense GEMM where ``dense_kernels`` gives it, else oneDNN's packed float)."""
         if self.quant is not None:
-            qt = concat_rows([p for _, p in sorted(self._parts, key=lambda p: p[0])]).to(device)
+            parts = [p for _, p in sorted(self._parts, key=lambda p: p[0])]
             self._parts = []
-            self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant)
+            if self.mixed and any(p.kind != "int4" for p in parts):  # a fused layer of mixed blocks: int8 throughout
+                self.kind, self.group_size = "int8", self.in_features
+                parts = [requantize(p, "int8", self.in_features) for p in parts]
+            qt = concat_rows(parts).to(device)
+            self.qmm = QuantizedMatmul(self.kind if self.mixed else self.quant.method, qt,
+                                       batch_invariant=batch_invariant)
             return
         self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
         if prepack and self.dense is None and not self.run_by_owner:

@@ -1,18 +1,18 @@
 """A sparse Mixture-of-Experts MLP: a router picks each token's top-k experts, each expert runs once over the tokens
 routed to it, and their outputs are summed with the router's weights (plus a gated shared expert: Qwen2-MoE).
 
-The experts are ordinary gated MLPs over ember's ``Linear`` layers, so bf16, int8 and int4 weights, the kernels and
-the loader are the dense model's. The computation is grouped: the (token, slot) pairs are sorted by expert once.
-Float experts on a CPU with ember's AVX512-BF16 kernels are then stacked at load time and each projection is one
-``grouped_dense_gemm`` call over every expert hit (a decode token's k experts in one parallel region: per-expert
-calls cost about 0.5 ms an expert a layer, more than their weights take to read); elsewhere (quantized experts,
-other CPUs, CUDA) each expert that received tokens multiplies its block of rows through its own ``Linear``. Either
-way the loop is never over tokens, and a row's result is the same bits on both paths. With tensor parallelism every rank holds a slice of every expert's
-intermediate size (column-split gate/up, row-split down, as a dense MLP) and one all-reduce sums the layer's
-output. The router follows transformers: softmax in float32, top-k, optional renormalisation, weights cast to the
-activations' dtype. Each token's k expert outputs are weighted and summed in slot order by one ``sum`` (float
-accumulation, one rounding in bf16), so a token's result does not depend on the tokens beside it; transformers adds
-them expert by expert instead, which in float32 reorders at most k additions.
+The experts are ordinary gated MLPs over ember's ``Linear`` layers, so bf16, int8 and int4 weights, the kernels and the
+loader are the dense model's. The computation is grouped: the (token, slot) pairs are sorted by expert once. Float
+experts on a CPU with ember's AVX512-BF16 kernels are then stacked at load time and each projection is one
+``grouped_dense_gemm`` call over every expert hit (a decode token's k experts in one parallel region: per-expert calls
+cost about 0.5 ms an expert a layer, more than their weights take to read); elsewhere (quantized experts, other CPUs,
+CUDA) each expert that received tokens multiplies its block of rows through its own ``Linear``. Either way the loop is
+never over tokens, and a row's result is the same bits on both paths. With tensor parallelism every rank holds a slice
+of every expert's intermediate size (column-split gate/up, row-split down, as a dense MLP) and one all-reduce sums the
+layer's output. The router follows transformers: softmax in float32, top-k, optional renormalisation, weights cast to
+the activations' dtype. Each token's k expert outputs are weighted and summed in slot order by one ``sum`` (float
+accumulation, one rounding in bf16), so a token's result does not depend on the tokens beside it; transformers adds them
+expert by expert instead, which in float32 reorders at most k additions.
 """
 
 from __future__ import annotations

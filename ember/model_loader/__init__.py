@@ -6,7 +6,7 @@ native_quantization() (the quantized layout it stores, if any), tokenizer()."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -185,17 +185,21 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
     embeddings = config.quantize_embeddings
     if embeddings is None:
         embeddings = native.embeddings if native is not None else False
-    return QuantConfig.of(mode, group, embeddings)
+    quant = QuantConfig.of(mode, group, embeddings)
+    if config.quantization is None and native is not None and native.mixed and keeps_blocks:
+        return replace(quant, mixed=True)  # as stored; quantization="int4" asks for int4 throughout
+    return quant
 
 
 def default_mode(config: ModelConfig, ckpt: Checkpoint, native: QuantConfig, stored: bool) -> str:
     """The quantization a checkpoint runs with when none is asked for: as stored, except that a GGUF's int8 (blocks
-    other than Q4_0/Q4_1, requantized per row) runs as SmoothQuant w8a8 where that costs the model at most
+    other than 4-bit ones, requantized per row; a file with Q4_0/Q4_1/Q4_K weights is int4 or mixed and never
+    calibrates unless asked) runs as SmoothQuant w8a8 where that costs the model at most
     ``calibrated.NLL_BUDGET`` (measured on first load, with the smoothing scales; both cached): the same int8
     weights, smoothed, with activations rounded to int8 per token (llama.cpp rounds them to 8 bits per block of
     32 for these types), so that prefill runs the VNNI int8 GEMM, twice bf16's products a cycle on CPU.
-    Qwen2.5-Coder-0.5B's Q5_0/Q6_K/Q4_K/Q8_0 file passes (perplexity within 0.1% of bf16 activations'; W1 and
-    batch-1 in docs/benchmarks.md); SmolLM2-135M as Q8_0 does not (+1.2%) and keeps bf16 activations."""
+    Qwen2.5-Coder-0.5B's blocks as int8 pass (perplexity within 0.1% of bf16 activations'; its file, with Q4_K
+    weights, now loads mixed); SmolLM2-135M as Q8_0 does not (+1.2%) and keeps bf16 activations."""
     if stored or native.method != "int8" or native.algorithm is not None or not _calibratable(ckpt):
         return native.mode
     from ember.model_loader.calibrated import smoothquant_holds

@@ -1,5 +1,5 @@
 """Read a GGUF file of the Llama family with the `gguf` package: config from its metadata, weights under Hugging
-Face names, dequantized to torch tensors or, for Q8_0 / Q4_0 / Q4_1 blocks, kept in ember's int8 / int4 layout.
+Face names, dequantized to torch tensors or, for Q8_0 / Q4_0 / Q4_1 / Q4_K blocks, kept in ember's int8 / int4 layout.
 
 llama.cpp's converter permutes the Q and K projections of `llama` checkpoints for its interleaved RoPE; we undo it
 so that the one rotate-half implementation serves both formats (as transformers does).
@@ -39,6 +39,7 @@ _MOE_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 _GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w (llama.cpp adds the offset); four norms a layer
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_QUANT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # exactly ember's int4 in groups of 32
 
 _CONFIG_KEYS = {
     "block_count": "num_hidden_layers",
@@ -192,12 +193,12 @@ class GGUFCheckpoint:
         return Tokenizer.load(self.path, gguf_file=self.path)
 
     def native_quantization(self) -> QuantConfig | None:
-        """The ember layout that holds the file's blocks: int4 g32 when every linear weight is Q4_0/Q4_1 (exactly
-        ember's int4), else int8 with a scale per row when every one is in some quantized block type (Q8_0, and
-        the 5- and 6-bit and K-quant blocks, requantized from their float values: Qwen2.5-Coder-0.5B's Q5_0 / Q6_K
-        / Q4_K / Q8_0 file scores a perplexity of 32.7015 on tests/data/alice_ch1.txt, against 32.7107 with every
-        block dequantized to bf16, and decodes 1.24-1.47x faster); None (float) when any linear weight is stored
-        as float. The embedding table and LM head are int8 when they are stored in block types."""
+        """The ember layout that holds the file's blocks: int4 g32 when every linear weight is Q4_0 / Q4_1 / Q4_K
+        (exactly ember's int4); ``mixed`` int4 g32 + int8 when some are and the others are other block types (Q4_K_M:
+        Q4_K with Q6_K for some attn_v / ffn_down), each weight as int4 where its blocks are 4-bit, else int8 per row;
+        int8 with a scale per row when every one is in some other quantized block type (Q8_0, and the 5- and 6-bit
+        blocks, requantized from their float values); None (float) when any linear weight is stored as float. The
+        embedding table and LM head are int8 when they are stored in block types."""
         linear, table = set(), set()
         for t in self._entries():
             name = _hf_name(t.name, self.gguf_arch) or ""
@@ -207,13 +208,18 @@ class GGUFCheckpoint:
                 table.add(t.tensor_type.name)
         if not linear or linear & set(FLOAT_TYPES):
             return None
-        method = "int4" if linear <= {"Q4_0", "Q4_1"} else "int8"
-        return QuantConfig(method, 32, embeddings=bool(table) and not table & set(FLOAT_TYPES))
+        embeddings = bool(table) and not table & set(FLOAT_TYPES)
+        if linear <= FOUR_BIT_TYPES:
+            return QuantConfig("int4", 32, embeddings=embeddings)
+        if linear & FOUR_BIT_TYPES:  # Q4_K_M and its kind: the 4-bit blocks as int4, the others as int8
+            return QuantConfig("int4", 32, embeddings=embeddings, mixed=True)
+        return QuantConfig("int8", 32, embeddings=embeddings)
 
     def kept_block_size(self, suffix: str) -> int:
         """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
-        1 when none is (other types are dequantized and can be sliced anywhere)."""
-        return max((32 for t in self._entries() if t.tensor_type.name in GGUF_DIRECT_TYPES
+        1 when none is (other types, and Q4_K blocks a slice would cut, are dequantized and can be sliced
+        anywhere)."""
+        return max((32 for t in self._entries() if t.tensor_type.name in GGUF_DIRECT_TYPES and t.block == 32
                     and (_hf_name(t.name, self.gguf_arch) or "").endswith(suffix)),
                    default=1)
 
@@ -232,8 +238,9 @@ class GGUFCheckpoint:
 
     def tensors(self, config: Any, keep_quantized: bool = False, select: Select = read_all
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """keep_quantized: Q8_0 / Q4_0 / Q4_1 weights come as QuantizedTensor (never expanded to float).
-        select: the part of each tensor to read (rows, or columns on quantization-block boundaries)."""
+        """keep_quantized: Q8_0 / Q4_0 / Q4_1 / Q4_K weights come as QuantizedTensor (never expanded to float; a
+        Q4_K column slice that cuts its 256-value blocks is read dequantized instead). select: the part of each
+        tensor to read (rows, or columns on quantization-block boundaries)."""
         permute = self.gguf_arch in ("llama", "mistral")
         for t in self._entries():
             kind = t.tensor_type.name
@@ -248,7 +255,8 @@ class GGUFCheckpoint:
             raw = t.data  # a read-only memory map: slicing it reads only those bytes
             full_rows = rows = int(t.shape[-1])  # GGUF lists dims innermost first; a 1-D tensor's rows are its values
             cols = int(t.shape[0])
-            keep = keep_quantized and kind in GGUF_DIRECT_TYPES
+            keep = keep_quantized and kind in GGUF_DIRECT_TYPES and (
+                t.block == 32 or sl.whole or sl.dim == 0 or not (sl.start % t.block or sl.stop % t.block))
             trim = None
             if not sl.whole:
                 raw, rows, cols, trim = _slice_raw(raw, t, sl, rows, cols, keep)

@@ -17,12 +17,15 @@ class QuantConfig:
     is quantized; the token embedding and the LM head too when ``embeddings`` (always int8 per row: the logits are
     where 4 bits cost most). ``algorithm``: the calibrated transformation the float weights went through first
     ('awq' before int4, 'smoothquant' before w8a8), None for plain rounding; it changes the weights, not the layout
-    or the kernels."""
+    or the kernels. ``mixed`` (int4 only; a GGUF whose linear weights mix 4-bit and other blocks, as Q4_K_M does):
+    each weight in the layout its blocks fit, int4 where all its parts come as int4 in groups of group_size (kept
+    exactly), int8 per row otherwise."""
 
     method: str
     group_size: int = 128
     embeddings: bool = False
     algorithm: str | None = None
+    mixed: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -35,6 +38,9 @@ class QuantConfig:
             allowed = ", ".join(f"{a!r} (with {m!r})" for a, m in QUANT_ALGORITHMS.items())
             raise ValueError(f"algorithm={self.algorithm!r} is not supported with method={self.method!r}: use one of "
                              f"{allowed} or None")
+        if self.mixed and (self.method != "int4" or self.algorithm is not None):
+            raise ValueError(f"mixed=True is only for plain int4 (method={self.method!r}, "
+                             f"algorithm={self.algorithm!r})")
 
     @classmethod
     def of(cls, mode: str, group_size: int = 128, embeddings: bool = False) -> "QuantConfig":
@@ -62,13 +68,18 @@ class QuantConfig:
 
     def describe(self) -> str:
         base = f"int4 g{self.group_size}" if self.method == "int4" else self.method
+        if self.mixed:
+            base += " + int8"
         return f"{base} ({self.algorithm})" if self.algorithm else base
 
     def to_dict(self) -> dict[str, Any]:
-        """The .asmodel's quant_config; ``algorithm`` only when set, so plain configs read as they always did."""
+        """The .asmodel's quant_config; ``algorithm`` and ``mixed`` only when set, so plain configs read as they
+        always did."""
         d = asdict(self)
         if d["algorithm"] is None:
             del d["algorithm"]
+        if not d["mixed"]:
+            del d["mixed"]
         return d
 
     @classmethod

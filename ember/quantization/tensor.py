@@ -5,8 +5,9 @@ A weight ``[N, K]`` is quantized along K (the input), in groups of ``group_size`
 channel), so rows can be sliced and stacked freely (fused QKV and gate/up projections load their parts as rows).
 - int8: ``data`` int8 ``[N, K]``; ``w = data * scale``;
 - int4: ``data`` uint8 ``[N, K / 2]``, two values 0..15 a byte, element ``2i`` in the low nibble;
-  ``w = q * scale + offset``. An integer zero point z is the offset ``-z * scale``; GGUF Q4_1's ``d * q + m`` and
-  Q4_0's ``d * (q - 8)`` are the same form, so those blocks load exactly.
+  ``w = q * scale + offset``. An integer zero point z is the offset ``-z * scale``; GGUF Q4_1's ``d * q + m``,
+  Q4_0's ``d * (q - 8)`` and Q4_K's ``d * sc * q - dmin * m`` (per 32 values) are the same form, so those blocks load
+  exactly.
 ``scales`` and ``offsets`` are float32 ``[N, K / group_size]``.
 """
 
@@ -133,12 +134,14 @@ def _row_range(qt: QuantizedTensor | torch.Tensor, start: int, stop: int) -> Qua
 
 # ----- GGUF blocks (ggml's layouts: 32 values a block) -----
 
-GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedTensor:
-    """Q8_0 / Q4_0 / Q4_1 rows of raw bytes ``[N, K / 32 * block_bytes]`` -> the matching ember layout."""
+    """Q8_0 / Q4_0 / Q4_1 / Q4_K rows of raw bytes ``[N, K / block * block_bytes]`` -> the matching ember layout."""
     n, k = shape
+    if type_name == "Q4_K":
+        return _from_q4_k(raw, n, k)
     blocks = np.ascontiguousarray(raw).reshape(n, k // 32, -1)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if type_name == "Q8_0":
@@ -154,3 +157,22 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
     qs = torch.from_numpy(qs.copy())  # ggml: element j in the low nibble of byte j, element j + 16 in its high one
     q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)
     return QuantizedTensor("int4", pack_int4(q), d, offsets, 32)
+
+
+def _from_q4_k(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
+    """Q4_K super-blocks of 256 values (ggml's ``block_q4_K``: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for
+    8 sub-blocks of 32, 128 bytes of 4-bit values) -> int4 in groups of 32 with ``scale = d * sc`` and ``offset =
+    -dmin * m``: float32 products of an f16 and a 6-bit integer, exact, so ``q * scale + offset`` is ggml's value."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 256, 144)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = blocks[..., 4:16]
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mins = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    scales = torch.from_numpy((d[..., None] * sc.astype(np.float32)).reshape(n, k // 32))
+    offsets = torch.from_numpy((-(dmin[..., None] * mins.astype(np.float32))).reshape(n, k // 32))
+    # each 64 values: 32 bytes, the first 32 values in their low nibbles, the next 32 in their high ones
+    qs = torch.from_numpy(blocks[..., 16:144].copy()).view(n, k // 64, 1, 32)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, k)
+    return QuantizedTensor("int4", pack_int4(q), scales, offsets, 32)
+

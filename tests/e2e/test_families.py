@@ -273,10 +273,11 @@ QWEN15_GGUF, needs_qwen15 = _real_gguf("EMBER_QWEN15_GGUF", "/tmp/qwen2.5-coder-
 
 @needs_qwen15
 def test_real_qwen15_chats_with_its_template_and_matches_transformers():
-    """The default layout (its Q4_K / Q6_K blocks as int8) answers a chat in its template; float32 greedy tokens
-    equal transformers' on the same file."""
+    """The default layout (its Q4_K blocks as int4, its Q6_K ones as int8, no calibration) answers a chat in its
+    template; float32 greedy tokens equal transformers' on the same file."""
     messages = [{"role": "user", "content": "Write a Python function that returns the sum of two numbers."}]
     with LLM(QWEN15_GGUF, max_model_len=1024, kv_cache_memory="256MiB") as llm:
+        assert llm.model_info.quantization == "int4 g32 + int8"
         text = llm.tokenizer.apply_chat_template(messages)
         assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n"), text
         prompt = llm.tokenizer.encode(text, add_special_tokens=False)
