@@ -51,7 +51,9 @@ bench|latency|compare)
     M=/tmp/smollm2-random
     python3 benchmarks/cuda/random_smollm2.py $M --tokenizer-gguf .gpu/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
     if [ "$1" = compare ]; then
-        python3 benchmarks/compare_trees.py . . --after-env EMBER_ENGINE_CORE_PROCESS=1 --repeats "${REPEATS:-2}" \
+        # before: the core on a thread (unset is the process on CUDA); after: in its own process
+        EMBER_ENGINE_CORE_PROCESS=0 python3 benchmarks/compare_trees.py . . --after-env EMBER_ENGINE_CORE_PROCESS=1 \
+            --repeats "${REPEATS:-2}" \
             --latency-runs 1 --bench-args "--model $M --device cuda --dtype bfloat16" --out "$OUT/compare.json" 2>&1 \
             | tee "$OUT/compare.log" | tail -20
         exit "${PIPESTATUS[0]}"

@@ -3,7 +3,7 @@ submit, abort, read stats and model info through it and use nothing else of the 
 
 It owns the tokenizer and the input and output processors, and talks to the engine core through one of two
 transports with the same methods: the engine loop's thread in this process (``EngineLoop``), or a core in its own
-process (``CoreProcess``, ``EMBER_ENGINE_CORE_PROCESS=1``).
+process (``CoreProcess``: CUDA's default; ``EMBER_ENGINE_CORE_PROCESS`` chooses, ``use_core_process``).
 """
 
 from __future__ import annotations

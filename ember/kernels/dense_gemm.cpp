@@ -90,74 +90,8 @@ EMBER_INLINE void block(const typename E::T* const* xr, const typename E::T* con
   for (int m = 0; m < MR; ++m) std::memcpy(y + m * ldy, out + m * B, nr * sizeof(typename E::T));
 }
 
-// the B weight rows of block b (rows past N repeat the last row)
-template <class E, int B>
-EMBER_INLINE int64_t weight_rows(const typename E::T* w, int64_t K, int64_t N, int64_t b,
-                                 const typename E::T** wr) {
-  const int64_t n0 = b * B;
-  for (int j = 0; j < B; ++j) wr[j] = w + ember_fixed::min<int64_t>(n0 + j, N - 1) * K;
-  return ember_fixed::min<int64_t>(B, N - n0);
-}
-
-// M <= 4 rows: the weight read once, front to back
-template <class E, int M>
-void gemm_rows(const typename E::T* x, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
-  constexpr int B = 16 / M;
-  const typename E::T* xr[M];
-  for (int m = 0; m < M; ++m) xr[m] = x + m * K;
-  at::parallel_for(0, (N + B - 1) / B, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const typename E::T* wr[B];
-      const int64_t nr = weight_rows<E, B>(w, K, N, b, wr);
-      const int64_t pf = (b + PF + 1) * B <= N ? PF * B * K : 0;  // only rows that exist
-      block<E, M, B>(xr, wr, K, pf, nr, y + b * B, N);
-    }
-  });
-}
-
-// from 5 rows: 4 x 4 tiles, a panel of x rows against each of a thread's weight blocks
-template <class E>
-void gemm_tiles(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
-  const int64_t panel = ember_fixed::max<int64_t>(TILE, PANEL_BYTES / (K * sizeof(typename E::T)) / TILE * TILE);
-  at::parallel_for(0, (N + TILE - 1) / TILE, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = 0; p0 < M; p0 += panel) {
-      const int64_t p1 = ember_fixed::min<int64_t>(M, p0 + panel);
-      for (int64_t b = begin; b < end; ++b) {
-        const typename E::T* wr[TILE];
-        const int64_t nr = weight_rows<E, TILE>(w, K, N, b, wr);
-        for (int64_t m0 = p0; m0 < p1; m0 += TILE) {
-          const typename E::T* xr[TILE];
-          for (int m = 0; m < TILE; ++m) xr[m] = x + ember_fixed::min<int64_t>(m0 + m, M - 1) * K;
-          typename E::T* yt = y + m0 * N + b * TILE;
-          switch (ember_fixed::min<int64_t>(TILE, p1 - m0)) {
-            case 1: block<E, 1, TILE>(xr, wr, K, 0, nr, yt, N); break;
-            case 2: block<E, 2, TILE>(xr, wr, K, 0, nr, yt, N); break;
-            case 3: block<E, 3, TILE>(xr, wr, K, 0, nr, yt, N); break;
-            default: block<E, TILE, TILE>(xr, wr, K, 0, nr, yt, N); break;
-          }
-        }
-      }
-    }
-  });
-}
-
-template <class E>
-void gemm(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
-  switch (M) {
-    case 1: gemm_rows<E, 1>(x, K, w, N, y); break;
-    case 2: gemm_rows<E, 2>(x, K, w, N, y); break;
-    case 3: gemm_rows<E, 3>(x, K, w, N, y); break;
-    case 4: gemm_rows<E, 4>(x, K, w, N, y); break;
-    default: gemm_tiles<E>(x, M, K, w, N, y); break;
-  }
-}
-
-// A Mixture-of-Experts projection: expert e's rows of x are rows off[e] .. off[e + 1], its weight w + e * N * K.
-// The work is cut into (expert, range of CH weight rows) tasks over every expert hit, so one parallel region covers
-// all of them (a decode token's 8 experts are 8 x N / CH tasks, not 8 calls); within a task the blocking is
-// gemm_rows' (up to 4 rows) or gemm_tiles' (from 5), and every output the same chain as dense_gemm's.
-constexpr int64_t CH = 64;  // weight rows a task
-
+// y[:, n0:n1] for M <= 4 rows: the weight read once, front to back, B = 16 / M weight rows a block (a row past N
+// points at the last row; its output is dropped), the rows a few blocks ahead prefetched
 template <class E, int M>
 EMBER_INLINE void rows_range(const typename E::T* x, int64_t K, const typename E::T* w, int64_t N, int64_t n0,
                              int64_t n1, typename E::T* y) {
@@ -167,11 +101,12 @@ EMBER_INLINE void rows_range(const typename E::T* x, int64_t K, const typename E
   for (int64_t r = n0; r < n1; r += B) {
     const typename E::T* wr[B];
     for (int j = 0; j < B; ++j) wr[j] = w + ember_fixed::min<int64_t>(r + j, N - 1) * K;
-    const int64_t pf = r + (PF + 1) * B <= N ? PF * B * K : 0;
+    const int64_t pf = r + (PF + 1) * B <= N ? PF * B * K : 0;  // only rows that exist
     block<E, M, B>(xr, wr, K, pf, ember_fixed::min<int64_t>(B, n1 - r), y + r, N);
   }
 }
 
+// y[:, n0:n1] from 5 rows: 4 x 4 tiles, a panel of x rows (about 256 KiB) against each block of 4 weight rows
 template <class E>
 void tiles_range(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, int64_t n0,
                  int64_t n1, typename E::T* y) {
@@ -196,6 +131,40 @@ void tiles_range(const typename E::T* x, int64_t M, int64_t K, const typename E:
     }
   }
 }
+
+// M <= 4 rows: each thread a range of B-row weight blocks
+template <class E, int M>
+void gemm_rows(const typename E::T* x, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
+  constexpr int B = 16 / M;
+  at::parallel_for(0, (N + B - 1) / B, 4, [&](int64_t begin, int64_t end) {
+    rows_range<E, M>(x, K, w, N, begin * B, ember_fixed::min<int64_t>(N, end * B), y);
+  });
+}
+
+// from 5 rows: each thread a range of 4-row weight blocks, every panel of x against them
+template <class E>
+void gemm_tiles(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
+  at::parallel_for(0, (N + TILE - 1) / TILE, 4, [&](int64_t begin, int64_t end) {
+    tiles_range<E>(x, M, K, w, N, begin * TILE, ember_fixed::min<int64_t>(N, end * TILE), y);
+  });
+}
+
+template <class E>
+void gemm(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
+  switch (M) {
+    case 1: gemm_rows<E, 1>(x, K, w, N, y); break;
+    case 2: gemm_rows<E, 2>(x, K, w, N, y); break;
+    case 3: gemm_rows<E, 3>(x, K, w, N, y); break;
+    case 4: gemm_rows<E, 4>(x, K, w, N, y); break;
+    default: gemm_tiles<E>(x, M, K, w, N, y); break;
+  }
+}
+
+// A Mixture-of-Experts projection: expert e's rows of x are rows off[e] .. off[e + 1], its weight w + e * N * K.
+// The work is cut into (expert, range of CH weight rows) tasks over every expert hit, so one parallel region covers
+// all of them (a decode token's 8 experts are 8 x N / CH tasks, not 8 calls); within a task the blocking is
+// gemm_rows' (up to 4 rows) or gemm_tiles' (from 5), and every output the same chain as dense_gemm's.
+constexpr int64_t CH = 64;  // weight rows a task
 
 template <class E>
 void grouped_gemm(const typename E::T* x, const int64_t* off, int64_t experts, int64_t K, const typename E::T* w,

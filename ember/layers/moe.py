@@ -7,12 +7,13 @@ experts on a CPU with ember's AVX512-BF16 kernels are then stacked at load time 
 ``grouped_dense_gemm`` call over every expert hit (a decode token's k experts in one parallel region: per-expert calls
 cost about 0.5 ms an expert a layer, more than their weights take to read); elsewhere (quantized experts, other CPUs,
 CUDA) each expert that received tokens multiplies its block of rows through its own ``Linear``. Either way the loop is
-never over tokens, and a row's result is the same bits on both paths. With tensor parallelism every rank holds a slice
-of every expert's intermediate size (column-split gate/up, row-split down, as a dense MLP) and one all-reduce sums the
-layer's output. The router follows transformers: softmax in float32, top-k, optional renormalisation, weights cast to
-the activations' dtype. Each token's k expert outputs are weighted and summed in slot order by one ``sum`` (float
-accumulation, one rounding in bf16), so a token's result does not depend on the tokens beside it; transformers adds them
-expert by expert instead, which in float32 reorders at most k additions.
+never over tokens, and in a batch-invariant engine a row's result is the same bits on both paths (with
+``batch_invariant=False`` the grouped kernel still runs: its decode is what the per-expert oneDNN calls lose). With
+tensor parallelism every rank holds a slice of every expert's intermediate size (column-split gate/up, row-split down,
+as a dense MLP) and one all-reduce sums the layer's output. The router follows transformers: softmax in float32, top-k,
+optional renormalisation, weights cast to the activations' dtype. Each token's k expert outputs are weighted and summed
+in slot order by one ``sum`` (float accumulation, one rounding in bf16), so a token's result does not depend on the
+tokens beside it; transformers adds them expert by expert instead, which in float32 reorders at most k additions.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class SparseMoE(Layer):
         rows = x.index_select(0, order // k)  # each pair's token, in that order
         y = self._grouped(rows, counts) if self.grouped is not None else self._each(rows, counts)
         # back to (token, slot) order: each token's k outputs weighted and summed in one order whatever the batch
-        pairs = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
+        pairs = torch.empty_like(y).index_copy_(0, order, y).view(t, k, y.shape[-1])
         out = (pairs * weights.unsqueeze(-1)).sum(1)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

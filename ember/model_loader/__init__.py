@@ -186,7 +186,8 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
     if embeddings is None:
         embeddings = native.embeddings if native is not None else False
     quant = QuantConfig.of(mode, group, embeddings)
-    if config.quantization is None and native is not None and native.mixed and keeps_blocks:
+    if config.quantization is None and native is not None and native.mixed and keeps_blocks and \
+            group == native.group_size:  # another quant_group_size asks for int4 of that group throughout
         return replace(quant, mixed=True)  # as stored; quantization="int4" asks for int4 throughout
     return quant
 

@@ -23,6 +23,9 @@ def convert(src: str, out_dir: str, name: str, dtype: str | torch.dtype | None =
     tokenizer: a checkpoint to take the tokenizer from (a TensorRT-LLM checkpoint has none of its own).
     A quant_config with a calibrated algorithm (awq, smoothquant) stores the weights transformed by it, calibrated
     on calibration_data (a text file; None: the shipped text), then quantized: loading needs no calibration."""
+    if quant_config is not None and quant_config.mixed:
+        raise ValueError("quant_config with mixed=True (each weight as its GGUF blocks fit) is a loading layout, not "
+                         "one .asmodel stores: convert with quantization='int4' or 'int8'")
     model_path, _ = pair_paths(out_dir, name)
     if skip_if_exists and validate(model_path) is None:
         return model_path
