@@ -55,7 +55,7 @@ def use_core_process(resolved: ResolvedConfig) -> bool:
     """``EMBER_ENGINE_CORE_PROCESS=1``: the core in its own process; ``0``: in the caller's process, on a thread.
     Unset, each device gets the transport measured faster there (docs/architecture.md): the thread on CPU, where the
     client's output work would compete with the model for the cores; the process on CUDA for the ``uni`` executor
-    (an H100 decoded 1.09x faster at batch 1 with W1 equal; ``mp`` on CUDA is not measured and keeps the thread)."""
+    (on an H100 W1 was equal and nothing slower; ``mp`` on CUDA is not measured and keeps the thread)."""
     value = envs.engine_core_process()
     backend = resolved.parallel.backend
     if value is None:

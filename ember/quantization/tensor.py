@@ -132,7 +132,7 @@ def _row_range(qt: QuantizedTensor | torch.Tensor, start: int, stop: int) -> Qua
     return QuantizedTensor(qt.kind, cut(qt.data), cut(qt.scales), cut(qt.offsets), qt.group_size)
 
 
-# ----- GGUF blocks (ggml's layouts: 32 values a block) -----
+# ----- GGUF blocks (ggml's layouts: 32 values a block; Q4_K 256, 8 groups of 32) -----
 
 GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 
