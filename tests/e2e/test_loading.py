@@ -92,6 +92,23 @@ def test_gguf_blocks_run_in_the_layout_that_holds_them(llama_256, tmp_path, qtyp
     assert quant is None or quant.embeddings
 
 
+def _prompt_scores(path: str, tokenizer_dir: str, prompt: list[int], engines: dict[str, dict], check
+                   ) -> dict[str, torch.Tensor]:
+    """Each prompt token's log-probability under each engine's settings (one engine at a time); ``check(name,
+    loaded)`` looks at each loaded model first."""
+    scores = {}
+    for name, settings in engines.items():
+        llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", **settings)
+        try:
+            check(name, worker_of(llm).loaded)
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                               use_tqdm=False)[0]
+            scores[name] = torch.tensor([pos[t].logprob for t, pos in zip(prompt[1:], out.prompt_logprobs[1:])])
+        finally:
+            llm.shutdown()
+    return scores
+
+
 def test_requantized_gguf_blocks_score_as_the_blocks_do(llama_256, tokenizer_dir, tmp_path):
     """Q5_0 blocks run as int8 (with an int8 table) with bf16 activations (``quantization="int8"``, the default
     where int8 activations cost too much: next test). Scored against the file dequantized to float32, the mean
@@ -101,20 +118,14 @@ def test_requantized_gguf_blocks_score_as_the_blocks_do(llama_256, tokenizer_dir
     by under 0.05 through ember's AVX512 kernel, by 0.054 through torch's packed op on AVX2)."""
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q5_0")
-    prompt = random_prompts(1, 40, 40, 49152, seed=44)[0]
-    scores = {}
-    for name, settings in (("int8", dict(dtype="bfloat16", quantization="int8")),
-                           ("bf16", dict(dtype="bfloat16", quantization="none")), ("float32", dict(dtype="float32"))):
-        llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", **settings)
-        try:
-            quant = worker_of(llm).loaded.quant
-            assert (quant.describe() if quant else None) == ("int8" if name == "int8" else None)
-            assert quant is None or quant.embeddings
-            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
-                               use_tqdm=False)[0]
-            scores[name] = torch.tensor([pos[t].logprob for t, pos in zip(prompt[1:], out.prompt_logprobs[1:])])
-        finally:
-            llm.shutdown()
+    def check(name: str, loaded) -> None:
+        quant = loaded.quant
+        assert (quant.describe() if quant else None) == ("int8" if name == "int8" else None)
+        assert quant is None or quant.embeddings
+
+    scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=44)[0], {
+        "int8": dict(dtype="bfloat16", quantization="int8"), "bf16": dict(dtype="bfloat16", quantization="none"),
+        "float32": dict(dtype="float32")}, check)
     ref = scores["float32"]
     bf16 = (scores["bf16"] - ref).abs()
     assert abs(scores["int8"].mean() - ref.mean()) < 3 * bf16.mean()
@@ -131,25 +142,19 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
     in before; on three prompts of this random model 0.23-0.39 against 0.26-0.42, bf16 alone 0.13-0.16)."""
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q4_K_M")
-    prompt = random_prompts(1, 40, 40, 49152, seed=45)[0]
-    scores = {}
-    for name, settings in (("default", dict(dtype="bfloat16")), ("int8", dict(dtype="bfloat16", quantization="int8")),
-                           ("bf16", dict(dtype="bfloat16", quantization="none")), ("float32", dict(dtype="float32"))):
-        llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", **settings)
-        try:
-            loaded = worker_of(llm).loaded
-            if name == "default":
-                assert loaded.quant.describe() == "int4 g32 + int8" and loaded.quant.algorithm is None
-                layer = loaded.model.model.layers[0]
-                kinds = {n: getattr(getattr(layer, part), n).kind for part, n in (
-                    ("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))}
-                assert kinds == {"qkv_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8"}
-                assert layer.mlp.gate_up_proj.qmm.group_size == 32
-            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
-                               use_tqdm=False)[0]
-            scores[name] = torch.tensor([pos[t].logprob for t, pos in zip(prompt[1:], out.prompt_logprobs[1:])])
-        finally:
-            llm.shutdown()
+    def check(name: str, loaded) -> None:
+        if name != "default":
+            return
+        assert loaded.quant.describe() == "int4 g32 + int8" and loaded.quant.algorithm is None
+        layer = loaded.model.model.layers[0]
+        kinds = {n: getattr(getattr(layer, part), n).kind for part, n in (
+            ("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))}
+        assert kinds == {"qkv_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8"}
+        assert layer.mlp.gate_up_proj.qmm.group_size == 32
+
+    scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=45)[0], {
+        "default": dict(dtype="bfloat16"), "int8": dict(dtype="bfloat16", quantization="int8"),
+        "bf16": dict(dtype="bfloat16", quantization="none"), "float32": dict(dtype="float32")}, check)
     ref = scores["float32"]
     assert abs(scores["default"].mean() - ref.mean()) < 3 * (scores["bf16"] - ref).abs().mean()
     assert (scores["default"] - ref).abs().mean() < (scores["int8"] - ref).abs().mean()
