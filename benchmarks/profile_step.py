@@ -1,14 +1,18 @@
 """Where one decode step's time goes: the model forward + LM head + argmax for B sequences of L tokens of context,
 timed, then under torch.profiler (ops sorted by self time). ember's C++ kernels do not appear in the profiler's
-table: their time is the timed step minus the table's total.
+table: their time is the timed step minus the table's total. ``--modules`` times each layer module instead
+(forward hooks: every projection, attention, norm and the LM head, summed over the layers), which names the
+kernels' time too.
 
     python benchmarks/profile_step.py --batch 1 --context 600
+    python benchmarks/profile_step.py --model /tmp/qwen2.5-coder-1.5b-q4_k_m.gguf --context 256 --modules
     EMBER_CPU_KERNELS=0 python benchmarks/profile_step.py --batch 48 --context 400   # the torch fallback
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import torch
@@ -22,6 +26,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None, help="EngineConfig.quantization ('none': float weights)")
+    ap.add_argument("--modules", action="store_true", help="time each layer module (hooks) instead of the ops")
     args = ap.parse_args()
 
     from ember.config import EngineConfig
@@ -53,12 +58,39 @@ def main() -> None:
         step()
     ms = 1e3 * (time.perf_counter() - start) / n
     print(f"batch {B}, context {L}, {args.dtype}, quantization {args.quantization}: {ms:.2f} ms a step")
+    if args.modules:
+        module_times(model, step)
+        return
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(10):
             step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def module_times(model: torch.nn.Module, step, steps: int = 10) -> None:
+    """ms a step in each kind of layer module (class, layout, name: ``MergedLinear int4 gate_up_proj``), summed
+    over the layers; a module's time includes its children's, so MLP holds its projections."""
+    total, calls, start = collections.Counter(), collections.Counter(), {}
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.count(".") < 3 and not leaf.endswith(("lm_head", "norm")):
+            continue  # the model and its layer lists: the whole step
+        key = f"{type(mod).__name__} {getattr(mod, 'kind', '') or '-'} {leaf}"
+        mod.register_forward_pre_hook(lambda m, _, i=id(mod): start.__setitem__(i, time.perf_counter()))
+        mod.register_forward_hook(lambda m, _, __, i=id(mod), k=key: (
+            total.update({k: time.perf_counter() - start[i]}), calls.update({k: 1})))
+    for _ in range(3):
+        step()
+    total.clear()
+    calls.clear()
+    begin = time.perf_counter()
+    for _ in range(steps):
+        step()
+    print(f"with the hooks: {1e3 * (time.perf_counter() - begin) / steps:.2f} ms a step")
+    for key, seconds in total.most_common():
+        print(f"{key:<45} x{calls[key] // steps:<3} {1e3 * seconds / steps:8.2f} ms")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,12 @@ def run_bench(args: argparse.Namespace) -> dict:
         lens = [int(x) for x in args.prompt_lens.split(",")]
         requests = [r for n in lens for r in fixed_requests(n, args.output_len, args.runs, vocab, args.seed)]
         tag = "latency"
+        if args.device == "cpu":  # measured before any backend runs, on a quiet machine
+            from ember.benchmarks.roofline import roofline
+
+            record["roofline"] = roofline(model, args.threads, args.dtype)
+            log.info("roofline: %.1f tok/s (%.1f GB/s measured, %.0f MB a token)", record["roofline"]["tokens_per_s"],
+                     record["roofline"]["bandwidth_gb_s"], record["roofline"]["bytes_per_token"] / 1e6)
     else:
         w = WORKLOADS[args.workload]
         requests = build_requests(w, vocab, args.seed, args.num_requests, args.output_cap, args.prompt_cap)

@@ -75,7 +75,10 @@ def latency_table(record: dict) -> str:
             rows.append(f"| {_name(b)} | {key[7:]} | {f['ttft_ms_median']:.1f} / {f['ttft_ms_p99']:.1f} | "
                         f"{f['tpot_ms_median']:.2f} / {f['tpot_ms_p99']:.2f} | {f['decode_tokens_per_s']:.1f}{runs} | "
                         f"{rss} | {ratio} |")
-    return "\n".join(rows)
+    from ember.benchmarks.roofline import share_line
+
+    line = share_line(record)
+    return "\n".join(rows) + (f"\n\n{line}" if line else "")
 
 
 def serving_table(record: dict) -> str:

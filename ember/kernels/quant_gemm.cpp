@@ -235,12 +235,17 @@ inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
   b[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(hi, 4), c.nib, c.magic, 0xEA);
 }
 
+// bytes ahead of the pack's read that each step prefetches (past a block's end: the next block, which the thread
+// usually reads next). The hardware prefetchers alone left one row short of memory speed: 2 threads, Xeon (AMX),
+// 2026-11-27, one row through 28 cold 17920 x 1536 weights (Qwen2.5-Coder-1.5B's gate/up), interleaved runs:
+// 1.30-1.32 ms a weight without, 1.05-1.10 at 1-2 KB ahead, 1.19 at 3 KB.
+constexpr int64_t INT4_PREFETCH = 2048;
+
 // y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes, or with PANEL its pairs as int4_unpack makes them, K / 2 x
-// 64 words, laid out once by int4_exact_panel; szb: its first (scale, zero) pair, row stride N). U interleaved
+// 64 words, laid out once by int4_exact_panel; szb: the block's (scale, zero) pairs, [groups, 64, 2]). U interleaved
 // chains of group sums: with one or two rows the loop otherwise waits on the dot products' latency (one row through
-// the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms; a
-// software prefetch 1 KB ahead did not measurably help). A row's result depends on U, not on R or PANEL: the
-// batch-invariant kernel runs one U at every row count.
+// the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms).
+// A row's result depends on U, not on R or PANEL: the batch-invariant kernel runs one U at every row count.
 template <int R, int U, bool PANEL = false>
 inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
                             int64_t gw, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y) {
@@ -260,6 +265,7 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
           const uint32_t* pairs = reinterpret_cast<const uint32_t*>(blk) + kp * 64;
           for (int j = 0; j < 4; ++j) b[j] = _mm512_loadu_si512(pairs + 16 * j);
         } else {
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kp * 64 + INT4_PREFETCH), _MM_HINT_T0);
           int4_unpack(c, blk + kp * 64, b);
         }
         for (int r = 0; r < R; ++r) {
@@ -271,14 +277,14 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) part[0][r][j] = _mm512_add_ps(part[0][r][j], part[u][r][j]);
     for (int j = 0; j < 4; ++j) {
-      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(szb + (g * N + 16 * j) * 2), 16));
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(szb + (g * NB + 16 * j) * 2), 16));
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(part[0][r][j], sc, acc[r][j]);
     }
   }
   for (int64_t g = 0; g < groups; ++g)
     for (int j = 0; j < 4; ++j) {
       __m512 sc, off;
-      int4_scale_offset(c, szb + (g * N + 16 * j) * 2, sc, off);
+      int4_scale_offset(c, szb + (g * NB + 16 * j) * 2, sc, off);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), off, acc[r][j]);
     }
   for (int r = 0; r < R; ++r)
@@ -293,8 +299,8 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
 // both 0.33 ms. The rounding moves the relative error to the float32 product from 1.7e-3 to 2.2e-3.
 constexpr int64_t INT4_PANEL_MIN_ROWS = 128;
 
-void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, int64_t K,
-                int64_t group, uint32_t* panel) {
+void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* szb, int64_t K, int64_t group,
+                uint32_t* panel) {
   alignas(64) uint16_t order[32];  // (w[k][c], w[k + 1][c]) of cvtne2ps' two halves into lane c
   for (int i = 0; i < 16; ++i) {
     order[2 * i] = i;
@@ -304,7 +310,7 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* sz
   const int64_t gw = group / 2;
   for (int64_t g = 0; g < K / group; ++g) {
     __m512 sc[4], off[4];
-    for (int j = 0; j < 4; ++j) int4_scale_offset(c, szb + (g * N + 16 * j) * 2, sc[j], off[j]);
+    for (int j = 0; j < 4; ++j) int4_scale_offset(c, szb + (g * NB + 16 * j) * 2, sc[j], off[j]);
     for (int64_t kp = g * gw; kp < (g + 1) * gw; ++kp) {
       __m512i b[4];
       int4_unpack(c, blk + kp * 64, b);
@@ -375,7 +381,7 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nb = item / spans, m0 = item % spans * ROW_SPAN, m1 = ember_fixed::min(M, m0 + ROW_SPAN);
       const uint8_t* blk = w + nb * K * 32;
-      const c10::BFloat16* szb = sz + nb * NB * 2;
+      const c10::BFloat16* szb = sz + nb * groups * NB * 2;
       c10::BFloat16* yb = y + nb * NB;
       if (panel) {
         if (nb != filled) {
@@ -536,15 +542,18 @@ bool has_avx512_bf16() {
 
 // x bf16 [M, K]; w uint8 in the 64-row int4 pack ([N, K/2], read as [N/64, K, 32]: row r of a block in byte r % 32,
 // low nibble for r < 32; torch's AVX512 pack, ember.quantization.kernels.pack_cpu_int4); scale_zeros bf16
-// [K/group, N, 2]. Returns bf16 [M, N]. invariant: a row's result does not depend on the other rows (no bf16
+// [N/64, K/group, 64, 2], each block's pairs after each other (block_scale_zeros), so that a block's weights and
+// its scales are two streams the prefetchers follow. Returns bf16 [M, N]. invariant: a row's result does not depend on the other rows (no bf16
 // panel from 128 rows, one chain count at every row count).
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant) {
 #ifdef EMBER_AVX512_BF16
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.dim() == 3, "scale_zeros bf16 [G, N, 2]");
+  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.dim() == 4 && scale_zeros.size(2) == NB,
+              "scale_zeros bf16 [N/64, G, 64, 2]");
   x = x.contiguous();
-  const int64_t K = x.size(1), N = scale_zeros.size(1);
-  TORCH_CHECK(N % NB == 0 && group % 4 == 0 && K % group == 0 && w.numel() == N * K / 2, "int4_gemm: bad shapes");
+  const int64_t K = x.size(1), N = scale_zeros.size(0) * NB;
+  TORCH_CHECK(group % 4 == 0 && K % group == 0 && scale_zeros.size(1) == K / group && w.numel() == N * K / 2,
+              "int4_gemm: bad shapes");
   auto wc = w.contiguous();
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
@@ -552,7 +561,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   if (!invariant && x.size(0) >= INT4_PANEL_MIN_ROWS) {
     const Int4Consts c;
     return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
-      int4_panel(c, wp + nb * K * 32, sp + nb * NB * 2, N, K, group, panel);
+      int4_panel(c, wp + nb * K * 32, sp + nb * (K / group) * NB * 2, K, group, panel);
     }, [](int64_t) -> const float* { return nullptr; });
   }
   auto y = torch::empty({x.size(0), N}, x.options());

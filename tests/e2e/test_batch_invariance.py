@@ -27,7 +27,7 @@ from ember.layers import linear as linear_module
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import Linear, MergedLinear, mkldnn_prepack_available
 from ember.quantization import QuantizedMatmul
-from ember.quantization.kernels import _scale_zeros, pack_cpu_int4
+from ember.quantization.kernels import _scale_zeros, block_scale_zeros, pack_cpu_int4
 from ember.quantization.tensor import quantize_int4, quantize_int8
 
 HERE = TESTS
@@ -57,7 +57,7 @@ ROW_COUNTS = (2, 3, 4, 5, 7, 11, 12, 13, 47, 48, 49, 64, 127, 128, 130)
 def test_int4_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, group):
     g = torch.Generator().manual_seed(n + k)
     qt = quantize_int4(torch.randn(n, k, generator=g), group)
-    w, sz = pack_cpu_int4(qt.unpacked()), _scale_zeros(qt)
+    w, sz = pack_cpu_int4(qt.unpacked()), block_scale_zeros(_scale_zeros(qt))
     x = torch.randn(130, k, generator=g).bfloat16()
     alone = _rows_alone(lambda r: avx512.int4_gemm(r, w, sz, group), x)
     for m in ROW_COUNTS:
