@@ -78,17 +78,24 @@ def module_times(model: torch.nn.Module, step, steps: int = 10) -> None:
         if name.count(".") < 3 and not leaf.endswith(("lm_head", "norm")):
             continue  # the model and its layer lists: the whole step
         key = f"{type(mod).__name__} {getattr(mod, 'kind', '') or '-'} {leaf}"
-        mod.register_forward_pre_hook(lambda m, _, i=id(mod): start.__setitem__(i, time.perf_counter()))
-        mod.register_forward_hook(lambda m, _, __, i=id(mod), k=key: (
-            total.update({k: time.perf_counter() - start[i]}), calls.update({k: 1})))
+
+        def begin_hook(module, args) -> None:
+            start[id(module)] = time.perf_counter()
+
+        def end_hook(module, args, output, key=key) -> None:  # returns None: the output stays as it is
+            total[key] += time.perf_counter() - start[id(module)]
+            calls[key] += 1
+
+        mod.register_forward_pre_hook(begin_hook)
+        mod.register_forward_hook(end_hook)
     for _ in range(3):
         step()
     total.clear()
     calls.clear()
-    begin = time.perf_counter()
+    began = time.perf_counter()
     for _ in range(steps):
         step()
-    print(f"with the hooks: {1e3 * (time.perf_counter() - begin) / steps:.2f} ms a step")
+    print(f"with the hooks: {1e3 * (time.perf_counter() - began) / steps:.2f} ms a step")
     for key, seconds in total.most_common():
         print(f"{key:<45} x{calls[key] // steps:<3} {1e3 * seconds / steps:8.2f} ms")
 

@@ -5,6 +5,7 @@
 | ``EMBER_MEM_RATIO`` | memory fraction when ``kv_cache_memory_fraction`` is not given, in (0, 1] | 0.9 CUDA, 0.1 CPU |
 | ``EMBER_CPU_KERNELS`` | ``0`` turns ember's compiled CPU kernels off (every one has a torch fallback) | on |
 | ``EMBER_EMULATE_AVX512`` | ``1`` builds the AVX512-BF16 kernels over scalar stand-ins (tests on other CPUs; slow) | off |
+| ``EMBER_CPU_AMX`` | ``0`` keeps the int4 kernel off AMX tiles where the CPU has them (AVX512-BF16 at every row count) | on |
 | ``EMBER_MKLDNN_LINEAR`` | ``0`` turns oneDNN's pre-packed CPU linear weights off | on |
 | ``EMBER_CACHE_DIR`` | cache folder (compiled kernels, converted models) | ``$XDG_CACHE_HOME/ember`` |
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
@@ -32,6 +33,7 @@ from ember.errors import ConfigError
 MEM_RATIO = "EMBER_MEM_RATIO"
 CPU_KERNELS = "EMBER_CPU_KERNELS"
 MKLDNN_LINEAR = "EMBER_MKLDNN_LINEAR"
+CPU_AMX = "EMBER_CPU_AMX"
 EMULATE_AVX512 = "EMBER_EMULATE_AVX512"
 CACHE_DIR = "EMBER_CACHE_DIR"
 HOST_TIER_ON_CPU = "EMBER_HOST_TIER_ON_CPU"
@@ -67,6 +69,10 @@ def ratio_from(name: str, raw: str | None) -> float | None:
 
 def cpu_kernels_enabled() -> bool:
     return _flag(CPU_KERNELS, True)
+
+
+def cpu_amx_enabled() -> bool:
+    return _flag(CPU_AMX, True)
 
 
 def emulate_avx512() -> bool:

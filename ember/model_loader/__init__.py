@@ -194,14 +194,16 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
 
 def default_mode(config: ModelConfig, ckpt: Checkpoint, native: QuantConfig, stored: bool) -> str:
     """The quantization a checkpoint runs with when none is asked for: as stored, except that a GGUF's int8 (blocks
-    other than 4-bit ones, requantized per row; a file with Q4_0/Q4_1/Q4_K weights is int4 or mixed and never
-    calibrates unless asked) runs as SmoothQuant w8a8 where that costs the model at most
+    other than 4-bit ones, requantized per row; a file with Q4_0/Q4_1/Q4_K weights is int4 or mixed, and a file
+    with any K-quant block (Q5_K_M, Q6_K) stays int8 with bf16 activations: neither calibrates unless asked, since
+    a K-quant user expects the file to open at once) runs as SmoothQuant w8a8 where that costs the model at most
     ``calibrated.NLL_BUDGET`` (measured on first load, with the smoothing scales; both cached): the same int8
     weights, smoothed, with activations rounded to int8 per token (llama.cpp rounds them to 8 bits per block of
     32 for these types), so that prefill runs the VNNI int8 GEMM, twice bf16's products a cycle on CPU.
     Qwen2.5-Coder-0.5B's blocks as int8 pass (perplexity within 0.1% of bf16 activations'; its file, with Q4_K
     weights, now loads mixed); SmolLM2-135M as Q8_0 does not (+1.2%) and keeps bf16 activations."""
-    if stored or native.method != "int8" or native.algorithm is not None or not _calibratable(ckpt):
+    if stored or native.method != "int8" or native.algorithm is not None or not _calibratable(ckpt) or \
+            (isinstance(ckpt, GGUFCheckpoint) and ckpt.has_k_quants()):
         return native.mode
     from ember.model_loader.calibrated import smoothquant_holds
 

@@ -40,6 +40,7 @@ _GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w (llama.cpp adds the offse
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_QUANT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # exactly ember's int4 in groups of 32
+K_QUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 _CONFIG_KEYS = {
     "block_count": "num_hidden_layers",
@@ -214,6 +215,12 @@ class GGUFCheckpoint:
         if linear & FOUR_BIT_TYPES:  # Q4_K_M and its kind: the 4-bit blocks as int4, the others as int8
             return QuantConfig("int4", 32, embeddings=embeddings, mixed=True)
         return QuantConfig("int8", 32, embeddings=embeddings)
+
+    def has_k_quants(self) -> bool:
+        """Whether any linear weight is in a K-quant block type (Q4_K, Q5_K, Q6_K): such files load as they are,
+        with no calibration pass unless one is asked for (``default_mode``)."""
+        return any(t.tensor_type.name in K_QUANT_TYPES and (_hf_name(t.name, self.gguf_arch) or "").endswith(
+            "_proj.weight") for t in self._entries())
 
     def kept_block_size(self, suffix: str) -> int:
         """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);

@@ -15,8 +15,9 @@ One *path* a weight, chosen at load by ``select_path`` and run by its class in `
 On CPUs with AVX512-BF16, ember's own kernels (``ember/kernels/quant_gemm.cpp``) take over: int4 at every batch
 size, reading torch's pack as it lies with the nibbles made exact bf16 values in registers (3072x576, bf16
 activations, 2 threads, 2026-11-25: 1 row 9 us against torch's packed op 25 us, 64 rows 0.28 against 0.65 ms),
-and from 128 rows on through a panel of the block's weights rounded to bf16 (the default model's four shapes at
-2048 rows: 14.6 ms against 18.4 for the exact kernel and 15.1 for oneDNN on the dequantized weights); int8 from 5
+and from 128 rows on (batch_invariant=False) through a panel of the block's weights rounded to bf16 (the default
+model's four shapes at 2048 rows: 14.6 ms against 18.4 for the exact kernel and 15.1 for oneDNN on the dequantized
+weights); where the CPU has AMX, int4 runs on AMX tiles at every row count instead (exact w, invariant); int8 from 5
 rows (each thread lays 64 output columns out once as exact integers and runs register-blocked bf16 dot products
 against them) and at 1-4 rows, where it dots the weight rows directly (five shapes of the two models, 2 threads,
 AMD Zen 5, 2026-11-25, interleaved medians: 1 row 66-73 GB/s against torch's op 30-49, 4 rows 34-42 against 26-31).
@@ -334,15 +335,20 @@ class CpuInt4Path(_CpuWeightOnly):
     lies), else torch's pack for ``_weight_int4pack_mm_for_cpu``, whose layout follows the CPU (``block``: the rows
     it interleaves); the dense path unpacks either."""
 
-    __slots__ = ("block",)
+    __slots__ = ("block", "amx")
     name = "cpu-int4"
     ember_min_rows = EMBER_INT4_MIN_ROWS
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
-        return kernels.int4_gemm(xb, self.w, self.s, self.group_size, self.invariant)
+        return kernels.int4_gemm(xb, self.w, self.s, self.group_size, self.invariant, self.amx)
 
     def prepare(self, qt: QuantizedTensor) -> None:
-        if _ember_gemm() is not None:
+        self.amx = False
+        if (kernels := _ember_gemm()) is not None:
+            # AMX tiles at every row count where the CPU has them (a row's result does not depend on the rows
+            # beside it, so the weight stays batch invariant): prefill and batched decode 3-4x faster, one row
+            # within 3-12% (docs/quantization.md); it rounds otherwise than the AVX512 path, more exactly
+            self.amx = envs.cpu_amx_enabled() and kernels.has_amx()
             self.block = _INT4_BLOCK_N
             self.w, self.s = pack_cpu_int4(qt.unpacked(), self.block), block_scale_zeros(_scale_zeros(qt))
         else:

@@ -53,16 +53,21 @@ def _rows_alone(fn, x: torch.Tensor) -> torch.Tensor:
 ROW_COUNTS = (2, 3, 4, 5, 7, 11, 12, 13, 47, 48, 49, 64, 127, 128, 130)
 
 
-@pytest.mark.parametrize("n,k,group", [(192, 256, 64), (128, 96, 32), (64, 576, 32)])
-def test_int4_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, group):
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
+@pytest.mark.parametrize("n,k,group", [(192, 256, 64), (128, 96, 32), (64, 576, 32), (64, 256, 128)])
+def test_int4_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, group, amx):
+    """Both int4 paths: AVX512-BF16 chains, and AMX tile products (at every row count, rows in tiles of 16 and a
+    shorter last one) where the CPU has them; where it has not, asking for AMX gives the AVX512 path's bits."""
     g = torch.Generator().manual_seed(n + k)
     qt = quantize_int4(torch.randn(n, k, generator=g), group)
     w, sz = pack_cpu_int4(qt.unpacked()), block_scale_zeros(_scale_zeros(qt))
     x = torch.randn(130, k, generator=g).bfloat16()
-    alone = _rows_alone(lambda r: avx512.int4_gemm(r, w, sz, group), x)
+    alone = _rows_alone(lambda r: avx512.int4_gemm(r, w, sz, group, True, amx), x)
+    if amx and not avx512.has_amx():
+        assert torch.equal(alone, _rows_alone(lambda r: avx512.int4_gemm(r, w, sz, group, True, False), x))
     for m in ROW_COUNTS:
-        assert torch.equal(avx512.int4_gemm(x[:m], w, sz, group), alone[:m]), f"{m} rows"
-        assert torch.equal(avx512.int4_gemm(x[-m:], w, sz, group), alone[-m:]), f"last {m} rows"
+        assert torch.equal(avx512.int4_gemm(x[:m], w, sz, group, True, amx), alone[:m]), f"{m} rows"
+        assert torch.equal(avx512.int4_gemm(x[-m:], w, sz, group, True, amx), alone[-m:]), f"last {m} rows"
     ref = F.linear(x.float(), qt.dequantize(torch.float32))
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3  # bf16 activations and output
 

@@ -78,7 +78,8 @@ def llama_256(tokenizer_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("qtype,native", [("F16", None), ("Q4_0", "int4 g32"), ("Q8_0", "int8"), ("Q5_0", "int8"),
-                                           ("Q5_1", "int8"), ("Q4_K", "int4 g32"), ("Q4_K_M", "int4 g32 + int8")])
+                                           ("Q5_1", "int8"), ("Q4_K", "int4 g32"), ("Q4_K_M", "int4 g32 + int8"),
+                                           ("Q6_K", "int8")])
 def test_gguf_blocks_run_in_the_layout_that_holds_them(llama_256, tmp_path, qtype, native):
     """By default a GGUF's linear weights stay quantized: Q4_0 / Q4_1 / Q4_K as ember's int4, every other block
     type as int8 per row (requantized from its float values), a mix of both (Q4_K_M) each weight as its blocks fit,
@@ -179,6 +180,30 @@ def test_the_mixed_layout_is_only_the_files_own(llama_256, tmp_path):
         QuantConfig("int8", mixed=True)
     with pytest.raises(ValueError, match="loading layout"):
         convert(path, str(tmp_path), "m", quant_config=QuantConfig("int4", 32, mixed=True))
+
+
+def test_a_k_quant_file_without_4_bit_blocks_opens_without_calibrating(llama_256, tokenizer_dir, tmp_path,
+                                                                       monkeypatch):
+    """A Q6_K file loads as int8 with bf16 activations and no calibration pass (issue 38: K-quant files open at
+    once unless a calibrated mode is asked for); a Q8_0 file of the same model would calibrate (below)."""
+    from ember.model_loader import calibrated
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_float32(llama_256), "llama", path, "Q6_K")
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("a K-quant file calibrated on its first load")
+
+    monkeypatch.setattr(calibrated, "run_calibration", no_calibration)
+    monkeypatch.setattr(calibrated, "smoothquant_holds", no_calibration)
+    llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", dtype="bfloat16")
+    try:
+        assert llm.model_info.quantization == "int8"
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
 
 
 def test_gguf_int8_default_takes_int8_activations_only_within_the_budget(llama_256, tokenizer_dir, tmp_path,

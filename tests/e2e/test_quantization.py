@@ -186,7 +186,7 @@ def test_self_check_rejects_a_kernel_that_disagrees(monkeypatch, caplog):
     qt = _weight("int4")
     assert QuantizedMatmul("int4", qt)._self_check(qt, torch.device("cpu"))
     broken = QuantizedMatmul("int4", qt)
-    broken.impl.s = broken.impl.s.flip(1)  # scales and zeros of the wrong rows
+    broken.impl.s = broken.impl.s.flip(-2)  # scales and zeros of the wrong output columns (either layout)
     monkeypatch.setattr(kernels, "_CHECKED", {})
     with caplog.at_level("WARNING", logger="ember"):
         assert not broken._self_check(qt, torch.device("cpu"))
