@@ -356,12 +356,10 @@ void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* 
   }
 }
 
-// invariant: every row through chains of U_INVARIANT (the same bits whatever rows are beside it); otherwise 3-row
-// passes take one chain (measured faster).
-void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
-               int64_t group, c10::BFloat16* y, bool invariant) {
-  const int64_t groups = K / group, kw = K / 2, gw = group / 2;
-  std::vector<float> xsum(M * groups);  // each row's sum over each group, for the offsets, in a fixed order
+// each row's sum over each group of x [M, K], summed in a fixed order: the int4 offsets' factor (both int4 paths)
+std::vector<float> group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t group) {
+  const int64_t groups = K / group;
+  std::vector<float> xsum(M * groups);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < groups; ++g) {
@@ -370,6 +368,15 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
         xsum[m * groups + g] = sum;
       }
   });
+  return xsum;
+}
+
+// invariant: every row through chains of U_INVARIANT (the same bits whatever rows are beside it); otherwise 3-row
+// passes take one chain (measured faster).
+void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
+               int64_t group, c10::BFloat16* y, bool invariant) {
+  const int64_t groups = K / group, kw = K / 2, gw = group / 2;
+  const std::vector<float> xsum = group_sums(x, M, K, group);
   const int32_t* xw = reinterpret_cast<const int32_t*>(x);
   // work items: a block and a span of up to ROW_SPAN rows, so that a few blocks still feed every thread at
   // prefill sizes (576 outputs are 9 blocks)
@@ -499,15 +506,7 @@ void int4_amx_block(const Int4Consts& c, const c10::BFloat16* x, int64_t K, int6
 void int4_amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz,
                    int64_t N, int64_t group, c10::BFloat16* y) {
   const int64_t groups = K / group;
-  std::vector<float> xsum(M * groups);  // as int4_rows
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < group; ++k) sum += ember_fixed::bf16_bits_to_float(x[m * K + g * group + k].x);
-        xsum[m * groups + g] = sum;
-      }
-  });
+  const std::vector<float> xsum = group_sums(x, M, K, group);
   constexpr int64_t SPAN = AMX_TILES * AMX_ROWS;
   const int64_t blocks = N / NB, spans = (M + SPAN - 1) / SPAN;
   at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {

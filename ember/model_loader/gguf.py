@@ -8,6 +8,7 @@ so that the one rotate-half implementation serves both formats (as transformers 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -200,13 +201,7 @@ class GGUFCheckpoint:
         int8 with a scale per row when every one is in some other quantized block type (Q8_0, and the 5- and 6-bit
         blocks, requantized from their float values); None (float) when any linear weight is stored as float. The
         embedding table and LM head are int8 when they are stored in block types."""
-        linear, table = set(), set()
-        for t in self._entries():
-            name = _hf_name(t.name, self.gguf_arch) or ""
-            if name.endswith("_proj.weight"):
-                linear.add(t.tensor_type.name)
-            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-                table.add(t.tensor_type.name)
+        linear, table = self._block_types
         if not linear or linear & set(FLOAT_TYPES):
             return None
         embeddings = bool(table) and not table & set(FLOAT_TYPES)
@@ -219,8 +214,19 @@ class GGUFCheckpoint:
     def has_k_quants(self) -> bool:
         """Whether any linear weight is in a K-quant block type (Q4_K, Q5_K, Q6_K): such files load as they are,
         with no calibration pass unless one is asked for (``default_mode``)."""
-        return any(t.tensor_type.name in K_QUANT_TYPES and (_hf_name(t.name, self.gguf_arch) or "").endswith(
-            "_proj.weight") for t in self._entries())
+        return bool(self._block_types[0] & K_QUANT_TYPES)
+
+    @functools.cached_property
+    def _block_types(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(the linear weights' tensor types, the embedding table's and LM head's), read once from the header."""
+        linear, table = set(), set()
+        for t in self._entries():
+            name = _hf_name(t.name, self.gguf_arch) or ""
+            if name.endswith("_proj.weight"):
+                linear.add(t.tensor_type.name)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                table.add(t.tensor_type.name)
+        return frozenset(linear), frozenset(table)
 
     def kept_block_size(self, suffix: str) -> int:
         """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
