@@ -7,6 +7,7 @@ kernels' time too.
     python benchmarks/profile_step.py --batch 1 --context 600
     python benchmarks/profile_step.py --model /tmp/qwen2.5-coder-1.5b-q4_k_m.gguf --context 256 --modules
     EMBER_CPU_KERNELS=0 python benchmarks/profile_step.py --batch 48 --context 400   # the torch fallback
+    python benchmarks/profile_step.py --prefill --batch 1 --context 512 --modules      # a prefill step
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None, help="EngineConfig.quantization ('none': float weights)")
     ap.add_argument("--modules", action="store_true", help="time each layer module (hooks) instead of the ops")
+    ap.add_argument("--prefill", action="store_true",
+                    help="a prefill step instead: B sequences of L new prompt tokens each, empty caches")
     args = ap.parse_args()
 
     from ember.config import EngineConfig
-    from ember.layers.attention import AttentionMetadata
+    from ember.layers.attention import AttentionMetadata, PrefillSpan
     from ember.worker.worker import Worker
 
     torch.set_num_threads(args.threads)  # this thread runs every op, as the engine thread does
@@ -44,12 +47,19 @@ def main() -> None:
     nbl = -(-L // cfg.block_size)
     tables = torch.arange(B * nbl).view(B, nbl)
     slots = tables[:, (L - 1) // cfg.block_size] * cfg.block_size + (L - 1) % cfg.block_size
-    meta = AttentionMetadata(slots, B, tables, torch.full((B,), L), [])
-    ids, pos = torch.randint(100, 1000, (B,)), torch.full((B,), L - 1)
+    if args.prefill:  # each sequence's L tokens in one span; the LM head reads each sequence's last row only
+        slots = (tables[:, :, None] * cfg.block_size + torch.arange(cfg.block_size)).view(B, -1)[:, :L].reshape(-1)
+        meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(b * L, L, L, tables[b]) for b in range(B)])
+        ids, pos = torch.randint(100, 1000, (B * L,)), torch.arange(L).repeat(B)
+        last = torch.arange(1, B + 1) * L - 1
+    else:
+        meta = AttentionMetadata(slots, B, tables, torch.full((B,), L), [])
+        ids, pos = torch.randint(100, 1000, (B,)), torch.full((B,), L - 1)
+        last = torch.arange(B)
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
-        return model.compute_logits(model(ids, pos, meta)).argmax(-1)
+        return model.compute_logits(model(ids, pos, meta)[last]).argmax(-1)
 
     for _ in range(5):
         step()
@@ -57,7 +67,8 @@ def main() -> None:
     for _ in range(n):
         step()
     ms = 1e3 * (time.perf_counter() - start) / n
-    print(f"batch {B}, context {L}, {args.dtype}, quantization {args.quantization}: {ms:.2f} ms a step")
+    kind = "prefill of" if args.prefill else "decode at"
+    print(f"batch {B}, {kind} context {L}, {args.dtype}, quantization {args.quantization}: {ms:.2f} ms a step")
     if args.modules:
         module_times(model, step)
         return

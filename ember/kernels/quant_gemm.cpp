@@ -419,6 +419,12 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
 // runs one or the other for a weight, never both.
 constexpr int AMX_ROWS = 16;
 
+// the first 64-byte aligned element of a buffer allocated a line longer
+template <typename T>
+T* line_aligned(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 // tiles 0-3: the group sums of columns 16J..16J+15 (C), 4: rows x 32 inputs of x (A), 5-7: 16 pairs x 16 columns
 // of the group's weights (B; three, so a product need not wait for the one before it to free its B). GCC's tile
 // intrinsics take literal tile numbers, hence a macro.
@@ -515,11 +521,8 @@ void int4_amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* 
     // accumulators: 64-byte aligned in vectors padded by a line
     std::vector<uint32_t> pairs(2 * 64 * 64 + 16);
     std::vector<float> cbuf(2 * AMX_TILES * 4 * AMX_ROWS * 16 + 16), acc(SPAN * 64 + 16);
-    const auto line = [](auto* p) {
-      return reinterpret_cast<decltype(p)>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
-    };
-    uint32_t* pb = line(pairs.data());
-    float *cb = line(cbuf.data()), *ab = line(acc.data());
+    uint32_t* pb = line_aligned(pairs.data());
+    float *cb = line_aligned(cbuf.data()), *ab = line_aligned(acc.data());
     int configured = 0;
     const auto configure = [&](int rows) {  // tiles 0-3: C (rows x 16 floats), 4: A (rows x 32 bf16), 5-7: B
       if (rows == configured) return;
@@ -561,6 +564,276 @@ EMBER_INLINE __m512i int8_chunk_bf16(const int8_t* p) {
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
+
+#ifdef EMBER_AMX
+// int8 on AMX with x in exact integer parts, every row count. Each row of x is written as
+//   x[m, k] = 2^(e_m) * (u[m, k] - 2^23),  u in [0, 2^24): three unsigned bytes (limbs) u0 + 2^8 u1 + 2^16 u2,
+// e_m from the row's largest |x| (a bf16 more than 2^-23 below it is rounded to the grid, an error under 2^-23 of
+// the row's largest value). The int8 weight multiplies each limb as it lies in memory (the A operand of TDPBSUD:
+// 16 weight rows x 64 inputs, signed; the limbs in pairs of four inputs the B operand, unsigned), into exact int32
+// sums, so sum_k w[n, k] x[m, k] = 2^(e_m) * (S0 + 2^8 S1 + 2^16 S2 - 2^23 sum_k w[n, k]) exactly in int64, then
+// one rounding to double with the row scale (x 2^(e_m) is exact) and one to float. No weight is widened to bf16 (the
+// cost of the bf16 paths at one row), and a row's bits depend on nothing but that row: integer sums have no order.
+constexpr int64_t XT = 64;  // inputs a k tile: 64 bytes of a weight row
+
+// the int64 sum and the float output of 16 columns of one row: s0..s2 the limb sums, ws the weights' row sums,
+// sc the row scales, p2 = 2^(e_m)
+EMBER_INLINE __m256 exact_half(__m256i s0, __m256i s1, __m256i s2, __m256i ws, __m256 sc, __m512d p2) {
+  __m512i t = _mm512_cvtepi32_epi64(s0);
+  t = _mm512_add_epi64(t, _mm512_slli_epi64(_mm512_cvtepi32_epi64(s1), 8));
+  t = _mm512_add_epi64(t, _mm512_slli_epi64(_mm512_cvtepi32_epi64(s2), 16));
+  t = _mm512_sub_epi64(t, _mm512_slli_epi64(_mm512_cvtepi32_epi64(ws), 23));
+  return _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi64_pd(t), _mm512_cvtps_pd(sc)), p2));
+}
+
+EMBER_INLINE __m256i exact_out16(__m512i s0, __m512i s1, __m512i s2, __m512i ws, __m512 sc, double p2) {
+  const __m512d p = _mm512_set1_pd(p2);
+  const __m256 lo = exact_half(_mm512_castsi512_si256(s0), _mm512_castsi512_si256(s1), _mm512_castsi512_si256(s2),
+                               _mm512_castsi512_si256(ws), _mm512_castps512_ps256(sc), p);
+  const __m256 hi = exact_half(_mm512_extracti64x4_epi64(s0, 1), _mm512_extracti64x4_epi64(s1, 1),
+                               _mm512_extracti64x4_epi64(s2, 1), _mm512_extracti64x4_epi64(ws, 1),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sc), 1)), p);
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1));
+}
+
+// x's limbs as B tiles (where xb is not null): xb[((s * 3 + l) * kt + t) * 256 + q * 16 + m] = limb l of inputs
+// 64 t + 4 q .. + 3 of row 16 s + m (four bytes, one 32-bit word), zero past M and K; p2[m] = 2^(e_m), NaN for a
+// row with a NaN or infinity
+// xr (where not null): the limbs row by row, xr[(m * 3 + l) * 64 kt + k], for the few-row path
+void exact_x_limbs(const c10::BFloat16* x, int64_t M, int64_t K, int64_t kt, uint32_t* xb, uint8_t* xr,
+                   double* p2) {
+  const int64_t spans = (M + 15) / 16;
+  at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t rows[3][16][16];
+    for (int64_t s = begin; s < end; ++s) {
+      float mul[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t m = s * 16 + i;
+        mul[i] = 0.f;
+        if (m >= M) continue;
+        __m512 vmax = _mm512_setzero_ps();  // |x| as bits: the largest magnitude, NaN above infinity
+        for (int64_t k = 0; k < K; k += 16) {
+          const __mmask16 in = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+          const __m512i raw = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x + m * K + k));
+          vmax = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(vmax),
+                                                      _mm512_and_si512(_mm512_slli_epi32(raw, 16),
+                                                                       _mm512_set1_epi32(0x7FFFFFFF))));
+        }
+        float amax;
+        {
+          const uint32_t bits = static_cast<uint32_t>(_mm512_reduce_max_epu32(_mm512_castps_si512(vmax)));
+          std::memcpy(&amax, &bits, 4);
+        }
+        if (!std::isfinite(amax)) {
+          p2[m] = std::numeric_limits<double>::quiet_NaN();
+          continue;
+        }
+        int e = 0;
+        if (amax > 0.f) std::frexp(amax, &e);  // amax < 2^e
+        p2[m] = std::ldexp(1.0, e - 23);
+        // |x| * mul < 2^23; a row whose values all lie under 2^-100 (mul would overflow a float) counts as zeros
+        mul[i] = e > -100 ? std::ldexp(1.f, 23 - e) : 0.f;
+      }
+      for (int64_t t = 0; t < kt; ++t) {
+        const int64_t left = ember_fixed::min<int64_t>(XT, K - t * XT);
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t m = s * 16 + i;
+          for (int v = 0; v < 4; ++v) {  // 16 inputs a vector
+            const int64_t n = ember_fixed::min<int64_t>(16, ember_fixed::max<int64_t>(0, left - 16 * v));
+            __m512i u = _mm512_setzero_si512();
+            if (m < M && n > 0 && mul[i] != 0.f) {
+              const __m256i raw = _mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), x + m * K + t * XT + 16 * v);
+              const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+              u = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_set1_ps(mul[i]))),
+                                   _mm512_set1_epi32(1 << 23));
+              u = _mm512_maskz_mov_epi32(__mmask16((1u << n) - 1), u);  // inputs past K: 0, not 2^23
+            } else if (m < M && n > 0) {  // a zero row: u = 2^23 where the inputs are
+              u = _mm512_maskz_mov_epi32(__mmask16((1u << n) - 1), _mm512_set1_epi32(1 << 23));
+            }
+            for (int l = 0; l < 3; ++l)
+              _mm_store_si128(reinterpret_cast<__m128i*>(&rows[l][i][4 * v]),
+                              _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8 * l)));
+          }
+        }
+        for (int64_t i = 0; xr && i < 16 && s * 16 + i < M; ++i)
+          for (int l = 0; l < 3; ++l)
+            _mm512_storeu_si512(xr + ((s * 16 + i) * 3 + l) * kt * XT + t * XT, _mm512_load_si512(rows[l][i]));
+        for (int l = 0; xb && l < 3; ++l) {
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(rows[l][i]);
+          ember_avx512::transpose16(r);  // r[q] = word q of the 16 rows
+          uint32_t* dst = xb + ((s * 3 + l) * kt + t) * 256;
+          for (int q = 0; q < 16; ++q) _mm512_store_si512(dst + q * 16, r[q]);
+        }
+      }
+    }
+  });
+}
+
+// The same exact sums for a few rows with AVX512-VNNI, the weight read in place: vpdpbusd multiplies 64 limb bytes
+// (unsigned) by 64 weight bytes (signed) into 16 int32 lanes; R weight rows x 3 limbs x M rows of accumulators,
+// reduced by one transposing add tree. Integer sums have no order, so these are the tile path's bits; from
+// registers, they keep one row near memory speed where the tile loads did not. One row through the 1.5B's
+// 151936 x 1536 LM head, 2 threads: 13.0 ms against 18.7 on tiles and 15.2 with the AVX512-BF16 path; Gemma 3's
+// 262144 x 640: 7.7 against 11.2 and 10.4.
+template <int M>
+void int8_exact_rows(const uint8_t* xr, int64_t kt, int64_t K, const int8_t* w, const int32_t* wsum,
+                     const float* scales, const double* p2, int64_t N, c10::BFloat16* y) {
+  constexpr int R = M <= 2 ? 4 / M : 1;  // weight rows a pass: R * 3 M <= 12 accumulators
+  const int64_t blocks = (N + 15) / 16;
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t sums[3][M][16];
+    alignas(64) int32_t red[16];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * 16, rows = ember_fixed::min<int64_t>(16, N - n0);
+      for (int64_t j0 = 0; j0 < rows; j0 += R) {
+        __m512i acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+        for (int64_t t = 0; t < kt; ++t) {
+          const int64_t left = ember_fixed::min<int64_t>(XT, K - t * XT);
+          const __mmask64 in = left == XT ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+          __m512i xl[M][3];
+          for (int m = 0; m < M; ++m)
+            for (int l = 0; l < 3; ++l) xl[m][l] = _mm512_loadu_si512(xr + (m * 3 + l) * kt * XT + t * XT);
+          for (int r = 0; r < R; ++r) {
+            if (j0 + r >= rows) break;
+            const int8_t* src = w + (n0 + j0 + r) * K + t * XT;
+            if (n0 + 16 + j0 + r < N) _mm_prefetch(reinterpret_cast<const char*>(src + 16 * K), _MM_HINT_T0);
+            const __m512i wv = _mm512_maskz_loadu_epi8(in, src);
+            for (int m = 0; m < M; ++m)
+              for (int l = 0; l < 3; ++l)
+                acc[(r * M + m) * 3 + l] = _mm512_dpbusd_epi32(acc[(r * M + m) * 3 + l], xl[m][l], wv);
+          }
+        }
+        _mm512_store_si512(red, ember_avx512::reduce16_epi32(acc));
+        for (int r = 0; r < R && j0 + r < 16; ++r)
+          for (int m = 0; m < M; ++m)
+            for (int l = 0; l < 3; ++l) sums[l][m][j0 + r] = red[(r * M + m) * 3 + l];
+      }
+      const __mmask16 mask = rows == 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+      const __m512i ws = _mm512_maskz_loadu_epi32(mask, wsum + n0);
+      const __m512 sc = _mm512_maskz_loadu_ps(mask, scales + n0);
+      for (int m = 0; m < M; ++m)
+        _mm256_mask_storeu_epi16(y + m * N + n0, mask,
+                                 exact_out16(_mm512_maskz_load_epi32(mask, sums[0][m]),
+                                             _mm512_maskz_load_epi32(mask, sums[1][m]),
+                                             _mm512_maskz_load_epi32(mask, sums[2][m]), ws, sc, p2[m]));
+    }
+  });
+}
+
+// tiles 0-2: C (the limb sums of 16 weight rows x up to 16 rows of x), 3 and 7: A (16 weight rows x 64 inputs, in
+// turn), 4-6: B (each limb's 16 input quads x up to 16 rows of x)
+#define EMBER_AMX_EXACT_KTILE(a, t)                                    \
+  do {                                                                 \
+    if (ahead)                                                         \
+      for (int64_t l = 0; l < lines; ++l)                              \
+        _mm_prefetch(ahead + ((t) * lines + l) * 64, _MM_HINT_T0);     \
+    _tile_loadd(a, wa + (t) * XT, lda);                                \
+    _tile_loadd(4, xs + (0 * kt + (t)) * 256, 64);                     \
+    _tile_dpbsud(0, a, 4);                                             \
+    _tile_loadd(5, xs + (1 * kt + (t)) * 256, 64);                     \
+    _tile_dpbsud(1, a, 5);                                             \
+    _tile_loadd(6, xs + (2 * kt + (t)) * 256, 64);                     \
+    _tile_dpbsud(2, a, 6);                                             \
+  } while (0)
+
+void int8_exact_amx(const c10::BFloat16* x, int64_t M, int64_t K, const int8_t* w, const int32_t* wsum,
+                    const float* scales, int64_t N, c10::BFloat16* y) {
+  const int64_t kt = (K + XT - 1) / XT, kpad = kt * XT, spans = (M + 15) / 16, blocks = (N + 15) / 16;
+  std::vector<double> p2(M);
+  // the few-row path where it is faster (2 threads: up to 2 rows always; 3-4 rows on a weight of 4 MB or more,
+  // which streams from memory: 151936 x 1536 at 4 rows 14.5 against 18.8 ms on tiles; a small weight, from cache,
+  // is faster on tiles: 1536 x 576 at 4 rows 0.055 against 0.027 ms)
+  if (M <= 2 || (M <= 4 && N * K >= (int64_t(4) << 20))) {
+    std::vector<uint8_t> xr(M * 3 * kpad);
+    exact_x_limbs(x, M, K, kt, nullptr, xr.data(), p2.data());
+    switch (M) {
+      case 1: int8_exact_rows<1>(xr.data(), kt, K, w, wsum, scales, p2.data(), N, y); break;
+      case 2: int8_exact_rows<2>(xr.data(), kt, K, w, wsum, scales, p2.data(), N, y); break;
+      case 3: int8_exact_rows<3>(xr.data(), kt, K, w, wsum, scales, p2.data(), N, y); break;
+      default: int8_exact_rows<4>(xr.data(), kt, K, w, wsum, scales, p2.data(), N, y); break;
+    }
+    return;
+  }
+  std::vector<uint32_t> xbv(spans * 3 * kt * 256 + 16);
+  uint32_t* xb = line_aligned(xbv.data());
+  exact_x_limbs(x, M, K, kt, xb, nullptr, p2.data());
+  const int cols = static_cast<int>(ember_fixed::min<int64_t>(16, M));  // B and C: columns of x rows
+  const int64_t lines = (16 * K / 64 + kt - 1) / kt;  // cache lines of a block a k tile
+  at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
+    {
+      const uint16_t cb4 = static_cast<uint16_t>(4 * cols);
+      const uint8_t r[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+      const uint16_t colsb[8] = {cb4, cb4, cb4, 64, cb4, cb4, cb4, 64};
+      ember_amx::configure(r, colsb, 8);
+    }
+    std::vector<int8_t> padv;  // a block whose rows or inputs the tiles would read past: copied, zero-padded
+    std::vector<int32_t> cbv(3 * 256 + 16);
+    int32_t* cb = line_aligned(cbv.data());
+    int64_t padded = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t nb = item / spans, s = item % spans, n0 = nb * 16;
+      const int64_t rows = ember_fixed::min<int64_t>(16, N - n0), mr = ember_fixed::min<int64_t>(16, M - s * 16);
+      const int8_t* wa = w + n0 * K;
+      int64_t lda = K;
+      if (rows < 16 || K % XT) {
+        if (padv.empty()) padv.resize(16 * kpad + 64);
+        int8_t* pad = line_aligned(padv.data());
+        if (padded != nb) {
+          std::memset(pad, 0, 16 * kpad);
+          for (int64_t j = 0; j < rows; ++j) std::memcpy(pad + j * kpad, w + (n0 + j) * K, K);
+          padded = nb;
+        }
+        wa = pad;
+        lda = kpad;
+      }
+      const uint32_t* xs = xb + s * 3 * kt * 256;
+      // the next block (16 rows after these, contiguous) asked for in step with this one's k tiles: the tile
+      // loads alone left one row short of memory speed (Gemma 3's 262144 x 640 LM head, 2 threads: 13.2 -> 10.2 ms,
+      // the AVX512 path 10.3)
+      const char* ahead = s == 0 && n0 + 32 <= N ? reinterpret_cast<const char*>(w + (n0 + 16) * K) : nullptr;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      int64_t t = 0;
+      for (; t + 1 < kt; t += 2) {  // two A tiles in turn, so that a load need not wait for the products before it
+        EMBER_AMX_EXACT_KTILE(3, t);
+        EMBER_AMX_EXACT_KTILE(7, t + 1);
+      }
+      if (t < kt) EMBER_AMX_EXACT_KTILE(3, t);
+      _tile_stored(0, cb, 64);
+      _tile_stored(1, cb + 256, 64);
+      _tile_stored(2, cb + 512, 64);
+      const __mmask16 mask = rows == 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+      const __m512i ws = _mm512_maskz_loadu_epi32(mask, wsum + n0);
+      const __m512 sc = _mm512_maskz_loadu_ps(mask, scales + n0);
+      // cb[l * 256 + n * 16 + m]: column m is row m's sums with the block's 16 weight rows
+      if (mr <= 4) {
+        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(16));
+        for (int64_t m = 0; m < mr; ++m)
+          _mm256_mask_storeu_epi16(y + (s * 16 + m) * N + n0, mask,
+                                   exact_out16(_mm512_i32gather_epi32(idx, cb + m, 4),
+                                               _mm512_i32gather_epi32(idx, cb + 256 + m, 4),
+                                               _mm512_i32gather_epi32(idx, cb + 512 + m, 4), ws, sc,
+                                               p2[s * 16 + m]));
+      } else {
+        __m512i c[3][16];
+        for (int l = 0; l < 3; ++l) {
+          for (int n = 0; n < 16; ++n) c[l][n] = _mm512_load_si512(cb + l * 256 + n * 16);
+          ember_avx512::transpose16(c[l]);  // c[l][m]: row m's sums
+        }
+        for (int64_t m = 0; m < mr; ++m)
+          _mm256_mask_storeu_epi16(y + (s * 16 + m) * N + n0, mask,
+                                   exact_out16(c[0][m], c[1][m], c[2][m], ws, sc, p2[s * 16 + m]));
+      }
+    }
+    _tile_release();
+  });
+}
+#undef EMBER_AMX_EXACT_KTILE
+#endif
 
 // x [M, K] bf16 with each row zero-padded to whole chunks (a copy only when K % 32 != 0)
 struct PaddedRows {
@@ -775,5 +1048,39 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, 
                     [&](int64_t nb) { return sp + nb * NB; });
 #else
   TORCH_CHECK(false, "int8_gemm needs AVX512-BF16");
+#endif
+}
+
+// x bf16 [M, K]; w int8 [N, K]; row_sums int32 [N] (sum_k w[n, k]); scales float32 [N]. Returns bf16 [M, N]: x in
+// exact integer parts against the weight on AMX (int8_exact_amx), the same bits at every row count. Needs AMX
+// granted (int8_exact_available) and K < 65536 (the limb sums stay in int32).
+torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales) {
+#ifdef EMBER_AMX
+  TORCH_CHECK(ember_amx::granted(), "int8_exact_gemm needs AMX (int8_exact_available())");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && row_sums.scalar_type() == at::kInt &&
+                  scales.scalar_type() == at::kFloat, "int8 weight [N, K], int32 row sums, float32 scales");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && row_sums.numel() == N && scales.numel() == N && K < 65536,
+              "int8_exact_gemm: bad shapes");
+  auto wc = w.contiguous();
+  auto rs = row_sums.contiguous();
+  auto sc = scales.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M > 0 && N > 0)
+    int8_exact_amx(x.data_ptr<c10::BFloat16>(), M, K, wc.data_ptr<int8_t>(), rs.data_ptr<int32_t>(),
+                   sc.data_ptr<float>(), N, y.data_ptr<c10::BFloat16>());
+  return y;
+#else
+  TORCH_CHECK(false, "int8_exact_gemm needs AMX");
+#endif
+}
+
+bool int8_exact_available() {
+#if defined(EMBER_AMX)
+  return ember_amx::granted();
+#else
+  return false;
 #endif
 }

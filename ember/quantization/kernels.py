@@ -306,7 +306,7 @@ class _Int8PackPath(_WeightOnlyPath):
 
 
 class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
-    __slots__ = ("s32",)
+    __slots__ = ("s32", "row_sums")
     name = "cpu-int8"
     ember_min_rows = EMBER_INT8_MIN_ROWS
     ember_max_small_rows = EMBER_INT8_ROWS_MAX
@@ -314,14 +314,23 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
     def prepare(self, qt: QuantizedTensor) -> None:
         super().prepare(qt)
         self.s32 = qt.scales.view(-1).float()  # ember's kernel scales the float sums
+        # Where the CPU has AMX: x in exact integer parts against the int8 weight on integer tiles
+        # (int8_exact_gemm), the exact product at every row count, so batch invariant by itself; one row at about
+        # the AVX512 path's speed, 16 to 256 rows 4-8x faster (docs/quantization.md). It needs the weight's row sums.
+        self.row_sums = None
+        if (kernels := _ember_gemm()) is not None and envs.cpu_amx_enabled() and kernels.int8_exact_available() \
+                and self.k < 65536:
+            self.row_sums = self.w.sum(1, dtype=torch.int32)
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
+        if self.row_sums is not None:
+            return kernels.int8_exact_gemm(xb, self.w, self.row_sums, self.s32)
         if not self.invariant and self.n % _INT4_BLOCK_N and xb.shape[0] > EMBER_INT8_ROWS_MAX:  # 64-row panels
             return self.packed_mm(xb)
         return kernels.int8_gemm(xb, self.w, self.s32, self.invariant)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*super().tensors(), self.s32]
+        return [t for t in (*super().tensors(), self.s32, self.row_sums) if t is not None]
 
 
 class CudaInt8Path(_Int8PackPath):
