@@ -314,9 +314,10 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
     def prepare(self, qt: QuantizedTensor) -> None:
         super().prepare(qt)
         self.s32 = qt.scales.view(-1).float()  # ember's kernel scales the float sums
-        # Where the CPU has AMX: x in exact integer parts against the int8 weight on integer tiles
-        # (int8_exact_gemm), the exact product at every row count, so batch invariant by itself; one row at about
-        # the AVX512 path's speed, 16 to 256 rows 4-8x faster (docs/quantization.md). It needs the weight's row sums.
+        # Where the CPU has AMX: x in exact integer parts against the int8 weight (int8_exact_gemm: vpdpbusd for a
+        # few rows, integer tiles for more), the exact product at every row count, so batch invariant by itself;
+        # one row 1.3-1.5x faster than the AVX512 path, 16 to 256 rows 3-7x (docs/quantization.md). It needs the
+        # weight's row sums.
         self.row_sums = None
         if (kernels := _ember_gemm()) is not None and envs.cpu_amx_enabled() and kernels.int8_exact_available() \
                 and self.k < 65536:
