@@ -42,7 +42,8 @@ EMBER_INLINE float bf16_bits_to_float(uint16_t h) {
 #ifdef __AVX512VBMI__
 #define EMBER_AVX512_VBMI 1
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512DQ__) && defined(__linux__)
 #define EMBER_AMX 1  // amx.h: tile products (bf16, int8), where the kernel asks for them and the OS grants them
 #endif
 #endif

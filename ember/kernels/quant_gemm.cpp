@@ -568,8 +568,8 @@ EMBER_INLINE __m512i int8_chunk_bf16(const int8_t* p) {
 #ifdef EMBER_AMX
 // int8 on AMX with x in exact integer parts, every row count. Each row of x is written as
 //   x[m, k] = 2^(e_m) * (u[m, k] - 2^23),  u in [0, 2^24): three unsigned bytes (limbs) u0 + 2^8 u1 + 2^16 u2,
-// e_m from the row's largest |x| (a bf16 more than 2^-23 below it is rounded to the grid, an error under 2^-23 of
-// the row's largest value). The int8 weight multiplies each limb as it lies in memory (the A operand of TDPBSUD:
+// e_m from the row's largest |x| (a value under 2^-15 of the largest may lie off that grid and is rounded to it,
+// an error under 2^-23 of the largest). The int8 weight multiplies each limb as it lies in memory (the A operand of TDPBSUD:
 // 16 weight rows x 64 inputs, signed; the limbs in pairs of four inputs the B operand, unsigned), into exact int32
 // sums, so sum_k w[n, k] x[m, k] = 2^(e_m) * (S0 + 2^8 S1 + 2^16 S2 - 2^23 sum_k w[n, k]) exactly in int64, then
 // one rounding to double with the row scale (x 2^(e_m) is exact) and one to float. No weight is widened to bf16 (the
@@ -1062,8 +1062,8 @@ torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor ro
                   scales.scalar_type() == at::kFloat, "int8 weight [N, K], int32 row sums, float32 scales");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && row_sums.numel() == N && scales.numel() == N && K < 65536,
-              "int8_exact_gemm: bad shapes");
+  TORCH_CHECK(w.size(1) == K && row_sums.numel() == N && scales.numel() == N && K > 0 && K < 65536,
+              "int8_exact_gemm: bad shapes (K must be 1 to 65535)");
   auto wc = w.contiguous();
   auto rs = row_sums.contiguous();
   auto sc = scales.contiguous();

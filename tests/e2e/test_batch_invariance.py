@@ -90,9 +90,10 @@ def test_int8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
 @pytest.mark.parametrize("n,k", [(192, 256), (77, 100), (16, 64), (130, 576), (9, 40), (3000, 1500)])
 def test_int8_exact_kernel_is_the_exact_product_at_every_row_count(n, k):
     """AMX machines: x in exact integer parts against int8 weights (1-4 rows on AVX512-VNNI, more on integer
-    tiles). Every output is the float64 product rounded to bf16 (x's parts are exact here: its values lie within
-    2^23 of its largest), so a row's bits cannot depend on the rows beside it or on the path; output and input
-    counts off the kernels' blocks, a row of zeros, and a NaN confined to its row."""
+    tiles). Every output is the float64 product of the weight and x on its row's grid (2^(e - 23), e the exponent
+    just above the row's largest |x|) rounded to bf16, so a row's bits cannot depend on the rows beside it or on
+    the path; output and input counts off the kernels' blocks, an outlier row, a row of zeros, and a NaN confined
+    to its row."""
     k8 = cpu_kernels()
     if k8 is None or not k8.int8_exact_available():
         pytest.skip("the exact int8 kernel needs AMX (Intel Sapphire Rapids or later)")
@@ -103,7 +104,10 @@ def test_int8_exact_kernel_is_the_exact_product_at_every_row_count(n, k):
     x = torch.randn(40, k, generator=g).bfloat16()
     x[5, k // 2] = 300.0  # an outlier: its row's other values keep their bits
     x[7] = 0
-    exact = ((x.double() @ w.double().t()) * scales.double()).float().bfloat16()
+    _, e = torch.frexp(x.float().abs().amax(dim=1, keepdim=True))  # the row's largest |x| < 2^e
+    step = torch.pow(2.0, (e - 23).double())
+    grid = torch.round(x.double() / step) * step  # round half to even, as the kernel's conversion
+    exact = ((grid @ w.double().t()) * scales.double()).float().bfloat16()
     for m in (1, 2, 3, 4, 5, 17, 40):
         assert torch.equal(k8.int8_exact_gemm(x[:m], w, sums, scales), exact[:m]), f"{m} rows"
         assert torch.equal(k8.int8_exact_gemm(x[-m:], w, sums, scales), exact[-m:]), f"last {m} rows"
