@@ -569,11 +569,12 @@ EMBER_INLINE __m512i int8_chunk_bf16(const int8_t* p) {
 // int8 on AMX with x in exact integer parts, every row count. Each row of x is written as
 //   x[m, k] = 2^(e_m) * (u[m, k] - 2^23),  u in [0, 2^24): three unsigned bytes (limbs) u0 + 2^8 u1 + 2^16 u2,
 // e_m from the row's largest |x| (a value under 2^-15 of the largest may lie off that grid and is rounded to it,
-// an error under 2^-23 of the largest). The int8 weight multiplies each limb as it lies in memory (the A operand of TDPBSUD:
-// 16 weight rows x 64 inputs, signed; the limbs in pairs of four inputs the B operand, unsigned), into exact int32
-// sums, so sum_k w[n, k] x[m, k] = 2^(e_m) * (S0 + 2^8 S1 + 2^16 S2 - 2^23 sum_k w[n, k]) exactly in int64, then
-// one rounding to double with the row scale (x 2^(e_m) is exact) and one to float. No weight is widened to bf16 (the
-// cost of the bf16 paths at one row), and a row's bits depend on nothing but that row: integer sums have no order.
+// an error under 2^-23 of the largest). The int8 weight multiplies each limb as it lies in memory (the A operand
+// of TDPBSUD: 16 weight rows x 64 inputs, signed; the limbs in pairs of four inputs the B operand, unsigned) into
+// exact int32 sums, so sum_k w[n, k] x[m, k] = 2^(e_m) * (S0 + 2^8 S1 + 2^16 S2 - 2^23 sum_k w[n, k]) exactly in
+// int64, then one rounding to double with the row scale (x 2^(e_m) is exact) and one to float. No weight is widened
+// to bf16 (the cost of the bf16 paths at one row), and a row's bits depend on nothing but that row: integer sums
+// have no order.
 constexpr int64_t XT = 64;  // inputs a k tile: 64 bytes of a weight row
 
 // the int64 sum and the float output of 16 columns of one row: s0..s2 the limb sums, ws the weights' row sums,
