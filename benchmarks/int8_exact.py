@@ -33,7 +33,7 @@ def main() -> None:
     from ember.kernels import cpu_kernels
 
     k = cpu_kernels()
-    if k is None or not k.int8_exact_available():
+    if k is None or not k.has_amx():
         raise SystemExit("needs ember's CPU kernels on a machine with AMX")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

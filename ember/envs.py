@@ -5,7 +5,7 @@
 | ``EMBER_MEM_RATIO`` | memory fraction when ``kv_cache_memory_fraction`` is not given, in (0, 1] | 0.9 CUDA, 0.1 CPU |
 | ``EMBER_CPU_KERNELS`` | ``0`` turns ember's compiled CPU kernels off (every one has a torch fallback) | on |
 | ``EMBER_EMULATE_AVX512`` | ``1`` builds the AVX512-BF16 kernels over scalar stand-ins (tests on other CPUs; slow) | off |
-| ``EMBER_CPU_AMX`` | ``0`` keeps the int4 kernel off AMX tiles where the CPU has them (AVX512-BF16 throughout) | on |
+| ``EMBER_CPU_AMX`` | ``0`` keeps the int4 and int8 kernels off AMX where the CPU has it (AVX512-BF16 throughout) | on |
 | ``EMBER_MKLDNN_LINEAR`` | ``0`` turns oneDNN's pre-packed CPU linear weights off | on |
 | ``EMBER_CACHE_DIR`` | cache folder (compiled kernels, converted models) | ``$XDG_CACHE_HOME/ember`` |
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |

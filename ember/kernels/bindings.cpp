@@ -13,7 +13,6 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
 bool has_amx();
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant);
 torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales);
-bool int8_exact_available();
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scales);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
@@ -32,12 +31,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "a chunk's causal attention over its paged context");
   m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (the 64-row CPU int4 pack) -> bf16 [M, N]", py::arg("x"),
         py::arg("w"), py::arg("scale_zeros"), py::arg("group"), py::arg("invariant") = true, py::arg("amx") = false);
-  m.def("has_amx", &has_amx, "whether the int4 kernel may use AMX tiles here (built with them, granted by the OS)");
+  m.def("has_amx", &has_amx,
+        "whether the int4 kernel and int8_exact_gemm may use AMX tiles here (built with them, granted by the OS)");
   m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]", py::arg("x"), py::arg("w"),
         py::arg("scales"), py::arg("invariant") = true);
   m.def("int8_exact_gemm", &int8_exact_gemm, "bf16 x [M, K] in exact integer parts . int8 W^T on AMX -> bf16 [M, N]",
         py::arg("x"), py::arg("w"), py::arg("row_sums"), py::arg("scales"));
-  m.def("int8_exact_available", &int8_exact_available, "whether int8_exact_gemm runs here (AMX built and granted)");
   m.def("w8a8_linear", &w8a8_linear, "x [M, K] quantized per row to int8 . int8 W^T (VNNI via _int_mm) * scales");
   m.def("write_kv_", &write_kv_, "in place: k/v rows into the pools at their slots");
 #ifdef EMBER_AVX512_BF16

@@ -810,25 +810,14 @@ void int8_exact_amx(const c10::BFloat16* x, int64_t M, int64_t K, const int8_t* 
       const __m512i ws = _mm512_maskz_loadu_epi32(mask, wsum + n0);
       const __m512 sc = _mm512_maskz_loadu_ps(mask, scales + n0);
       // cb[l * 256 + n * 16 + m]: column m is row m's sums with the block's 16 weight rows
-      if (mr <= 4) {
-        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(16));
-        for (int64_t m = 0; m < mr; ++m)
-          _mm256_mask_storeu_epi16(y + (s * 16 + m) * N + n0, mask,
-                                   exact_out16(_mm512_i32gather_epi32(idx, cb + m, 4),
-                                               _mm512_i32gather_epi32(idx, cb + 256 + m, 4),
-                                               _mm512_i32gather_epi32(idx, cb + 512 + m, 4), ws, sc,
-                                               p2[s * 16 + m]));
-      } else {
-        __m512i c[3][16];
-        for (int l = 0; l < 3; ++l) {
-          for (int n = 0; n < 16; ++n) c[l][n] = _mm512_load_si512(cb + l * 256 + n * 16);
-          ember_avx512::transpose16(c[l]);  // c[l][m]: row m's sums
-        }
-        for (int64_t m = 0; m < mr; ++m)
-          _mm256_mask_storeu_epi16(y + (s * 16 + m) * N + n0, mask,
-                                   exact_out16(c[0][m], c[1][m], c[2][m], ws, sc, p2[s * 16 + m]));
+      __m512i c[3][16];
+      for (int l = 0; l < 3; ++l) {
+        for (int n = 0; n < 16; ++n) c[l][n] = _mm512_load_si512(cb + l * 256 + n * 16);
+        ember_avx512::transpose16(c[l]);  // c[l][m]: row m's sums
       }
+      for (int64_t m = 0; m < mr; ++m)
+        _mm256_mask_storeu_epi16(y + (s * 16 + m) * N + n0, mask,
+                                 exact_out16(c[0][m], c[1][m], c[2][m], ws, sc, p2[s * 16 + m]));
     }
     _tile_release();
   });
@@ -1054,10 +1043,10 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, 
 
 // x bf16 [M, K]; w int8 [N, K]; row_sums int32 [N] (sum_k w[n, k]); scales float32 [N]. Returns bf16 [M, N]: x in
 // exact integer parts against the weight on AMX (int8_exact_amx), the same bits at every row count. Needs AMX
-// granted (int8_exact_available) and K < 65536 (the limb sums stay in int32).
+// granted (has_amx) and K < 65536 (the limb sums stay in int32).
 torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales) {
 #ifdef EMBER_AMX
-  TORCH_CHECK(ember_amx::granted(), "int8_exact_gemm needs AMX (int8_exact_available())");
+  TORCH_CHECK(ember_amx::granted(), "int8_exact_gemm needs AMX (has_amx())");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && row_sums.scalar_type() == at::kInt &&
                   scales.scalar_type() == at::kFloat, "int8 weight [N, K], int32 row sums, float32 scales");
@@ -1075,13 +1064,5 @@ torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor ro
   return y;
 #else
   TORCH_CHECK(false, "int8_exact_gemm needs AMX");
-#endif
-}
-
-bool int8_exact_available() {
-#if defined(EMBER_AMX)
-  return ember_amx::granted();
-#else
-  return false;
 #endif
 }

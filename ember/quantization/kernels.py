@@ -319,7 +319,7 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
         # one row 1.3-1.5x faster than the AVX512 path, 16 to 256 rows 3-7x (docs/quantization.md). It needs the
         # weight's row sums.
         self.row_sums = None
-        if (kernels := _ember_gemm()) is not None and envs.cpu_amx_enabled() and kernels.int8_exact_available() \
+        if (kernels := _ember_gemm()) is not None and envs.cpu_amx_enabled() and kernels.has_amx() \
                 and self.k < 65536:
             self.row_sums = self.w.sum(1, dtype=torch.int32)
 
