@@ -51,6 +51,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    # speculative decoding: tokens drafted for the request's samples and those kept (with a prediction, OpenAI's
+    # accepted_prediction_tokens; the rest are its rejected_prediction_tokens)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -13,7 +13,7 @@ import sys
 from ember.benchmarks import report
 from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, EMBER_VARIANTS, BenchError, backend_python,
                                      parse_backends, run_driver)
-from ember.benchmarks.workloads import WORKLOADS, build_requests, fixed_requests, vocabulary
+from ember.benchmarks.workloads import WORKLOADS, BenchRequest, build_requests, fixed_requests, vocabulary
 from ember.entrypoints.parallel_args import add_parallel_args
 
 log = logging.getLogger("ember.bench")
@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
                        "ember with float weights, quantization='none'; ember-int8: int8 weights, bf16 activations, "
                        "quantization='int8'; ember-w8a8: int8 weights and per-token int8 activations, "
                        "quantization='w8a8'; ember-variant: batch_invariant=False, kernels whose rounding depends "
-                       "on the batch)")
+                       "on the batch; ember-ngram: n-gram speculative decoding, up to 8 tokens)")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                        help="weights and compute of ember, hf and vllm (llama.cpp runs the GGUF's own types)")
         g.add_argument("--dtype-for", action="append", default=[], metavar="BACKEND=DTYPE",
@@ -65,6 +65,11 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--output-cap", type=int, default=None, help="at most this many output tokens a request")
         p.add_argument("--prompt-cap", type=int, default=None, help="at most this many prompt tokens a request")
     lat.add_argument("--prompt-lens", default="32,512", help="prompt lengths, comma separated (default 32,512)")
+    lat.add_argument("--prompts", default="random", choices=["random", "text"],
+                     help="random: --runs prompts of random tokens per length in --prompt-lens; text: --runs chat "
+                          "prompts of each kind: copy (a passage to copy), code (a file to return with a docstring "
+                          "added), chat (open questions), rendered with the model's chat template (speculative "
+                          "decoding's figures; ember-ngram speculates)")
     lat.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     lat.add_argument("--runs", type=int, default=5, help="requests per prompt length and repeat (default 5)")
     srv.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
@@ -148,10 +153,16 @@ def run_bench(args: argparse.Namespace) -> dict:
     record: dict = {"mode": args.mode, "machine": report.machine(), "model": model, "backends": backends,
                     "dtypes": dtypes, "threads": args.threads, "repeats": args.repeats, "seed": args.seed,
                     "command": "ember bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None}
-    if args.mode == "latency":
+    groups = None  # latency: each request's group in the tables (None: by prompt length)
+    if args.mode == "latency" and args.prompts == "text":
+        requests, groups = _text_requests(model, args.runs, args.output_len, args.seed)
+        record["prompts"] = "text"
+        tag = "latency-text"
+    elif args.mode == "latency":
         lens = [int(x) for x in args.prompt_lens.split(",")]
         requests = [r for n in lens for r in fixed_requests(n, args.output_len, args.runs, vocab, args.seed)]
         tag = "latency"
+    if args.mode == "latency":
         if args.device == "cpu":  # measured before any backend runs, on a quiet machine
             from ember.benchmarks.roofline import roofline
 
@@ -195,7 +206,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             else:
                 done = run_driver(b, python, spec, log_path, args.timeout)
             versions[b] = done.result.get("backend_version", "")
-            runs[b].append(_figures(args, done))
+            runs[b].append(_figures(args, done, groups))
             log.info("  %s", _headline(args.mode, runs[b][-1]))
     from ember.benchmarks import metrics
 
@@ -210,14 +221,23 @@ def run_bench(args: argparse.Namespace) -> dict:
     return record
 
 
-def _figures(args: argparse.Namespace, done) -> dict:
+def _text_requests(model: str, runs: int, output_len: int, seed: int) -> tuple[list[BenchRequest], list[str]]:
+    from ember.benchmarks.text_prompts import text_prompts
+    from ember.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model, gguf_file=model if model.endswith(".gguf") else None)
+    prompts = text_prompts(tok, runs, seed)
+    return [BenchRequest(ids, output_len) for _, ids in prompts], [f"prompt_{kind}" for kind, _ in prompts]
+
+
+def _figures(args: argparse.Namespace, done, groups: list[str] | None = None) -> dict:
     from ember.benchmarks import metrics  # statistics -> fractions: 0.1 s, kept out of every command's parser
 
     if args.mode == "throughput":  # with a split model's per-rank figures and the guided run's mask times
         return metrics.throughput_figures(done.result, done.peak_rss_bytes) | {
             k: done.result[k] for k in ("ranks", "guided") if k in done.result}
     if args.mode == "latency":
-        return metrics.latency_figures(done.result, done.peak_rss_bytes)
+        return metrics.latency_figures(done.result, done.peak_rss_bytes, groups)
     return metrics.serving_figures(done.result, done.peak_rss_bytes, args.slo_ttft_ms, args.slo_tpot_ms)
 
 

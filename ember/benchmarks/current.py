@@ -63,7 +63,8 @@ class Entry:
 
     @property
     def workload(self) -> str:
-        return str(self.record.get("workload") or "")
+        """The throughput / serving workload; for latency, its prompt set when not random ("text")."""
+        return str(self.record.get("workload") or self.record.get("prompts", "") or "")
 
     def key(self) -> tuple:
         return self.kind, self.model, self.mode, self.workload

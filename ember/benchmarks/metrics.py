@@ -26,19 +26,26 @@ def _ttft_tpot(o: dict) -> tuple[float, float | None]:
     return t[0], ((t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None)
 
 
-def latency_figures(result: dict, peak_rss: int) -> dict:
-    """Per prompt length: TTFT and time per output token (after the first), median and p99 over the runs."""
-    by_len: dict[int, list[dict]] = {}
-    for o in result["outputs"]:
-        by_len.setdefault(o["prompt_tokens"], []).append(o)
+def latency_figures(result: dict, peak_rss: int, groups: list[str] | None = None) -> dict:
+    """Per prompt length (or per group: ``groups`` names each request's, in request order): TTFT and time per
+    output token (after the first), median and p99 over the runs."""
+    by_group: dict[str, list[dict]] = {}
+    for i, o in enumerate(result["outputs"]):
+        by_group.setdefault(groups[i] if groups else o["prompt_tokens"], []).append(o)
     out: dict = {"peak_rss_mib": peak_rss / 2**20, "load_s": result["load_s"]}
-    for n, outs in sorted(by_len.items()):
+    for n, outs in (by_group.items() if groups else sorted(by_group.items())):
         ttft = [_ttft_tpot(o)[0] for o in outs]
         tpot = [x for x in (_ttft_tpot(o)[1] for o in outs) if x is not None]
-        out[f"prompt_{n}"] = {"ttft_ms_median": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99),
+        out[n if groups else f"prompt_{n}"] = {
+                        "ttft_ms_median": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99),
                         "tpot_ms_median": 1e3 * percentile(tpot, 50), "tpot_ms_p99": 1e3 * percentile(tpot, 99),
                         "decode_tokens_per_s": 1 / percentile(tpot, 50) if tpot else float("nan"),
                         "output_tokens": outs[0]["output_tokens"], "runs": len(outs)}
+        drafted = sum(o.get("draft_tokens", 0) for o in outs)
+        if drafted:  # speculative decoding: the share of drafted tokens kept, and drafted tokens per output token
+            key = n if groups else f"prompt_{n}"
+            out[key]["draft_acceptance"] = sum(o.get("accepted_draft_tokens", 0) for o in outs) / drafted
+            out[key]["drafted_per_token"] = drafted / sum(o["output_tokens"] for o in outs)
     return out
 
 

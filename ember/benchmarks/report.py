@@ -78,6 +78,13 @@ def latency_table(record: dict) -> str:
     from ember.benchmarks.roofline import share_line
 
     line = share_line(record)
+    kept = [f"{_name(b)}: " + ", ".join(f"{k[7:]} {f['draft_acceptance']:.0%} of {f['drafted_per_token']:.2f}"
+                                        for k, f in fig.items() if isinstance(f, dict) and "draft_acceptance" in f)
+            for b, fig in record["median"].items()
+            if any(isinstance(f, dict) and "draft_acceptance" in f for f in fig.values())]
+    if kept:
+        line = "Drafted tokens kept (of drafted tokens per output token): " + "; ".join(kept) + "." + (
+            f"\n\n{line}" if line else "")
     return "\n".join(rows) + (f"\n\n{line}" if line else "")
 
 

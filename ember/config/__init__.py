@@ -28,9 +28,10 @@ from ember.config.model import (
 )
 from ember.config.parallel import EXECUTOR_BACKENDS, ParallelConfig
 from ember.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from ember.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 
 __all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "DTYPE_ALIASES", "EXECUTOR_BACKENDS", "FLOAT_DTYPES",
            "INT4_GROUP_SIZES", "KV_CACHE_DTYPES", "QUANT_ALGORITHMS", "QUANT_METHODS", "QUANT_MODES",
-           "SCHEDULING_POLICIES", "CacheConfig", "EngineConfig", "LoRAConfig", "ModelConfig", "ModelShape",
-           "ParallelConfig", "ResolvedConfig", "SchedulerConfig", "available_memory_bytes", "canonical_dtype",
-           "default_model_path", "is_ratio", "parse_bytes"]
+           "SCHEDULING_POLICIES", "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "LoRAConfig", "ModelConfig",
+           "ModelShape", "ParallelConfig", "ResolvedConfig", "SchedulerConfig", "SpeculativeConfig",
+           "available_memory_bytes", "canonical_dtype", "default_model_path", "is_ratio", "parse_bytes"]

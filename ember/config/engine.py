@@ -26,6 +26,7 @@ from ember.config.model import (
 )
 from ember.config.parallel import EXECUTOR_BACKENDS, ParallelConfig
 from ember.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from ember.config.speculative import SpeculativeConfig
 from ember.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -93,6 +94,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # speculative decoding (vLLM's name and keys): a dict such as {"method": "ngram", "num_speculative_tokens": 4}
+    # or a SpeculativeConfig; None: one token a step (docs/speculative.md)
+    speculative_config: dict | SpeculativeConfig | None = None
     # TensorRT-LLM's names of attention_window and sink_tokens, still taken (with a DeprecationWarning); the
     # TensorRT-LLM facade translates its own configs
     max_attention_window_size: InitVar[int | None] = None
@@ -105,6 +109,10 @@ class EngineConfig:
                 warnings.warn(f"{old} is TensorRT-LLM's name; ember's is {new}", DeprecationWarning, stacklevel=3)
                 object.__setattr__(self, new, value)
         check(self, RULES)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        if self.speculative_config is not None and self.attention_window is not None:
+            raise ConfigError("speculative_config is not supported with attention_window (StreamingLLM): a rejected "
+                              "draft's KV would overwrite a slot the window still attends to; leave one of them None")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model={self.model!r} is not a path: pass a Hugging Face folder, a .gguf file, an "
                               ".asmodel file or None (the default model)")
@@ -138,7 +146,7 @@ class EngineConfig:
 
     def resolve(self) -> ResolvedConfig:
         """The frozen parts each layer reads; the model path and the device are found here (errors raised)."""
-        return ResolvedConfig(self._model(), self._cache(), self._parallel())
+        return ResolvedConfig(self._model(), self._cache(), self._parallel(), self.speculative_config)
 
     def scheduler(self, max_position: int) -> SchedulerConfig:
         """The step and sequence limits, settled against the model's length limit (read from its checkpoint)."""
@@ -222,6 +230,7 @@ class ResolvedConfig:
     model: ModelConfig
     cache: CacheConfig
     parallel: ParallelConfig
+    speculative: SpeculativeConfig | None = None
 
 
 def _check_calibration_data(path: str | None, quantization: str | None) -> None:

@@ -14,11 +14,14 @@ class StepWriter:
     """Remembers, per sequence the workers hold, how many of its tokens and blocks they have."""
 
     def __init__(self) -> None:
-        self.sent: dict[int, list[int]] = {}  # handle -> [tokens sent, blocks sent]
+        # handle -> [tokens sent, blocks sent, 1 when its last step verified a draft (the worker's computed count
+        # must be reset to the core's)]
+        self.sent: dict[int, list[int]] = {}
 
     def write(self, batch: ScheduledBatch, finished: list[int],
               loras: LoRASlots | None = None) -> tuple[SchedulerOutput, list[Sequence]]:
-        """The step's message, and the sequences that sample a token (aligned with the workers' sampling rows).
+        """The step's message, and the sequences that sample (aligned with the workers' sampling rows: a sequence
+        verifying a draft of k tokens samples k + 1 rows and stands in k + 1 consecutive entries).
         ``finished``: handles the workers may drop with their sampling state. A preempted sequence is dropped too
         (its blocks are gone) and sent in full when it resumes."""
         out = SchedulerOutput(copies=batch.copies, finished=finished)
@@ -37,8 +40,11 @@ class StepWriter:
             mark = sent.get(handle)
             if mark is None:
                 out.new.append(self._new(seq, loras))
-                sent[handle] = [len(tokens), len(table)]
+                mark = sent[handle] = [len(tokens), len(table), 0]
             else:
+                if mark[2]:
+                    out.num_computed_tokens[handle] = seq.num_computed_tokens
+                    mark[2] = 0
                 if len(tokens) > mark[0]:
                     out.new_token_ids[handle] = tokens[mark[0]:]
                     mark[0] = len(tokens)
@@ -47,7 +53,12 @@ class StepWriter:
                     mark[1] = len(table)
             out.handles.append(handle)
             out.num_tokens.append(n)
-            if seq.num_computed_tokens + n == len(tokens):
+            draft = seq.draft_token_ids
+            if draft:  # the scheduler kept it: n = 1 + len(draft)
+                out.draft_token_ids[handle] = list(draft)
+                mark[2] = 1
+                sampled.extend([seq] * n)
+            elif seq.num_computed_tokens + n == len(tokens):
                 sampled.append(seq)
         return out, sampled
 

@@ -14,6 +14,7 @@ from ember.core.block_manager import BlockManager
 from ember.core.one_sample import OneSample
 from ember.core.request import CoreRequest, Sequence
 from ember.core.scheduler import ScheduledBatch, Scheduler
+from ember.core.speculator import Speculator
 from ember.core.strategy import DecodingStrategy
 from ember.protocol import EngineOutput, FinishReason, WorkerOutput
 
@@ -21,9 +22,10 @@ logger = logging.getLogger("ember")
 
 
 class Decoding:
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, max_model_len: int,
+                 speculator: Speculator | None = None) -> None:
         self.released: list[int] = []  # handles of finished samples, for the worker to drop with the next batch
-        self.one_sample = OneSample(scheduler, max_model_len, self.released)
+        self.one_sample = OneSample(scheduler, max_model_len, self.released, speculator)
         self.beam_search = BeamSearch(scheduler, block_manager, max_model_len, self.released)
 
     def strategy_of(self, req: CoreRequest) -> DecodingStrategy:
@@ -38,7 +40,7 @@ class Decoding:
                    outputs: dict[str, EngineOutput]) -> None:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # a draft's kept tokens count when collected
             req = seq.request
             out = req.output_in(outputs)
             chunk = result.prompt_logprobs.get(seq.seq_id)
@@ -46,10 +48,13 @@ class Decoding:
                 out.prompt_logprobs, out.prompt_logprobs_start = chunk, start
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     req.prompt_logprobs_done = out.prompt_logprobs_done = True
-        for row, seq in enumerate(sampled):
-            if seq.is_finished:  # a beam that had answered before, released by its search's step just now
-                continue
-            self.strategy_of(seq.request).collect(seq, row, result, outputs)
+        row = 0
+        while row < len(sampled):  # a sequence verifying a draft of k tokens has k + 1 rows
+            seq = sampled[row]
+            width = 1 + len(seq.draft_token_ids)
+            if not seq.is_finished:  # else a beam that had answered before, released by its search's step just now
+                self.strategy_of(seq.request).collect(seq, row, result, outputs)
+            row += width
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | list[int] | None,
                out: EngineOutput | None) -> None:

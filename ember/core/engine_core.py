@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ember.config import EngineConfig, ResolvedConfig, SchedulerConfig
+from ember.config import EngineConfig, ResolvedConfig, SchedulerConfig, SpeculativeConfig
 from ember.core.batching import StepWriter
 from ember.core.block_manager import BlockManager
 from ember.core.decoding import Decoding
@@ -18,6 +18,7 @@ from ember.core.guided import GrammarSource, Guides
 from ember.core.lora_slots import LoRASlots
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
+from ember.core.speculator import Speculator
 from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, read_shape
@@ -85,7 +86,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs,
                                    self.loras)
-        self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len)
+        # speculative decoding: from the sequences' own tokens when configured; predictions draft either way
+        spec = resolved.speculative
+        self.speculator = Speculator(spec or SpeculativeConfig(), lookup=spec is not None)
+        self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len, self.speculator)
         self.guides = Guides(grammars)
         self.writer = StepWriter()
         self.requests: dict[str, CoreRequest] = {}
@@ -168,12 +172,14 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         self.block_manager.expire(time.monotonic())
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         outputs: dict[str, EngineOutput] = {}
         for seq in batch.interrupted:
             self.decoding.interrupted(seq, outputs)
         released = self.decoding.take_released()
         self.guides.release(released)
+        self.speculator.forget(released)
         if not batch.seqs:
             if batch.copies or released or batch.preempted:
                 self.executor.execute_model(self.writer.write(batch, released, self.loras)[0])
@@ -223,4 +229,13 @@ class EngineCore:
             guided_steps=guides.steps, guided_rows=guides.masked_rows, guided_mask_seconds=guides.mask_seconds,
             guided_mask_wait_seconds=guides.wait_seconds,
             lora_slots=tuple(self.loras.resident) if self.loras else None,
-            lora_swaps=self.loras.swaps if self.loras else None), self.executor.collective_rpc("stats")[0])
+            lora_swaps=self.loras.swaps if self.loras else None,
+            **self._spec_stats()), self.executor.collective_rpc("stats")[0])
+
+    def _spec_stats(self) -> dict[str, Any]:
+        c = self.speculator.counts
+        if not self.speculator.lookup and not c.drafts:  # off, and no prediction drafted yet
+            return {}
+        return dict(spec_decode_num_drafts=c.drafts, spec_decode_num_draft_tokens=c.drafted_tokens,
+                    spec_decode_num_accepted_tokens=c.accepted_tokens,
+                    spec_decode_accepted_per_position=tuple(c.accepted_per_position))

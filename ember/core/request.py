@@ -5,8 +5,9 @@ A core request is one sample (n > 1 fans out in the front end, ``frontend.parall
 search, whose beams are sequences of the one request. A ``Sequence`` is what the scheduler sees: its tokens, how
 many of them have KV in the cache, its block table and its status. Nothing there is sampling or output state: the
 sampler's state lives in the worker under ``seq_id`` and the text in the front end. ``num_computed_tokens`` is
-written by the scheduler (a prefix hit, a preemption) and by the after-step work (the tokens a step computed, a new
-beam's shared blocks), nowhere else.
+written by the scheduler (a prefix hit, a preemption) and by the after-step work (the tokens a step computed, the
+drafted tokens a verification kept, a new beam's shared blocks), nowhere else. ``draft_token_ids`` is the draft
+the speculator proposed for the coming step (``core.speculator``): tokens to verify, not yet the sequence's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _ids = itertools.count()
 class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "status", "extra_seats", "stop_reason", "num_hashed_blocks", "max_num_tokens",
-                 "cache_salt", "caches_prefix")
+                 "cache_salt", "caches_prefix", "draft_token_ids")
 
     def __init__(self, request: CoreRequest, index: int, token_ids: list[int], extra_seats: int = 0,
                  max_num_tokens: int | None = None, cache_salt: object = None, caches_prefix: bool = False) -> None:
@@ -45,6 +46,7 @@ class Sequence:
         # search's first sequence holds them for its beam_width beams until its first step
         self.extra_seats = extra_seats
         self.stop_reason: int | list[int] | None = None
+        self.draft_token_ids: list[int] = []  # speculative decoding: this step's draft, verified after the last token
 
     @property
     def num_tokens(self) -> int:

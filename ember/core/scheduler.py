@@ -109,6 +109,8 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
+            if seq.draft_token_ids:  # speculative decoding: verify the draft in the same pass, if it fits
+                n = self._with_draft(seq, budget)
             need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
             while not self.bm.can_allocate(need):
                 victim = self._victim()
@@ -130,7 +132,7 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         for seq, n in zip(batch.seqs, batch.num_tokens):  # no preemption from here on (BlockManager.commit)
-            self.bm.commit(seq, seq.num_computed_tokens + n)
+            self.bm.commit(seq, min(seq.num_computed_tokens + n, seq.num_tokens))  # a draft is not the sequence's
         if not batch.preempted:  # else the pool is full: admitting now would only preempt again
             self._admit(batch, budget)
             if not batch.seqs and not batch.interrupted and self.waiting:
@@ -210,6 +212,17 @@ class Scheduler:
                 return seq
         return self.running[-1]
 
+    def _with_draft(self, seq: Sequence, budget: int) -> int:
+        """Tokens a decoding seq computes with its draft: 1 + the draft's, when the step's budget holds them and the
+        free blocks hold them with one block to spare for every running sequence; else 1, and the draft is dropped
+        (a draft must not be what makes another sequence wait or be preempted)."""
+        n = 1 + len(seq.draft_token_ids)
+        need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n) + len(self.running)
+        if n > budget or not self.bm.can_allocate(need):
+            seq.draft_token_ids = []
+            return 1
+        return n
+
     def _may_prefill(self, batch: ScheduledBatch) -> bool:
         """One more prompt may be prefilled in this step (max_num_prefill_seqs); decodes are never held back."""
         if self.max_num_prefill_seqs is None:
@@ -231,6 +244,7 @@ class Scheduler:
         """Free seq's blocks and queue it at position `at` (0: the front), to be recomputed."""
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.WAITING
         self.waiting.insert(at, seq)

@@ -1,6 +1,6 @@
 """What a request does with the rows it sampled, and how it ends: one interface for every way of decoding, so the
-after-step work (``decoding.Decoding``) treats them alike. ``OneSample`` appends one token a step; ``BeamSearch``
-ranks its beams' continuations together; speculative decoding's verification is the next one."""
+after-step work (``decoding.Decoding``) treats them alike. ``OneSample`` appends one token a step (or a verified
+draft's kept tokens and one more); ``BeamSearch`` ranks its beams' continuations together."""
 
 from __future__ import annotations
 

@@ -31,7 +31,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="awq / smoothquant: a UTF-8 text file to calibrate on (default: the shipped text)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache entries (default auto: the model's dtype)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(default: off; docs/speculative.md)")
     add_parallel_args(g)
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object from the command line (argparse names the flag when this raises)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object such as {{\"method\": \"ngram\"}}")
+    return value
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -157,7 +171,8 @@ def _load(args: argparse.Namespace):
                calibration_data=args.calibration,
                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,
-               distributed_executor_backend=args.distributed_executor_backend, **lora)
+               distributed_executor_backend=args.distributed_executor_backend,
+               speculative_config=args.speculative_config, **lora)
 
 
 def _lora(args: argparse.Namespace):

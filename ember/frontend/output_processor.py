@@ -124,6 +124,8 @@ class OutputProcessor:
             if ss is None:
                 ss = st.samples[index] = SampleState(self._detokenizer(st))
             reason, stop_reason, stop_str = so.finish_reason, so.stop_reason, None
+            metrics.num_draft_tokens += so.num_draft_tokens
+            metrics.num_accepted_draft_tokens += so.num_accepted_draft_tokens
             new_lps: list[PositionLogprobs] = []
             kept = so.new_token_ids  # up to the token that completes a stop string: the rest is not the answer
             for j, token in enumerate(so.new_token_ids):

@@ -21,6 +21,9 @@ from ember.tokenizer import Tokenizer
 
 PromptType = str | Seq[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt, text-only
+# ember's addition to a prompt dict: OpenAI's predicted output, as text or token ids (docs/speculative.md)
+_PREDICTION_KEYS = ("prediction", "prediction_token_ids")
+MAX_PREDICTION_TOKENS = 32768  # a prediction longer than this is refused (it is indexed in the engine core)
 
 
 def _is_token_ids(x: Any) -> bool:
@@ -96,6 +99,7 @@ class InputProcessor:
             raise BadRequestError(f"sampling_params of type {type(params).__name__} is not supported: pass a "
                                   "SamplingParams or None")
         params = (params or self.default_params).clone()
+        prompt, prediction = self._prediction(prompt)
         text, ids = self.tokenize(prompt)
         info, vocab = self.info, self.info.vocab_size
         if not ids:
@@ -138,7 +142,34 @@ class InputProcessor:
             if self.grammars is None:
                 raise BadRequestError("structured_outputs is not supported by this engine client")
             grammar = self.grammars.compile(params.structured_outputs)
-        return text, EngineRequest(rid, ids, params, max_num_tokens, salt, grammar, lora)
+        return text, EngineRequest(rid, ids, params, max_num_tokens, salt, grammar, lora,
+                                   prediction_token_ids=prediction)
+
+    def _prediction(self, prompt: Any) -> tuple[Any, list[int] | None]:
+        """The prompt without its prediction, and the prediction's token ids (None: no prediction)."""
+        if not isinstance(prompt, Mapping) or not any(k in prompt for k in _PREDICTION_KEYS):
+            return prompt, None
+        rest = {k: v for k, v in prompt.items() if k not in _PREDICTION_KEYS}
+        given = [k for k in _PREDICTION_KEYS if k in prompt]
+        if len(given) > 1:
+            raise BadRequestError(f"prompt has both {given}: give the prediction as text or as token ids, not both")
+        value = prompt[given[0]]
+        if given[0] == "prediction":
+            if not isinstance(value, str):
+                raise BadRequestError(f"prompt['prediction'] of type {type(value).__name__} is not supported: pass "
+                                      "the predicted text as a string")
+            ids = self.tokenizer.encode(value, add_special_tokens=False)
+        elif _is_token_ids(value):
+            ids = list(value)
+        else:
+            raise BadRequestError("prompt['prediction_token_ids'] is not supported: pass a list of token ids")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"prediction token id {bad[0]} is out of range: token ids must be in [0, {vocab})")
+        if len(ids) > MAX_PREDICTION_TOKENS:
+            raise BadRequestError(f"prediction has {len(ids)} tokens: at most {MAX_PREDICTION_TOKENS} are taken")
+        return rest, ids or None
 
     def _check_fits(self, prompt_len: int, params: SamplingParams, max_num_tokens: int) -> None:
         """Refuse a request the KV pool can never hold (under guaranteed_no_evict: never reserve for)."""

@@ -25,12 +25,12 @@ from ember.sampling_params import SamplingParams
 
 
 class RowState:
-    """What a sample's sampling remembers between steps: its generator and the processors' state."""
+    """What a sample's sampling remembers between steps: its seed and the processors' state."""
 
-    __slots__ = ("generator", "ngram", "counts", "counted")
+    __slots__ = ("seed", "ngram", "counts", "counted")
 
     def __init__(self, seed: int | None) -> None:
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.seed = seed  # a seeded sample's draw of output token i depends on (seed, i) only
         self.ngram: NGramIndex | None = None
         self.counts: torch.Tensor | None = None  # penalties: [2, V] counts of every token and of output tokens
         self.counted = 0  # tokens of the sample already in counts

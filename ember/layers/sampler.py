@@ -3,8 +3,10 @@
 Order: the structured-output mask (tokens the request's grammar does not allow are removed), then, as in
 transformers, penalties, then the min_tokens / no-repeat-n-gram / bad-words masks, then temperature,
 top-k, top-p, min-p, then a draw.
-Greedy rows take the argmax. A draw is ``argmax(probs / Exp(1) noise)`` (the Gumbel trick): each seeded request
-draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
+Greedy rows take the argmax. A draw is ``argmax(probs / Exp(1) noise)`` (the Gumbel trick): a seeded sample's noise
+for its output token i comes from a generator seeded with (seed, i) alone, so its tokens depend neither on what
+else is in the batch nor on how many tokens a step computes (a speculative step samples several positions at once
+and keeps the ones a one-token step would have drawn).
 Logprobs are those of the model's raw distribution (log_softmax of the logits), as vLLM reports by default.
 """
 
@@ -60,6 +62,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         tail_val, tail_idx = logits[:, n * _CHUNK:].max(dim=-1)
         tokens = torch.where((tail_val > best) | (tail_val.isnan() & ~best.isnan()), n * _CHUNK + tail_idx, tokens)
     return tokens
+
+
+_MASK63 = (1 << 63) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded sample's draw of output token ``position``: splitmix64's finaliser over the pair, so
+    nearby seeds and positions give unrelated generator states."""
+    z = ((seed & 0xFFFFFFFFFFFFFFFF) * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
 
 
 _CANDIDATES = 512  # top-k/top-p look at this many best tokens and rank a whole row only if they fall short
@@ -128,6 +142,7 @@ class Sampler:
         # user, or a CUDA graph capture elsewhere in the process (it marks the default CUDA generator as capturing,
         # for good if that capture fails) would share
         self._noise: dict[torch.device, torch.Generator] = {}
+        self._seeded = torch.Generator()  # reseeded for each seeded row's draw (position_seed)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], states: list[RowState],
@@ -157,7 +172,7 @@ class Sampler:
         for group in (filtered, [i for i in rand_rows if i not in set(filtered)]):
             if group:
                 idx = torch.tensor(group, device=device)
-                tokens[idx] = self._draw(logits[idx], [params[i] for i in group], [states[i] for i in group])
+                tokens[idx] = self._draw(logits[idx], [rows[i] for i in group], [states[i] for i in group])
         token_list = tokens.tolist()
         beams: dict[int, tuple[list[int], list[float]]] = {}
         if beam_rows:
@@ -187,12 +202,14 @@ class Sampler:
             gen = self._noise[device] = torch.Generator(device).manual_seed(self.seed)
         return gen
 
-    def _draw(self, logits: torch.Tensor, params: list, states: list[RowState]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], states: list[RowState]) -> torch.Tensor:
         """Sample one token per row: argmax(p / E) with E ~ Exp(1) (the Gumbel trick, exact).
 
-        A seeded row draws noise for the whole vocabulary from its own generator and reads it at its candidates,
-        so its tokens do not depend on the batch, nor on how many candidates were ranked."""
+        A seeded row draws noise for the whole vocabulary from a generator seeded with (its seed, its output
+        position) and reads it at its candidates, so its tokens do not depend on the batch, nor on how many
+        candidates were ranked, nor on the other positions a step samples."""
         device = logits.device
+        params = [r.params for r in rows]
         f32 = dict(dtype=torch.float32, device=device)
         logits = logits / torch.tensor([p.temperature for p in params], **f32)[:, None]
         cand = filter_candidates(
@@ -205,8 +222,9 @@ class Sampler:
         # -log(U) ~ Exp(1); rand is far cheaper than exponential_ on CPU
         uniform = torch.rand(probs.shape, generator=self._generator(device), **f32)
         for j, st in enumerate(states):
-            if st.generator is not None:
-                uniform[j] = torch.rand(self.vocab_size, generator=st.generator).to(device)[cand.ids[j]]
+            if st.seed is not None:
+                gen = self._seeded.manual_seed(position_seed(st.seed, rows[j].num_output_tokens))
+                uniform[j] = torch.rand(self.vocab_size, generator=gen).to(device)[cand.ids[j]]
         choice = (probs / -uniform.log()).argmax(dim=-1, keepdim=True)
         return cand.ids.gather(1, choice).squeeze(1)
 

@@ -101,12 +101,19 @@ class NewSequence:
 class SchedulerOutput:
     """One step, as the core sends it to every worker: new sequences in full, the others as diffs (tokens and KV
     blocks appended since the last step they ran in), then which sequences run and how many tokens each computes.
-    Rows are ordered decodes first, then prefill chunks. A worker applies ``finished`` and ``preempted`` first, then
-    ``new`` and the diffs; a sequence's computed tokens advance by what it ran, which the core counts alike."""
+    Rows are ordered decodes first, then prefill chunks and rows verifying a draft. A worker applies ``finished``
+    and ``preempted`` first, then ``new`` and the diffs; a sequence's computed tokens advance by what it ran, which
+    the core counts alike (a verified draft's: by the core's ``num_computed_tokens`` when it next runs)."""
 
     new: list[NewSequence] = field(default_factory=list)
     new_token_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> tokens appended (sampled, a beam's)
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> blocks appended to its table
+    # speculative decoding: handle -> the draft its row verifies after its last token (the row computes 1 + len
+    # tokens and samples each; only the last token counts as computed until the core says what was kept)
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # handle -> its computed tokens, sent when the core's count is not what the worker can know (a verified draft:
+    # the kept tokens' KV stays, the rest is overwritten later)
+    num_computed_tokens: dict[int, int] = field(default_factory=dict)
     handles: list[int] = field(default_factory=list)  # the sequences this step runs, in row order
     num_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
     finished: list[int] = field(default_factory=list)  # drop the sequence and its sampling state

@@ -27,6 +27,8 @@ class SampleOutput:
     finish_reason: FinishReason | None = None  # set in the step it finished
     stop_reason: int | list[int] | None = None  # the stop token id or token sequence that ended it
     cumulative_logprob: float | None = None  # a finished beam's summed logprob (beam search reports no per-token ones)
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted for this sample this step, and those kept
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -20,3 +20,5 @@ class EngineRequest:
     # one sample of an n > 1 request (``frontend.parallel_sampling``): the parent's id. The group's first request
     # computes the prompt; the others start from its full blocks.
     prefix_group: str | None = None
+    # OpenAI's predicted outputs: text the answer is expected to repeat, tokenized; drafts come from it first
+    prediction_token_ids: list[int] | None = None

@@ -33,6 +33,11 @@ class SchedulerStats:
     guided_mask_wait_seconds: float
     lora_slots: tuple[int | None, ...] | None = None  # slot -> adapter id (None: LoRA off)
     lora_swaps: int | None = None
+    # speculative decoding (None: off): rows that verified a draft, drafted tokens, kept ones, kept per position
+    spec_decode_num_drafts: int | None = None
+    spec_decode_num_draft_tokens: int | None = None
+    spec_decode_num_accepted_tokens: int | None = None
+    spec_decode_accepted_per_position: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +60,7 @@ class EngineStats:
     worker: WorkerStats
 
     def as_dict(self) -> dict[str, object]:
-        """One flat dict (the LoRA keys only when LoRA is on; ``lora_slots`` as a list)."""
+        """One flat dict (the LoRA and speculative decoding keys only when they are on; tuples as lists)."""
         out: dict[str, object] = {}
         for part in (self.scheduler, self.worker):
             for f in fields(part):
@@ -64,4 +69,9 @@ class EngineStats:
             del out["lora_slots"], out["lora_swaps"]
         else:
             out["lora_slots"] = list(out["lora_slots"])
+        if out["spec_decode_num_drafts"] is None:
+            for key in [k for k in out if k.startswith("spec_decode_")]:
+                del out[key]
+        else:
+            out["spec_decode_accepted_per_position"] = list(out["spec_decode_accepted_per_position"])
         return out

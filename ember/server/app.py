@@ -272,14 +272,16 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         top = params.logprobs
         created = int(time.time())
         if req.stream:
-            return _EventStream(chat_stream(group, created, model, params.n, top, _usage(req)), group.close)
+            return _EventStream(chat_stream(group, created, model, params.n, top, _usage(req),
+                                            req.prediction is not None), group.close)
         final = await _finals_unless_left(request, group)
         if final is None:
             return Response(status_code=499)  # the client closed the connection: nobody reads an answer
         out = final[0]
         body = {"id": group.request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [R.chat_choice(o, top) for o in out.outputs], "system_fingerprint": None,
-                "usage": R.usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))}
+                "usage": R.usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
+                                 R.prediction_counts(out, req.prediction is not None))}
         return JSONResponse(body)
 
     @app.post("/v1/completions")

@@ -34,7 +34,7 @@ class RequestGroup:
         self._inbox = Inbox(asyncio.get_running_loop())
         self._admitted = 0
 
-    def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams,
+    def submit(self, prompts: Sequence[str | list[int] | dict], params: SamplingParams,
                lora: LoRARequest | None = None) -> None:
         """Admit (503 when full) and submit every prompt (with the adapter ``lora`` when the request named one); a
         bad one raises before any is queued."""

@@ -91,6 +91,10 @@ _COUNTERS = (
     ("ember_num_preemptions", "Sequences preempted (KV blocks given back) since start", "preemptions"),
     ("ember_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache since start",
      "prefix_cache_hit_tokens"))
+_SPEC_COUNTERS = (  # speculative decoding, vLLM's spec_decode set; only engines that speculate have them
+    ("ember_spec_decode_num_drafts", "Rows that verified a draft since start", "spec_decode_num_drafts"),
+    ("ember_spec_decode_num_draft_tokens", "Drafted tokens verified since start", "spec_decode_num_draft_tokens"),
+    ("ember_spec_decode_num_accepted_tokens", "Drafted tokens kept since start", "spec_decode_num_accepted_tokens"))
 
 
 class _EngineCollector:
@@ -114,3 +118,18 @@ class _EngineCollector:
                 for model, row in rows:
                     m.add_metric([model], float(row[key]))
                 yield m
+        spec = [(model, row) for model, row in rows if "spec_decode_num_drafts" in row]
+        if not spec:
+            return
+        for name, doc, key in _SPEC_COUNTERS:
+            m = CounterMetricFamily(name, doc, labels=["model_name"])
+            for model, row in spec:
+                m.add_metric([model], float(row[key]))
+            yield m
+        m = CounterMetricFamily("ember_spec_decode_num_accepted_tokens_per_pos",
+                                "Drafts whose token at this position was kept, since start",
+                                labels=["model_name", "position"])
+        for model, row in spec:
+            for pos, count in enumerate(row["spec_decode_accepted_per_position"]):
+                m.add_metric([model, str(pos)], float(count))
+        yield m

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # OpenAI / vLLM fields with no implementation in ember; only null is accepted for them
 UNSUPPORTED = frozenset({
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "logit_bias",
-    "modalities", "audio", "prediction", "service_tier", "store", "metadata", "reasoning_effort",
+    "modalities", "audio", "service_tier", "store", "metadata", "reasoning_effort",
     "web_search_options", "suffix", "best_of",
 })
 
@@ -96,6 +96,17 @@ class ChatMessage(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class Prediction(_Body):
+    """OpenAI's predicted output: text the reply is expected to repeat; it drafts tokens for speculative decoding
+    (docs/speculative.md), and usage reports how many of them were kept."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context length, as OpenAI does
@@ -109,7 +120,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: None = None
     modalities: None = None
     audio: None = None
-    prediction: None = None
+    prediction: Prediction | None = None
     reasoning_effort: None = None
     web_search_options: None = None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ember.outputs import CompletionOutput, PositionLogprobs
+from ember.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 DONE = "data: [DONE]\n\n"
 
@@ -15,9 +15,23 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, prediction: tuple[int, int] | None = None) -> dict[str, Any]:
+    """OpenAI's usage; prediction: (drafted, kept) tokens of a request with a predicted output."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if prediction is not None:
+        drafted, kept = prediction
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": kept,
+                                            "rejected_prediction_tokens": drafted - kept}
+    return out
+
+
+def prediction_counts(out: RequestOutput, predicted: bool) -> tuple[int, int] | None:
+    """(drafted, kept) for a request that sent a prediction, from its final output's metrics."""
+    if not predicted:
+        return None
+    m = out.metrics
+    return (m.num_draft_tokens, m.num_accepted_draft_tokens) if m is not None else (0, 0)
 
 
 def _token(pos: PositionLogprobs, tid: int) -> str:
@@ -85,7 +99,7 @@ def _chunk(rid: str, created: int, model: str, obj: str, with_usage: bool, choic
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+                completion_tokens: int, prediction: tuple[int, int] | None = None) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, the totals."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, prediction)}

@@ -52,15 +52,15 @@ def _prompt_positions(prompt_token_ids: list[int], prompt_logprobs: list | None,
 
 
 async def chat_stream(group: RequestGroup, created: int, model: str, n: int, top: int | None,
-                       usage: bool) -> AsyncIterator[str]:
+                       usage: bool, predicted: bool = False) -> AsyncIterator[str]:
     rid = group.request_id
     for i in range(n):  # the role comes first, as OpenAI sends it
         yield R.sse(R.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None,
                                  with_usage=usage))
-    completion_tokens, prompt_tokens = 0, 0
+    completion_tokens, prompt_tokens, last = 0, 0, None
     try:
         async for _, delta in group.deltas():
-            prompt_tokens = len(delta.prompt_token_ids)
+            prompt_tokens, last = len(delta.prompt_token_ids), delta
             for o in delta.outputs:
                 completion_tokens += len(o.token_ids)
                 if not o.text and not o.finish_reason and not o.token_ids:
@@ -73,7 +73,8 @@ async def chat_stream(group: RequestGroup, created: int, model: str, n: int, top
                     APIError(500, f"internal error: {type(e).__name__}: {e}").body())
     else:
         if usage:
-            yield R.sse(R.usage_chunk(rid, created, model, "chat.completion.chunk", prompt_tokens, completion_tokens))
+            yield R.sse(R.usage_chunk(rid, created, model, "chat.completion.chunk", prompt_tokens, completion_tokens,
+                                      R.prediction_counts(last, predicted) if last is not None else None))
     yield R.DONE
 
 

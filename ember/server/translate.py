@@ -51,8 +51,9 @@ def _structured(req: _Sampling) -> StructuredOutputsParams | None:
     return next(iter(given.values()), None)
 
 
-def chat_request(client: EngineClient, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-    """The conversation rendered by the model's chat template, and the request's sampling parameters."""
+def chat_request(client: EngineClient, req: ChatCompletionRequest) -> tuple[list[int] | dict, SamplingParams]:
+    """The conversation rendered by the model's chat template (with its prediction, a prompt dict), and the
+    request's sampling parameters."""
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequestError(f"top_logprobs={req.top_logprobs} needs logprobs=true")
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -61,6 +62,8 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest) -> tuple[list
                      (req.top_logprobs or 0) if req.logprobs else None)
     prompt = chat_prompt(client, req.messages)
     _check_length(client, name, max_tokens, len(prompt))
+    if req.prediction is not None:
+        return {"prompt_token_ids": prompt, "prediction": req.prediction.text()}, params
     return prompt, params
 
 

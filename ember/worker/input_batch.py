@@ -104,6 +104,8 @@ class InputBatch:
             held = seqs[handle]
             self.table_writes.append((held.row, len(held.block_ids), blocks))
             held.block_ids.extend(blocks)
+        for handle, computed in out.num_computed_tokens.items():  # after a verified draft: what the core kept
+            seqs[handle].num_computed_tokens = computed
 
     def take_table_writes(self) -> list[tuple[int, int, list[int]]]:
         writes, self.table_writes = self.table_writes, []
@@ -118,10 +120,15 @@ class InputBatch:
         adapted = any(seqs[h].lora_slot >= 0 for h in out.handles)
         if adapted:
             rows.lora_slots = []
+        drafts = out.draft_token_ids
         for handle, n in zip(out.handles, out.num_tokens):
             held = seqs[handle]
             start, c, table = len(ids), held.num_computed_tokens, held.block_ids
             tokens = held.token_ids
+            draft = drafts.get(handle) if drafts else None
+            if draft is not None:
+                self._plan_draft(rows, held, handle, draft)
+                continue
             if n == 1:
                 ids.append(tokens[c])
                 positions.append(c)
@@ -149,3 +156,22 @@ class InputBatch:
                                                                held.prompt_logprobs))
             held.num_computed_tokens = c + n
         return rows
+
+    def _plan_draft(self, rows: StepRows, held: HeldSequence, handle: int, draft: list[int]) -> None:
+        """A decoding row verifying a draft: its last token and the draft as one short prefill span, every position
+        sampled (row j as the sample's output token j would be). Only the last token counts as computed: the core
+        sends the count once it knows which drafted tokens were kept."""
+        bs, c, table, tokens = self.block_size, held.num_computed_tokens, held.block_ids, held.token_ids
+        n, start = 1 + len(draft), len(rows.input_ids)
+        rows.input_ids.append(tokens[c])
+        rows.input_ids.extend(draft)
+        rows.positions.extend(range(c, c + n))
+        rows.slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+        rows.prefills.append(PrefillRows(start, n, c + n, held.row, len(table)))
+        if rows.lora_slots is not None:
+            rows.lora_slots.extend([held.lora_slot] * n)
+        done = len(tokens) - held.num_prompt_tokens
+        for j in range(n):
+            rows.sample_rows.append(start + j)
+            rows.sampling.append(SamplingRow(handle, held.params, held.seed, done + j, None, held.num_prompt_tokens))
+        held.num_computed_tokens = c + 1

@@ -61,7 +61,7 @@ def _bench(tmp_path, *args: str) -> dict:
     code = main(["bench", *args, "--out", str(out), "--threads", "1"])
     assert code == 0
     mode = args[0]
-    name = "latency" if mode == "latency" else f"{mode}-W1"
+    name = ("latency-text" if "text" in args else "latency") if mode == "latency" else f"{mode}-W1"
     assert (out / f"{name}.png").stat().st_size > 1000
     with open(out / f"{name}.json") as f:
         return json.load(f)
@@ -93,6 +93,18 @@ def test_latency_reports_each_prompt_length(llama_dir, tmp_path):
             assert fig["runs"] == 2 and fig["output_tokens"] == 5
             assert 0 < fig["ttft_ms_median"] <= fig["ttft_ms_p99"]
             assert fig["decode_tokens_per_s"] > 0
+
+
+def test_latency_on_text_prompts_reports_each_kind(llama_dir, tmp_path):
+    """--prompts text: chat prompts of three kinds rendered with the model's template, the same token ids for every
+    backend (here ember with and without n-gram speculation), figures per kind."""
+    record = _bench(tmp_path, "latency", "--model", llama_dir, "--backends", "ember,ember-ngram", "--dtype",
+                    "float32", "--prompts", "text", "--output-len", "6", "--runs", "1", "--repeats", "1")
+    assert record["prompts"] == "text"
+    for backend in ("ember", "ember-ngram"):
+        fig = record["median"][backend]
+        assert [k for k in fig if k.startswith("prompt_")] == ["prompt_copy", "prompt_code", "prompt_chat"]
+        assert all(fig[k]["runs"] == 1 and fig[k]["output_tokens"] == 6 for k in ("prompt_copy", "prompt_chat"))
 
 
 def test_serving_ends_every_request(llama_dir, tmp_path):

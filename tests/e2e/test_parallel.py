@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from conftest import TESTS, random_prompts
-from internals import core_of
+from internals import core_of, oracle_drafts
 
 from ember import LLM, SamplingParams
 from ember.errors import ConfigError, EngineDeadError
@@ -65,9 +65,10 @@ def _run(llm: LLM, prompts, params=GREEDY):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_split_model_gives_the_tokens_of_one_rank(tiny_models, kind):
+def test_split_model_gives_the_tokens_of_one_rank(tiny_models, kind, monkeypatch):
     """T=2, P=2 and T=2 x P=2 against T=1, float32, in a 40-block pool with 64-token steps: chunked prefill,
-    prefix-cache hits (the prompts share a 100-token system prompt and run twice) and preemption all happen."""
+    prefix-cache hits (the prompts share a 100-token system prompt and run twice) and preemption all happen; the
+    T=2 x P=2 engine verifies speculative drafts too (kept and rejected: ``oracle_drafts``)."""
     model = tiny_models[kind]
     system = random_prompts(1, 100, 100, 49152, seed=31)[0]
     prompts = [system + s for s in random_prompts(10, 5, 40, 49152, seed=32)]
@@ -76,13 +77,16 @@ def test_split_model_gives_the_tokens_of_one_rank(tiny_models, kind):
         want = [_run(ref, prompts), _run(ref, prompts)]
     finally:
         ref.shutdown()
+    oracle_drafts(monkeypatch, prompts, want[0][0])
     for tp, pp in ((2, 1), (1, 2), (2, 2)):
-        llm = _split_llm(model, tp, pp, 40, max_num_batched_tokens=64)
+        spec = {"speculative_config": {"num_speculative_tokens": 4}} if (tp, pp) == (2, 2) else {}
+        llm = _split_llm(model, tp, pp, 40, max_num_batched_tokens=64, **spec)
         try:
             assert llm.model_info.executor == "mp" and core_of(llm).block_manager.num_blocks == 40
             got = [_run(llm, prompts), _run(llm, prompts)]
             stats = llm.stats()
             assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
+            assert not spec or 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
             for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
                 assert tokens == want_tokens, (tp, pp)
                 diff = max(abs(a - b) for x, y in zip(lps, want_lps) for a, b in zip(x, y))

@@ -187,6 +187,30 @@ def test_structured_output(api, model):
         assert message in e.value.body["message"]
 
 
+def test_predicted_outputs_draft_and_report_usage(server, api, model, llm):
+    """OpenAI's `prediction`: the reply is what it is without one (greedy), usage counts the predicted tokens kept
+    and rejected, streamed too, and the engine's speculative-decoding counters show them."""
+    passage = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do."
+    messages = [{"role": "user", "content": f'Copy this text:\n\n"""{passage}"""'}]
+    plain = llm.chat(messages, _greedy(max_tokens=32), use_tqdm=False)[0].outputs[0].text
+    r = api.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
+                                    prediction={"type": "content", "content": passage})
+    assert r.choices[0].message.content == plain
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 5 and details.rejected_prediction_tokens >= 0
+    chunks = list(api.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
+                                              prediction={"type": "content", "content": passage}, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == details.accepted_prediction_tokens
+    assert metric_sum(_metrics(server.url), "ember_spec_decode_num_accepted_tokens_total") >= \
+        2 * details.accepted_prediction_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                    prediction={"type": "text", "content": passage})
+    assert "prediction" in e.value.body["message"]
+
+
 def test_errors_are_openai_objects(server, api, model):
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model=model, messages=QUESTION, temperature=5.0, top_p=0.0)

@@ -3,9 +3,11 @@ and read its outputs (``tests/unit/core``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from ember.config import SpeculativeConfig
 from ember.core.engine_core import EngineCore
 from ember.executor.scripted import EOS, ScriptedExecutor, default_script, scripted_configs
 from ember.frontend.parallel_sampling import fan_out
@@ -18,10 +20,12 @@ __all__ = ["EOS", "ScriptedExecutor", "add", "default_script", "make_core", "req
 
 def make_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int = 256,
               max_num_batched_tokens: int = 256, chunked_prefill: bool = True, prefix_caching: bool = True,
-              policy: str = "max_utilization", script: Callable[[SamplingRow], int] = default_script) -> EngineCore:
+              policy: str = "max_utilization", script: Callable[[SamplingRow], int] = default_script,
+              speculative: SpeculativeConfig | None = None) -> EngineCore:
     """An engine core over a ``ScriptedExecutor`` (``core.executor``) with these limits."""
     sched, resolved = scripted_configs(max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
                                        chunked_prefill, prefix_caching, policy)
+    resolved = dataclasses.replace(resolved, speculative=speculative)
     return EngineCore(ScriptedExecutor(num_blocks, block_size, script=script), sched, resolved)
 
 

@@ -125,10 +125,15 @@ def throughput(llm, spec: dict) -> dict:
 def latency(llm, spec: dict) -> dict:
     outputs, start = [], time.perf_counter()
     for r in spec["requests"]:
-        clock = TokenClock()
+        clock, metrics = TokenClock(), None
         for delta in llm.stream(r["prompt_token_ids"], _params(r)):
             clock.tick(len(delta.outputs[0].token_ids))
-        outputs.append(output_record(len(r["prompt_token_ids"]), len(clock.times), clock.times))
+            metrics = delta.metrics
+        record = output_record(len(r["prompt_token_ids"]), len(clock.times), clock.times)
+        if metrics is not None and metrics.num_draft_tokens:  # speculative decoding: drafted and kept tokens
+            record.update(draft_tokens=metrics.num_draft_tokens,
+                          accepted_draft_tokens=metrics.num_accepted_draft_tokens)
+        outputs.append(record)
     return {"wall_s": time.perf_counter() - start, "outputs": outputs}
 
 

@@ -1,0 +1,60 @@
+"""``SpeculativeConfig``: how the engine drafts tokens for a sequence to verify in one forward pass (vLLM's
+``speculative_config`` names). Checked when the engine config is built; torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ember.config.checks import check, integer, one_of
+from ember.errors import ConfigError
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """``method="ngram"``: prompt lookup. The sequence's last n tokens (``prompt_lookup_max`` down to
+    ``prompt_lookup_min``) are looked up in its prompt and output; the tokens that followed their latest earlier
+    occurrence are the draft, at most ``num_speculative_tokens`` of them. Each request drafts as many as its
+    measured acceptance pays for (``core.speculator``); no row drafts in a step with more than
+    ``disable_by_batch_size`` decoding rows (None: the engine's measured default)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 8
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            check(self, _RULES)
+        except ConfigError as e:  # named as the user wrote it
+            raise ConfigError(f"speculative_config.{e}") from None
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} is out of range: it "
+                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def of(cls, value: Any) -> SpeculativeConfig | None:
+        """A ``SpeculativeConfig``, a dict of its fields (vLLM's form), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config={value!r} is not supported: pass a dict such as "
+                              "{'method': 'ngram', 'num_speculative_tokens': 4}, a SpeculativeConfig or None")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]} is not supported: the keys are "
+                              f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+
+_RULES = {
+    "method": one_of(SPECULATIVE_METHODS),
+    "num_speculative_tokens": integer(1),
+    "prompt_lookup_max": integer(1),
+    "prompt_lookup_min": integer(1),
+    "disable_by_batch_size": integer(1, optional=True),
+}

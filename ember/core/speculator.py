@@ -1,0 +1,159 @@
+"""Speculative decoding's engine-core half: before each step, drafts for the decoding sequences that may speculate;
+after it, what each draft's verification taught.
+
+A draft of k tokens makes a decoding row compute 1 + k tokens in one forward pass (a short prefill span over the
+paged KV cache); the worker samples every position as it would without speculation and the row keeps the drafts up
+to the first that differs from its sample, plus that sample. Accepting exactly the drafts the sampler would have
+produced keeps the output what decoding one token a step gives, token for token (greedy, and seeded sampling since
+a draw depends only on the seed and the position), and the distribution for unseeded sampling.
+
+How many tokens to draft: a row's k extra tokens cost about ``k * c`` of a one-token step, where
+c = B / (B + ``FIXED_COST_ROWS``) at B decoding rows (the weights are read once a step, about the cost of
+``FIXED_COST_ROWS`` drafted tokens, and each row or drafted token adds its own compute); with per-token acceptance a the
+row gains 1 + a + ... + a^k tokens. Each request keeps a decaying estimate of a (so a request that stopped
+matching is tried again later) and drafts the k in [0, num_speculative_tokens] that maximises gain per cost, and
+at most 2 + twice what its last draft kept: a copy that ends costs one long rejected draft, not several.
+Requests whose sampling reads the token history (penalties, bans), guided requests and beam searches do not draft.
+
+A request with a prediction (OpenAI's predicted outputs) drafts from it first: the prediction's next tokens while
+the output is still a copy of its start, else the tokens after the output's last 1..prompt_lookup_max tokens in it.
+Predictions draft also on an engine without ``speculative_config`` (then nothing else drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.config import SpeculativeConfig
+from ember.core.ngram import NgramIndex
+from ember.core.request import Sequence
+from ember.protocol import SamplingRow
+
+# a one-token step's cost in drafted tokens' worth: a drafted token cost 0.04 (Qwen2.5-Coder-1.5B Q4_K_M), 0.06
+# (SmolLM2-135M Q4_1) and 0.10 (Gemma 3 270M: its 262k-token LM head runs for every position) of a batch-1 decode
+# step on a 2-core Xeon (docs/speculative.md); 12 (0.077) between them
+FIXED_COST_ROWS = 12.0
+DEFAULT_MAX_BATCH = 32  # decoding rows above which no row drafts (disable_by_batch_size's default)
+_DECAY = 0.5  # per verification: older acceptance counts fade
+_IDLE_DECAY = 0.97  # per step without a draft: the estimate drifts back to the prior, so the request tries again
+_PRIOR_ACCEPT, _PRIOR_TRIES = 1.0, 2.0  # a = 0.5 before anything is measured
+
+
+@dataclass(slots=True)
+class _SeqState:
+    index: NgramIndex
+    prediction: NgramIndex | None = None  # the request's predicted output, indexed
+    accepted: float = 0.0  # decayed counts: drafts accepted, positions tried
+    tried: float = 0.0
+    last_kept: int = 1 << 30  # what the last verified draft kept (none yet: no cap)
+
+    @property
+    def acceptance(self) -> float:
+        return (self.accepted + _PRIOR_ACCEPT) / (self.tried + _PRIOR_TRIES)
+
+
+@dataclass(slots=True)
+class SpeculationCounts:
+    drafts: int = 0  # verifications (rows that ran with a draft)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # position i: drafts whose i-th token was kept
+
+
+def best_k(acceptance: float, cost: float, most: int) -> int:
+    """The draft length in [0, most] with the most expected tokens per unit of step cost: (1 + a + ... + a^k) /
+    (1 + cost * k)."""
+    best, best_value, gain, term = 0, 1.0, 1.0, 1.0
+    for k in range(1, most + 1):
+        term *= acceptance
+        gain += term
+        value = gain / (1.0 + cost * k)
+        if value > best_value:
+            best, best_value = k, value
+    return best
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """Whether seq's sampling is the same whatever its neighbours' tokens: no beam search, no grammar, no processor
+    that reads the token history (their per-sample state grows one accepted token at a time)."""
+    req = seq.request
+    return req.beams is None and req.record.grammar is None and not SamplingRow.reads_history(req.params)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, lookup: bool = True) -> None:
+        """lookup: draft from the sequence's own tokens (speculative_config given); False: only predictions."""
+        self.config = config
+        self.lookup = lookup
+        self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
+        self.states: dict[int, _SeqState] = {}  # sequence id -> its lookup index and acceptance
+        self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set ``draft_token_ids`` of every running sequence: a draft for those that decode and may speculate,
+        nothing for the others."""
+        decoding = []
+        for seq in running:
+            seq.draft_token_ids = []
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                decoding.append(seq)
+        rows = len(decoding)
+        if rows == 0 or rows > self.max_batch:
+            return
+        cost = rows / (rows + FIXED_COST_ROWS)
+        cfg = self.config
+        for seq in decoding:
+            if not (self.lookup or seq.request.record.prediction_token_ids) or not may_speculate(seq):
+                continue
+            # the draft and the token sampled after it must fit max_tokens (and max_model_len)
+            room = seq.max_num_tokens - seq.num_tokens - 1
+            st = self._state(seq)
+            k = min(best_k(st.acceptance, cost, cfg.num_speculative_tokens), room, 2 + 2 * st.last_kept)
+            if k <= 0:
+                st.accepted *= _IDLE_DECAY
+                st.tried *= _IDLE_DECAY
+                continue
+            draft = _from_prediction(seq, st.prediction, k) if st.prediction is not None else []
+            if not draft and self.lookup:
+                st.index.extend(seq.token_ids[len(st.index.tokens):])
+                draft = st.index.propose(seq.token_ids, k)
+            seq.draft_token_ids = draft
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """seq verified a draft of ``drafted`` tokens and kept the first ``accepted``."""
+        st = self.states.get(seq.seq_id)
+        if st is not None:
+            st.accepted = st.accepted * _DECAY + accepted
+            st.tried = st.tried * _DECAY + min(accepted + 1, drafted)
+            st.last_kept = accepted
+        c = self.counts
+        c.drafts += 1
+        c.drafted_tokens += drafted
+        c.accepted_tokens += accepted
+        for i in range(accepted):
+            c.accepted_per_position[i] += 1
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self.states.pop(i, None)
+
+    def _state(self, seq: Sequence) -> _SeqState:
+        st = self.states.get(seq.seq_id)
+        if st is None:
+            cfg = self.config
+            st = self.states[seq.seq_id] = _SeqState(NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+            predicted = seq.request.record.prediction_token_ids
+            if predicted:
+                st.prediction = NgramIndex(1, cfg.prompt_lookup_max)
+                st.prediction.extend(predicted)
+        return st
+
+
+def _from_prediction(seq: Sequence, prediction: NgramIndex, k: int) -> list[int]:
+    """The prediction's next k tokens while the output copies its start, else those after the output's longest
+    suffix found in it."""
+    out = seq.num_output_tokens
+    predicted = prediction.tokens
+    if predicted[:out] == seq.token_ids[seq.num_prompt_tokens:]:
+        return predicted[out:out + k]
+    return prediction.propose(seq.token_ids, k)

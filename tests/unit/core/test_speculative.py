@@ -1,0 +1,205 @@
+"""Speculative decoding in the engine core, over the scripted executor: drafts verified inside continuous batching
+keep every request's tokens and finish what they are without speculation, the KV pool and the prefix cache stay
+exact, and the messages carry drafts and the kept counts (milliseconds a test, no model)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from unit.fakes import EOS, make_core, request, run, samples
+
+import ember.core.speculator as speculator
+from ember.config import EngineConfig, SpeculativeConfig
+from ember.core.ngram import NgramIndex
+from ember.core.speculator import best_k
+from ember.errors import ConfigError
+from ember.protocol import FinishReason
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def copying_script(patterns: dict[int, list[int]]):
+    """A 'model' whose output token i of the request seeded s is patterns[s][i] (cycled): a copy of text the
+    request already holds makes n-gram drafts that verify."""
+    def script(row):
+        pattern = patterns[row.seed or 0]
+        return pattern[row.num_output_tokens % len(pattern)]
+    return script
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Drafts cost nothing: every sequence drafts all it can, whatever the batch (the cost model is tested apart)."""
+    monkeypatch.setattr(speculator, "FIXED_COST_ROWS", 1e12)
+
+
+def _run(patterns, prompts, spec, max_tokens, num_blocks=64, max_num_seqs=8, budget=256, **core):
+    c = make_core(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                  script=copying_script(patterns), speculative=spec, **core)
+    for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
+        c.add(request(f"r{i}", prompt, max_tokens=mt, temperature=0.0, seed=i))
+    out = run(c)
+    return c, {rid: samples(o)[0] for rid, o in out.items()}
+
+
+def _cached_blocks_are_real(core, finished_tokens: list[list[int]]) -> None:
+    """Every block in the prefix cache holds tokens that some request really has at that block's place."""
+    bs = core.block_manager.block_size
+    real = {tuple(t[i:i + bs]) for t in finished_tokens for i in range(0, len(t) - bs + 1, bs)}
+    for block, tokens in core.block_manager.block_tokens.items():
+        assert tokens in real, (block, tokens)
+
+
+def test_drafts_copied_from_the_prompt_verify_and_the_output_is_unchanged(always_draft):
+    prompt = [10 + i for i in range(24)]
+    patterns = {0: prompt[4:12] + [99] + prompt[13:] + prompt[:4]}  # copies the prompt, one token its own
+    base, want = _run(patterns, [prompt], None, [40])
+    core, got = _run(patterns, [prompt], NGRAM, [40])
+    assert got == want
+    counts = core.speculator.counts
+    assert counts.accepted_tokens > 20 and counts.drafted_tokens > counts.accepted_tokens  # kept and rejected
+    assert len(core.executor.messages) < len(base.executor.messages) - 10  # fewer steps for the same tokens
+    assert core.block_manager.num_used == 0 and not core.executor.live
+    # the drafts went out with their rows, and the kept count came back after each verification
+    sent = [m for m in core.executor.messages if m.draft_token_ids]
+    assert sent and all(len(d) <= 4 for m in sent for d in m.draft_token_ids.values())
+    assert any(m.num_computed_tokens for m in core.executor.messages)
+
+
+def test_eos_inside_a_kept_draft_ends_the_sample_there(always_draft):
+    prompt = [10, 11, 12, 13, EOS, 20, 10, 11]
+    patterns = {0: [12, 13, EOS, 50]}  # the draft after "10 11" is "12 13 EOS 20": EOS is kept, then it stops
+    _, want = _run(patterns, [prompt], None, [30])
+    core, got = _run(patterns, [prompt], NGRAM, [30])
+    assert got == want == {"r0": ([12, 13, EOS], [FinishReason.STOP])}
+    assert core.speculator.counts.accepted_tokens == 2  # 13 and EOS; the draft's "20" was not reached
+
+
+def test_a_draft_never_runs_past_max_tokens(always_draft):
+    prompt = list(range(10, 30))
+    patterns = {0: list(range(10, 30))}
+    for max_tokens in range(1, 8):
+        core, got = _run(patterns, [prompt + prompt[:3]], NGRAM, [max_tokens])
+        assert len(got["r0"][0]) == max_tokens
+        for m in core.executor.messages:
+            for handle, draft in m.draft_token_ids.items():
+                assert len(draft) <= max_tokens - 1
+
+
+def test_no_draft_for_beams_penalties_or_when_the_batch_is_large(monkeypatch):
+    prompt = [10, 11, 12, 10, 11]
+    patterns = {0: [12, 10, 11]}
+    monkeypatch.setattr(speculator, "FIXED_COST_ROWS", 1e12)
+    core = make_core(script=copying_script(patterns), speculative=NGRAM)
+    core.add(request("pen", prompt, max_tokens=8, temperature=0.0, seed=0, repetition_penalty=1.2))
+    core.add(request("beam", prompt, max_tokens=8, beam_width=2))
+    run(core)
+    assert core.speculator.counts.drafts == 0
+    big = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=1)
+    core, _ = _run({0: [12, 10, 11], 1: [12, 10, 11]}, [prompt, prompt], big, [8, 8])  # 2 rows > 1: no draft
+    assert core.speculator.counts.drafts == 0
+
+
+def test_the_cost_model_drafts_less_as_acceptance_falls_and_the_batch_grows():
+    assert best_k(0.9, 1 / 9, 8) >= 4
+    assert best_k(0.9, 1 / 9, 8) > best_k(0.5, 1 / 9, 8) > 0
+    assert best_k(0.05, 1 / 9, 8) == 0  # rarely right: not worth a token's compute
+    assert best_k(0.5, 32 / 40, 8) == 0  # a full batch: a drafted token costs about a row
+    assert best_k(0.99, 0.0, 5) == 5
+
+
+def test_ngram_index_finds_the_longest_latest_match():
+    idx = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
+    idx.extend(tokens[:6])
+    idx.extend(tokens[6:])
+    assert idx.propose(tokens, 2) == [4, 9]  # "1 2 3" (n = 3) last followed by 4 9
+    assert idx.propose([7, 2, 3], 3) == [5, 6, 1]  # "2 3": its latest occurrence with a follower
+    assert idx.propose([8, 8], 3) == []
+    assert idx.propose(tokens, 0) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(8, 40), budget=st.integers(8, 96), max_num_seqs=st.integers(1, 4),
+       reqs=st.lists(st.tuples(st.lists(st.integers(3, 12), min_size=1, max_size=40), st.integers(0, 9),
+                               st.integers(1, 30), st.booleans()), min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 4, 16]))
+def test_speculation_changes_no_token_under_any_pool_budget_or_batch(num_blocks, budget, max_num_seqs, reqs,
+                                                                    block_size):
+    """Random prompts over a small vocabulary (many n-gram matches), 'models' that copy them with deviations and
+    EOS, random pools (preemption), budgets (chunked prefill) and seats: with speculation every request ends with
+    the tokens and finish reason it has without, the pool is whole after, and every block the prefix cache holds
+    has real tokens."""
+    speculator_rows = speculator.FIXED_COST_ROWS
+    speculator.FIXED_COST_ROWS = 1e12
+    try:
+        prompts = [p for p, *_ in reqs]
+        patterns = {i: (p[shift % len(p):] + p[:shift % len(p)] + ([EOS] if eos else [7]))
+                    for i, (p, shift, _, eos) in enumerate(reqs)}
+        max_tokens = [mt for _, _, mt, _ in reqs]
+        kw = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, budget=budget)
+        if num_blocks * block_size < max(len(p) + mt for p, mt in zip(prompts, max_tokens)):
+            return  # a request the pool can never hold is interrupted: compared elsewhere
+        base, want = _run(patterns, prompts, None, max_tokens, block_size=block_size, **kw)
+        core, got = _run(patterns, prompts, SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1),
+                         max_tokens, block_size=block_size, **kw)
+    finally:
+        speculator.FIXED_COST_ROWS = speculator_rows
+    assert got == want
+    assert core.block_manager.num_used == 0 and not core.requests and not core.executor.live
+    _cached_blocks_are_real(core, [list(p) + got[f"r{i}"][0] for i, p in enumerate(prompts)])
+
+
+def test_speculative_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"speculative_config\.method='eagle' is not supported: use one of 'ngram'"):
+        EngineConfig(speculative_config={"method": "eagle"})
+    with pytest.raises(ConfigError, match=r"speculative_config\.num_speculative_tokens=0 is out of range"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    with pytest.raises(ConfigError, match=r"speculative_config\.draft is not supported: the keys are"):
+        EngineConfig(speculative_config={"draft": 1})
+    with pytest.raises(ConfigError, match=r"prompt_lookup_min=5 is out of range: it must be <= prompt_lookup_max"):
+        EngineConfig(speculative_config={"prompt_lookup_min": 5})
+    with pytest.raises(ConfigError, match="not supported with attention_window"):
+        EngineConfig(speculative_config={}, attention_window=64)
+    with pytest.raises(ConfigError, match="speculative_config='ngram' is not supported: pass a dict"):
+        EngineConfig(speculative_config="ngram")
+    assert EngineConfig(speculative_config={"num_speculative_tokens": 3}).speculative_config == \
+        SpeculativeConfig(num_speculative_tokens=3)
+
+
+def test_a_prediction_drafts_without_speculative_config(always_draft):
+    """OpenAI's predicted outputs: drafts come from the prediction (its start while the output copies it, then after
+    the output's last tokens found in it), the counts reach the request's outputs, and on an engine without
+    speculative_config only the request with a prediction drafts."""
+    prompt = [5, 6, 7]
+    answer = [20 + i for i in range(30)]
+    edited = answer[:10] + [99] + answer[11:]  # the 'model' changes one token of the predicted text
+    patterns = {0: edited + [EOS], 1: edited + [EOS]}
+    c = make_core(script=copying_script(patterns))
+    predicted = request("p", prompt, max_tokens=40, temperature=0.0, seed=0)
+    predicted.prediction_token_ids = answer
+    c.add(predicted)
+    c.add(request("plain", prompt, max_tokens=40, temperature=0.0, seed=1))
+    out = run(c)
+    assert samples(out["p"])[0] == samples(out["plain"])[0] == (edited + [EOS], [FinishReason.STOP])
+    drafted = sum(s.num_draft_tokens for o in out["p"] for s in o.samples)
+    kept = sum(s.num_accepted_draft_tokens for o in out["p"] for s in o.samples)
+    assert kept >= 20 and drafted >= kept  # each step keeps up to 4 drafted tokens, then samples one itself
+    assert sum(s.num_draft_tokens for o in out["plain"] for s in o.samples) == 0
+    assert c.stats().as_dict()["spec_decode_num_accepted_tokens"] == kept
+    assert "spec_decode_num_drafts" not in make_core().stats().as_dict()  # nothing drafted, nothing shown
+
+
+def test_a_copy_goes_on_where_the_last_draft_came_from():
+    """"1 2" occurs twice in the source, followed by "3 4" and by "9 9". A fresh lookup takes the latest; a sequence
+    that was copying the first goes on from there, and looks up again once it stops copying."""
+    source = [5, 1, 2, 3, 4, 1, 2, 9, 9]
+    fresh = NgramIndex(1, 2)
+    fresh.extend(source)
+    assert fresh.propose([0, 5, 1, 2], 2) == [9, 9]
+    idx = NgramIndex(1, 2)
+    idx.extend(source)
+    assert idx.propose([0, 5], 1) == [1]  # "5" at 0
+    assert idx.propose([0, 5, 1, 2], 2) == [3, 4]  # the draft "1" and the token after it were kept: go on
+    assert idx.propose([0, 5, 1, 2, 3, 4, 8], 2) == []  # the copy stopped ("4 8"), and nothing matches
