@@ -86,9 +86,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs,
                                    self.loras)
-        # speculative decoding: from the sequences' own tokens when configured; predictions draft either way
+        # speculative decoding: from the sequences' own tokens when configured; predictions draft either way (not
+        # under a StreamingLLM window: a rejected draft's KV would overwrite slots the window still reads)
         spec = resolved.speculative
-        self.speculator = Speculator(spec or SpeculativeConfig(), lookup=spec is not None)
+        self.speculator = Speculator(spec or SpeculativeConfig(), lookup=spec is not None) if window is None \
+            else None
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len, self.speculator)
         self.guides = Guides(grammars)
         self.writer = StepWriter()
@@ -172,14 +174,16 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         self.block_manager.expire(time.monotonic())
-        self.speculator.propose(self.scheduler.running)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         outputs: dict[str, EngineOutput] = {}
         for seq in batch.interrupted:
             self.decoding.interrupted(seq, outputs)
         released = self.decoding.take_released()
         self.guides.release(released)
-        self.speculator.forget(released)
+        if self.speculator is not None:
+            self.speculator.forget(released)
         if not batch.seqs:
             if batch.copies or released or batch.preempted:
                 self.executor.execute_model(self.writer.write(batch, released, self.loras)[0])
@@ -233,9 +237,9 @@ class EngineCore:
             **self._spec_stats()), self.executor.collective_rpc("stats")[0])
 
     def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None or (not self.speculator.lookup and not self.speculator.counts.drafts):
+            return {}  # off, and no prediction drafted yet
         c = self.speculator.counts
-        if not self.speculator.lookup and not c.drafts:  # off, and no prediction drafted yet
-            return {}
         return dict(spec_decode_num_drafts=c.drafts, spec_decode_num_draft_tokens=c.drafted_tokens,
                     spec_decode_num_accepted_tokens=c.accepted_tokens,
                     spec_decode_accepted_per_position=tuple(c.accepted_per_position))

@@ -109,8 +109,6 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            if seq.draft_token_ids:  # speculative decoding: verify the draft in the same pass, if it fits
-                n = self._with_draft(seq, budget)
             need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n)
             while not self.bm.can_allocate(need):
                 victim = self._victim()
@@ -132,11 +130,12 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         for seq, n in zip(batch.seqs, batch.num_tokens):  # no preemption from here on (BlockManager.commit)
-            self.bm.commit(seq, min(seq.num_computed_tokens + n, seq.num_tokens))  # a draft is not the sequence's
+            self.bm.commit(seq, seq.num_computed_tokens + n)
         if not batch.preempted:  # else the pool is full: admitting now would only preempt again
-            self._admit(batch, budget)
+            budget = self._admit(batch, budget)
             if not batch.seqs and not batch.interrupted and self.waiting:
                 self._unblock(batch, budget)
+        self._add_drafts(batch, budget)
         batch.copies = self.bm.take_copies()
         return batch
 
@@ -154,7 +153,8 @@ class Scheduler:
             if batch.seqs or batch.interrupted:
                 return
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        """Admit waiting prompts in order while seats, budget, blocks and adapter slots allow; the budget left."""
         seats = sum(s.seats() for s in self.running)
         reserved = self._reserved() if self.policy == "guaranteed_no_evict" else 0
         while self.waiting:
@@ -202,6 +202,7 @@ class Scheduler:
             seats += seq.seats()
             if self.policy == "guaranteed_no_evict":
                 reserved += self._reserve(seq)  # what it may still take, next to the blocks it holds now
+        return budget
 
     def _victim(self) -> Sequence:
         """The sequence that gives up its blocks for another's: a beam that answered and waits for its siblings (it
@@ -212,16 +213,21 @@ class Scheduler:
                 return seq
         return self.running[-1]
 
-    def _with_draft(self, seq: Sequence, budget: int) -> int:
-        """Tokens a decoding seq computes with its draft: 1 + the draft's, when the step's budget holds them and the
-        free blocks hold them with one block to spare for every running sequence; else 1, and the draft is dropped
-        (a draft must not be what makes another sequence wait or be preempted)."""
-        n = 1 + len(seq.draft_token_ids)
-        need = self.bm.blocks_needed(seq, seq.num_computed_tokens + n) + len(self.running)
-        if n > budget or not self.bm.can_allocate(need):
-            seq.draft_token_ids = []
-            return 1
-        return n
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Speculative decoding, once every running sequence and new prompt has its tokens and blocks: a decoding
+        row with a draft computes the draft too where what is left of the step's budget and of the free blocks holds
+        it; else its draft is dropped. So a draft never preempts, delays or displaces anything."""
+        for i, seq in enumerate(batch.seqs):
+            k = len(seq.draft_token_ids)
+            if not k:
+                continue
+            end = seq.num_computed_tokens + batch.num_tokens[i] + k
+            if k > budget or not self.bm.can_allocate(self.bm.blocks_needed(seq, end)):
+                seq.draft_token_ids = []
+                continue
+            self.bm.allocate(seq, end)
+            batch.num_tokens[i] += k
+            budget -= k
 
     def _may_prefill(self, batch: ScheduledBatch) -> bool:
         """One more prompt may be prefilled in this step (max_num_prefill_seqs); decodes are never held back."""

@@ -33,7 +33,7 @@ from ember.protocol import SamplingRow
 # (SmolLM2-135M Q4_1) and 0.10 (Gemma 3 270M: its 262k-token LM head runs for every position) of a batch-1 decode
 # step on a 2-core Xeon (docs/speculative.md); 12 (0.077) between them
 FIXED_COST_ROWS = 12.0
-DEFAULT_MAX_BATCH = 32  # decoding rows above which no row drafts (disable_by_batch_size's default)
+DEFAULT_MAX_BATCH = 16  # decoding rows above which no row drafts (disable_by_batch_size's default)
 _DECAY = 0.5  # per verification: older acceptance counts fade
 _IDLE_DECAY = 0.97  # per step without a draft: the estimate drifts back to the prior, so the request tries again
 _PRIOR_ACCEPT, _PRIOR_TRIES = 1.0, 2.0  # a = 0.5 before anything is measured
@@ -43,6 +43,7 @@ _PRIOR_ACCEPT, _PRIOR_TRIES = 1.0, 2.0  # a = 0.5 before anything is measured
 class _SeqState:
     index: NgramIndex
     prediction: NgramIndex | None = None  # the request's predicted output, indexed
+    copied: int = 0  # output tokens known to equal the prediction's start; -1: the output left it
     accepted: float = 0.0  # decayed counts: drafts accepted, positions tried
     tried: float = 0.0
     last_kept: int = 1 << 30  # what the last verified draft kept (none yet: no cap)
@@ -103,7 +104,9 @@ class Speculator:
         cost = rows / (rows + FIXED_COST_ROWS)
         cfg = self.config
         for seq in decoding:
-            if not (self.lookup or seq.request.record.prediction_token_ids) or not may_speculate(seq):
+            # a draft follows an output token: the last prompt token's row may still owe prompt logprobs
+            if seq.num_output_tokens == 0 or not (self.lookup or seq.request.record.prediction_token_ids) \
+                    or not may_speculate(seq):
                 continue
             # the draft and the token sampled after it must fit max_tokens (and max_model_len)
             room = seq.max_num_tokens - seq.num_tokens - 1
@@ -113,7 +116,7 @@ class Speculator:
                 st.accepted *= _IDLE_DECAY
                 st.tried *= _IDLE_DECAY
                 continue
-            draft = _from_prediction(seq, st.prediction, k) if st.prediction is not None else []
+            draft = _from_prediction(seq, st, k) if st.prediction is not None else []
             if not draft and self.lookup:
                 st.index.extend(seq.token_ids[len(st.index.tokens):])
                 draft = st.index.propose(seq.token_ids, k)
@@ -149,11 +152,15 @@ class Speculator:
         return st
 
 
-def _from_prediction(seq: Sequence, prediction: NgramIndex, k: int) -> list[int]:
-    """The prediction's next k tokens while the output copies its start, else those after the output's longest
-    suffix found in it."""
-    out = seq.num_output_tokens
-    predicted = prediction.tokens
-    if predicted[:out] == seq.token_ids[seq.num_prompt_tokens:]:
-        return predicted[out:out + k]
-    return prediction.propose(seq.token_ids, k)
+def _from_prediction(seq: Sequence, st: _SeqState, k: int) -> list[int]:
+    """The prediction's next k tokens while the output copies its start (checked over the new tokens only), else
+    those after the output's longest suffix found in it."""
+    predicted, out = st.prediction.tokens, seq.num_output_tokens
+    if st.copied >= 0:
+        tokens, start = seq.token_ids, seq.num_prompt_tokens
+        while st.copied < out and st.copied < len(predicted) and predicted[st.copied] == tokens[start + st.copied]:
+            st.copied += 1
+        if st.copied == out:
+            return predicted[out:out + k]
+        st.copied = -1
+    return st.prediction.propose(seq.token_ids, k)

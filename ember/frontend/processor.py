@@ -151,6 +151,9 @@ class InputProcessor:
             return prompt, None
         rest = {k: v for k, v in prompt.items() if k not in _PREDICTION_KEYS}
         given = [k for k in _PREDICTION_KEYS if k in prompt]
+        if self.window is not None:
+            raise BadRequestError(f"prompt[{given[0]!r}] is not supported with attention_window (StreamingLLM): "
+                                  "speculative decoding would overwrite KV slots the window still attends to")
         if len(given) > 1:
             raise BadRequestError(f"prompt has both {given}: give the prediction as text or as token ids, not both")
         value = prompt[given[0]]

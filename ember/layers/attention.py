@@ -41,6 +41,7 @@ class PrefillSpan:
     length: int  # query tokens this step
     context_len: int  # tokens in the cache after this step, these included
     block_table: torch.Tensor  # [num_blocks_of_seq]
+    draft: bool = False  # a decoding row verifying a draft: each token is a decode step's (its sequence ends at it)
 
 
 @dataclass(slots=True)
@@ -53,10 +54,12 @@ class AttentionMetadata:
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def sequence_ends(self, positions: torch.Tensor) -> torch.Tensor:
-        """[T] the length of each token's sequence after this step (a decode row: its position + 1)."""
+        """[T] the length of each token's sequence after this step (a decode row, a drafted token: its position + 1;
+        a prompt chunk's: the chunk's end)."""
         ends = positions + 1
         for span in self.prefills:
-            ends[span.start:span.start + span.length] = span.context_len
+            if not span.draft:
+                ends[span.start:span.start + span.length] = span.context_len
         return ends
 
     def decode_mask(self, window: int | None, block_size: int) -> torch.Tensor:

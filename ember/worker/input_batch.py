@@ -33,6 +33,7 @@ class PrefillRows:
     context_len: int  # tokens in the cache after this step, these included
     table_row: int  # its row of the block-table tensor
     num_blocks: int  # blocks its table has
+    draft: bool = False  # a decoding row verifying a draft (its last token, then the draft)
 
 
 @dataclass(slots=True)
@@ -167,7 +168,7 @@ class InputBatch:
         rows.input_ids.extend(draft)
         rows.positions.extend(range(c, c + n))
         rows.slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-        rows.prefills.append(PrefillRows(start, n, c + n, held.row, len(table)))
+        rows.prefills.append(PrefillRows(start, n, c + n, held.row, len(table), draft=True))
         if rows.lora_slots is not None:
             rows.lora_slots.extend([held.lora_slot] * n)
         done = len(tokens) - held.num_prompt_tokens

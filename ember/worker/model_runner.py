@@ -121,7 +121,7 @@ class ModelRunner:
             start, stop = max(p.start, r0), min(p.start + p.length, r1)
             if stop > start:  # the part of this chunk in range; its context ends where the part ends
                 prefills.append(PrefillSpan(start - r0, stop - start, p.context_len - (p.start + p.length - stop),
-                                            self.tables[p.table_row, :p.num_blocks].to(dev)))
+                                            self.tables[p.table_row, :p.num_blocks].to(dev), p.draft))
         ids, positions, slots = rows.input_ids, rows.positions, rows.slots
         if (r0, r1) != (0, rows.num_tokens):  # one micro-batch (a single stage copies nothing)
             ids, positions, slots = ids[r0:r1], positions[r0:r1], slots[r0:r1]

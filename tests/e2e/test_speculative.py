@@ -5,10 +5,12 @@ prefill leave it so. On the real default model a copy task keeps most drafted to
 
 from __future__ import annotations
 
+import pytest
 from conftest import TESTS, hf_float32, hf_greedy, peft_adapter, random_prompts
 from internals import oracle_drafts
 
 from ember import LLM, SamplingParams
+from ember.errors import BadRequestError
 from ember.lora import LoRARequest
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -134,3 +136,11 @@ def test_unseeded_sampling_keeps_its_distribution(llama_dir, monkeypatch):
     for i in range(4):
         assert _chi_square([t[i] for t in got], [t[i] for t in want]) < 35, i
     assert sum(t[0] == greedy[0] for t in got) < n  # it samples: not every answer is the greedy one
+
+
+def test_a_prediction_under_a_streaming_window_is_refused(llama_dir):
+    """A StreamingLLM window cannot take a draft's KV: a prediction is refused by name, the engine serves on."""
+    with LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", attention_window=64) as llm:
+        with pytest.raises(BadRequestError, match=r"prompt\['prediction_token_ids'\] is not supported with attention"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7], "prediction_token_ids": [8, 9]}], use_tqdm=False)
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids

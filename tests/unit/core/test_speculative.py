@@ -203,3 +203,16 @@ def test_a_copy_goes_on_where_the_last_draft_came_from():
     assert idx.propose([0, 5], 1) == [1]  # "5" at 0
     assert idx.propose([0, 5, 1, 2], 2) == [3, 4]  # the draft "1" and the token after it were kept: go on
     assert idx.propose([0, 5, 1, 2, 3, 4, 8], 2) == []  # the copy stopped ("4 8"), and nothing matches
+
+
+def test_the_last_prompt_token_of_a_chunked_prompt_owes_its_prompt_logprobs_not_a_draft(always_draft):
+    """A prompt one token longer than the step's budget ends with a one-token chunk that looks like a decode: it does
+    not draft, and its prompt logprobs are complete."""
+    prompt = [10 + i % 5 for i in range(17)]
+    patterns = {0: [10, 11, 12, 13, 14]}
+    c = make_core(max_num_batched_tokens=16, script=copying_script(patterns), speculative=NGRAM)
+    c.add(request("r", prompt, max_tokens=12, temperature=0.0, seed=0, prompt_logprobs=1))
+    out = run(c)
+    assert any(o.prompt_logprobs_done for o in out["r"])
+    assert sum(len(o.prompt_logprobs or []) for o in out["r"]) == len(prompt) - 1
+    assert c.speculator.counts.drafts > 0 and samples(out["r"])[0][0] == (patterns[0] * 3)[:12]
