@@ -34,4 +34,5 @@ def oracle_drafts(monkeypatch: Any, prompts: list[list[int]], outputs: list[list
         return []
 
     monkeypatch.setattr(NgramIndex, "propose", propose)
-    monkeypatch.setattr(speculator, "FIXED_COST_ROWS", 1e12)
+    monkeypatch.setattr(speculator, "DRAFT_STEP_COST", 0.0)
+    monkeypatch.setattr(speculator, "DRAFT_TOKEN_COST", 0.0)

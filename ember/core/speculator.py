@@ -7,10 +7,11 @@ to the first that differs from its sample, plus that sample. Accepting exactly t
 produced keeps the output what decoding one token a step gives, token for token (greedy, and seeded sampling since
 a draw depends only on the seed and the position), and the distribution for unseeded sampling.
 
-How many tokens to draft: a row's k extra tokens cost about ``k * c`` of a one-token step, where
-c = B / (B + ``FIXED_COST_ROWS``) at B decoding rows (the weights are read once a step, about the cost of
-``FIXED_COST_ROWS`` drafted tokens, and each row or drafted token adds its own compute); with per-token acceptance a the
-row gains 1 + a + ... + a^k tokens. Each request keeps a decaying estimate of a (so a request that stopped
+How many tokens to draft: verifying a draft of k tokens costs a batch-1 step ``DRAFT_STEP_COST + k *
+DRAFT_TOKEN_COST`` more (the row runs as a short prefill span, and every drafted token adds its compute and its
+logits); in a step of B decoding rows that extra weighs B (F + 1) / (F + B) times as much against the row's share of
+the step, F = ``FIXED_COST_ROWS`` (the weights' read, in rows' worth). With per-token acceptance a the row gains
+1 + a + ... + a^k tokens. Each request keeps a decaying estimate of a (so a request that stopped
 matching is tried again later) and drafts the k in [0, num_speculative_tokens] that maximises gain per cost, and
 at most 2 + twice what its last draft kept: a copy that ends costs one long rejected draft, not several.
 Requests whose sampling reads the token history (penalties, bans), guided requests and beam searches do not draft.
@@ -29,10 +30,11 @@ from ember.core.ngram import NgramIndex
 from ember.core.request import Sequence
 from ember.protocol import SamplingRow
 
-# a one-token step's cost in drafted tokens' worth: a drafted token cost 0.04 (Qwen2.5-Coder-1.5B Q4_K_M), 0.06
-# (SmolLM2-135M Q4_1) and 0.10 (Gemma 3 270M: its 262k-token LM head runs for every position) of a batch-1 decode
-# step on a 2-core Xeon (docs/speculative.md); 12 (0.077) between them
-FIXED_COST_ROWS = 12.0
+# a verifying row's extra over a batch-1 decode step, measured on a 2-core Xeon (docs/speculative.md): 1 + 0.12 to
+# 0.22 with one drafted token, 1.23 to 1.31 with eight (SmolLM2-135M Q4_1, Qwen2.5-Coder-1.5B Q4_K_M)
+DRAFT_STEP_COST = 0.15
+DRAFT_TOKEN_COST = 0.025
+FIXED_COST_ROWS = 12.0  # a batch-1 step's weight read in rows' worth of compute (decode steps at 1 and 32 rows)
 DEFAULT_MAX_BATCH = 16  # decoding rows above which no row drafts (disable_by_batch_size's default)
 _DECAY = 0.5  # per verification: older acceptance counts fade
 _IDLE_DECAY = 0.97  # per step without a draft: the estimate drifts back to the prior, so the request tries again
@@ -61,14 +63,19 @@ class SpeculationCounts:
     accepted_per_position: list[int] = field(default_factory=list)  # position i: drafts whose i-th token was kept
 
 
-def best_k(acceptance: float, cost: float, most: int) -> int:
-    """The draft length in [0, most] with the most expected tokens per unit of step cost: (1 + a + ... + a^k) /
-    (1 + cost * k)."""
+def draft_weight(rows: int) -> float:
+    """How much a drafting row's extra weighs against its share of a step of ``rows`` decoding rows (1 at batch 1)."""
+    return rows * (FIXED_COST_ROWS + 1) / (FIXED_COST_ROWS + rows)
+
+
+def best_k(acceptance: float, weight: float, most: int) -> int:
+    """The draft length in [0, most] with the most expected tokens per unit of the row's cost:
+    (1 + a + ... + a^k) / (1 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST)); 0 when no draft pays."""
     best, best_value, gain, term = 0, 1.0, 1.0, 1.0
     for k in range(1, most + 1):
         term *= acceptance
         gain += term
-        value = gain / (1.0 + cost * k)
+        value = gain / (1.0 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST))
         if value > best_value:
             best, best_value = k, value
     return best
@@ -101,7 +108,7 @@ class Speculator:
         rows = len(decoding)
         if rows == 0 or rows > self.max_batch:
             return
-        cost = rows / (rows + FIXED_COST_ROWS)
+        weight = draft_weight(rows)
         cfg = self.config
         for seq in decoding:
             # a draft follows an output token: the last prompt token's row may still owe prompt logprobs
@@ -111,7 +118,7 @@ class Speculator:
             # the draft and the token sampled after it must fit max_tokens (and max_model_len)
             room = seq.max_num_tokens - seq.num_tokens - 1
             st = self._state(seq)
-            k = min(best_k(st.acceptance, cost, cfg.num_speculative_tokens), room, 2 + 2 * st.last_kept)
+            k = min(best_k(st.acceptance, weight, cfg.num_speculative_tokens), room, 2 + 2 * st.last_kept)
             if k <= 0:
                 st.accepted *= _IDLE_DECAY
                 st.tried *= _IDLE_DECAY

@@ -12,7 +12,7 @@ from unit.fakes import EOS, make_core, request, run, samples
 import ember.core.speculator as speculator
 from ember.config import EngineConfig, SpeculativeConfig
 from ember.core.ngram import NgramIndex
-from ember.core.speculator import best_k
+from ember.core.speculator import best_k, draft_weight
 from ember.errors import ConfigError
 from ember.protocol import FinishReason
 
@@ -31,7 +31,8 @@ def copying_script(patterns: dict[int, list[int]]):
 @pytest.fixture
 def always_draft(monkeypatch):
     """Drafts cost nothing: every sequence drafts all it can, whatever the batch (the cost model is tested apart)."""
-    monkeypatch.setattr(speculator, "FIXED_COST_ROWS", 1e12)
+    monkeypatch.setattr(speculator, "DRAFT_STEP_COST", 0.0)
+    monkeypatch.setattr(speculator, "DRAFT_TOKEN_COST", 0.0)
 
 
 def _run(patterns, prompts, spec, max_tokens, num_blocks=64, max_num_seqs=8, budget=256, **core):
@@ -90,7 +91,8 @@ def test_a_draft_never_runs_past_max_tokens(always_draft):
 def test_no_draft_for_beams_penalties_or_when_the_batch_is_large(monkeypatch):
     prompt = [10, 11, 12, 10, 11]
     patterns = {0: [12, 10, 11]}
-    monkeypatch.setattr(speculator, "FIXED_COST_ROWS", 1e12)
+    monkeypatch.setattr(speculator, "DRAFT_STEP_COST", 0.0)
+    monkeypatch.setattr(speculator, "DRAFT_TOKEN_COST", 0.0)
     core = make_core(script=copying_script(patterns), speculative=NGRAM)
     core.add(request("pen", prompt, max_tokens=8, temperature=0.0, seed=0, repetition_penalty=1.2))
     core.add(request("beam", prompt, max_tokens=8, beam_width=2))
@@ -102,11 +104,13 @@ def test_no_draft_for_beams_penalties_or_when_the_batch_is_large(monkeypatch):
 
 
 def test_the_cost_model_drafts_less_as_acceptance_falls_and_the_batch_grows():
-    assert best_k(0.9, 1 / 9, 8) >= 4
-    assert best_k(0.9, 1 / 9, 8) > best_k(0.5, 1 / 9, 8) > 0
-    assert best_k(0.05, 1 / 9, 8) == 0  # rarely right: not worth a token's compute
-    assert best_k(0.5, 32 / 40, 8) == 0  # a full batch: a drafted token costs about a row
-    assert best_k(0.99, 0.0, 5) == 5
+    one, full = draft_weight(1), draft_weight(16)
+    assert one == 1.0 and full > 7
+    assert best_k(0.95, one, 8) == 8
+    assert best_k(0.9, one, 8) > best_k(0.5, one, 8) > 0
+    assert best_k(0.15, one, 8) == 0  # rarely right: not worth a verifying step
+    assert best_k(0.5, full, 8) == 0  # a full batch: the verifying row's extra weighs 7 rows' share
+    assert best_k(0.95, full, 8) > 0  # unless nearly every drafted token is kept
 
 
 def test_ngram_index_finds_the_longest_latest_match():
@@ -131,8 +135,8 @@ def test_speculation_changes_no_token_under_any_pool_budget_or_batch(num_blocks,
     EOS, random pools (preemption), budgets (chunked prefill) and seats: with speculation every request ends with
     the tokens and finish reason it has without, the pool is whole after, and every block the prefix cache holds
     has real tokens."""
-    speculator_rows = speculator.FIXED_COST_ROWS
-    speculator.FIXED_COST_ROWS = 1e12
+    costs = speculator.DRAFT_STEP_COST, speculator.DRAFT_TOKEN_COST
+    speculator.DRAFT_STEP_COST = speculator.DRAFT_TOKEN_COST = 0.0
     try:
         prompts = [p for p, *_ in reqs]
         patterns = {i: (p[shift % len(p):] + p[:shift % len(p)] + ([EOS] if eos else [7]))
@@ -145,7 +149,7 @@ def test_speculation_changes_no_token_under_any_pool_budget_or_batch(num_blocks,
         core, got = _run(patterns, prompts, SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1),
                          max_tokens, block_size=block_size, **kw)
     finally:
-        speculator.FIXED_COST_ROWS = speculator_rows
+        speculator.DRAFT_STEP_COST, speculator.DRAFT_TOKEN_COST = costs
     assert got == want
     assert core.block_manager.num_used == 0 and not core.requests and not core.executor.live
     _cached_blocks_are_real(core, [list(p) + got[f"r{i}"][0] for i, p in enumerate(prompts)])
