@@ -36,9 +36,11 @@ DRAFT_STEP_COST = 0.15
 DRAFT_TOKEN_COST = 0.025
 FIXED_COST_ROWS = 12.0  # a batch-1 step's weight read in rows' worth of compute (decode steps at 1 and 32 rows)
 DEFAULT_MAX_BATCH = 16  # decoding rows above which no row drafts (disable_by_batch_size's default)
-_DECAY = 0.5  # per verification: older acceptance counts fade
+# per verification older counts fade, so the estimate follows about the last 3 drafts, and a request whose drafts
+# are all rejected settles at a = 0.5 / (1 / (1 - 0.7) + 1) = 0.12, where no draft pays
+_DECAY = 0.7
 _IDLE_DECAY = 0.97  # per step without a draft: the estimate drifts back to the prior, so the request tries again
-_PRIOR_ACCEPT, _PRIOR_TRIES = 1.0, 2.0  # a = 0.5 before anything is measured
+_PRIOR_ACCEPT, _PRIOR_TRIES = 0.5, 1.0  # a = 0.5 before anything is measured
 
 
 @dataclass(slots=True)
