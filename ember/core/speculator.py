@@ -34,7 +34,8 @@ from ember.protocol import SamplingRow
 # 0.22 with one drafted token, 1.23 to 1.31 with eight (SmolLM2-135M Q4_1, Qwen2.5-Coder-1.5B Q4_K_M)
 DRAFT_STEP_COST = 0.15
 DRAFT_TOKEN_COST = 0.025
-FIXED_COST_ROWS = 12.0  # a batch-1 step's weight read in rows' worth of compute (decode steps at 1 and 32 rows)
+# a batch-1 step's weight read in rows' worth of compute: 8 (SmolLM2) to 16 (1.5B), from decode steps at 1 and 32 rows
+FIXED_COST_ROWS = 12.0
 DEFAULT_MAX_BATCH = 16  # decoding rows above which no row drafts (disable_by_batch_size's default)
 # per verification older counts fade, so the estimate follows about the last 3 drafts, and a request whose drafts
 # are all rejected settles at a = 0.5 / (1 / (1 - 0.7) + 1) = 0.12, where no draft pays
