@@ -121,10 +121,14 @@ def _model_for(backend: str, model: str) -> str:
     return model
 
 
-def _vocab(model: str) -> list[int]:
+def _tokenizer(model: str):
     from ember.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(model, gguf_file=model if model.endswith(".gguf") else None).hf
+    return Tokenizer.load(model, gguf_file=model if model.endswith(".gguf") else None)
+
+
+def _vocab(model: str, tokenizer=None) -> list[int]:
+    tok = (tokenizer or _tokenizer(model)).hf
     return vocabulary(len(tok), set(tok.added_tokens_decoder) | set(tok.all_special_ids))
 
 
@@ -149,13 +153,14 @@ def run_bench(args: argparse.Namespace) -> dict:
              "distributed_executor_backend": args.distributed_executor_backend}
     if "ember" in backends and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         options["ember"] = {**split, **options.get("ember", {})}
-    vocab = _vocab(model)
+    tokenizer = _tokenizer(model)  # loaded once: the random prompts' vocabulary, the text prompts' template
+    vocab = _vocab(model, tokenizer)
     record: dict = {"mode": args.mode, "machine": report.machine(), "model": model, "backends": backends,
                     "dtypes": dtypes, "threads": args.threads, "repeats": args.repeats, "seed": args.seed,
                     "command": "ember bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None}
     groups = None  # latency: each request's group in the tables (None: by prompt length)
     if args.mode == "latency" and args.prompts == "text":
-        requests, groups = _text_requests(model, args.runs, args.output_len, args.seed)
+        requests, groups = _text_requests(tokenizer, args.runs, args.output_len, args.seed)
         record["prompts"] = "text"
         tag = "latency-text"
     elif args.mode == "latency":
@@ -221,12 +226,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     return record
 
 
-def _text_requests(model: str, runs: int, output_len: int, seed: int) -> tuple[list[BenchRequest], list[str]]:
+def _text_requests(tokenizer, runs: int, output_len: int, seed: int) -> tuple[list[BenchRequest], list[str]]:
     from ember.benchmarks.text_prompts import text_prompts
-    from ember.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(model, gguf_file=model if model.endswith(".gguf") else None)
-    prompts = text_prompts(tok, runs, seed)
+    prompts = text_prompts(tokenizer, runs, seed)
     return [BenchRequest(ids, output_len) for _, ids in prompts], [f"prompt_{kind}" for kind, _ in prompts]
 
 

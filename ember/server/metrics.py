@@ -112,20 +112,18 @@ class _EngineCollector:
             except EngineDeadError:  # a stopped engine has no state to show; /health says it stopped
                 continue
             rows.append((e.model_name, {**stats, "in_flight": in_flight, "capacity": capacity}))
-        for table, family in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+        spec = [(model, row) for model, row in rows if "spec_decode_num_drafts" in row]
+        tables = [(_GAUGES, GaugeMetricFamily, rows), (_COUNTERS, CounterMetricFamily, rows)]
+        if spec:  # only engines that speculate have these families
+            tables.append((_SPEC_COUNTERS, CounterMetricFamily, spec))
+        for table, family, which in tables:
             for name, doc, key in table:
                 m = family(name, doc, labels=["model_name"])
-                for model, row in rows:
+                for model, row in which:
                     m.add_metric([model], float(row[key]))
                 yield m
-        spec = [(model, row) for model, row in rows if "spec_decode_num_drafts" in row]
         if not spec:
             return
-        for name, doc, key in _SPEC_COUNTERS:
-            m = CounterMetricFamily(name, doc, labels=["model_name"])
-            for model, row in spec:
-                m.add_metric([model], float(row[key]))
-            yield m
         m = CounterMetricFamily("ember_spec_decode_num_accepted_tokens_per_pos",
                                 "Drafts whose token at this position was kept, since start",
                                 labels=["model_name", "position"])
