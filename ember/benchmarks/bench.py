@@ -41,7 +41,8 @@ def add_bench_parser(sub) -> None:
                        "ember with float weights, quantization='none'; ember-int8: int8 weights, bf16 activations, "
                        "quantization='int8'; ember-w8a8: int8 weights and per-token int8 activations, "
                        "quantization='w8a8'; ember-variant: batch_invariant=False, kernels whose rounding depends "
-                       "on the batch; ember-ngram: n-gram speculative decoding, up to 8 tokens)")
+                       "on the batch; ember-ngram: n-gram speculative decoding, up to 8 tokens; ember-draft: "
+                       "speculative decoding with --draft-model drafting)")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                        help="weights and compute of ember, hf and vllm (llama.cpp runs the GGUF's own types)")
         g.add_argument("--dtype-for", action="append", default=[], metavar="BACKEND=DTYPE",
@@ -57,6 +58,8 @@ def add_bench_parser(sub) -> None:
         g.add_argument("--option", action="append", default=[], metavar="BACKEND.KEY=VALUE",
                        help="engine argument for one backend, e.g. ember.max_num_seqs=128, hf.batch_size=32")
         g.add_argument("--timeout", type=float, default=3600, help="seconds one backend run may take")
+        g.add_argument("--draft-model", default=None, metavar="PATH",
+                       help="ember-draft's draft model (a smaller model with the model's tokenizer), up to 8 tokens")
         add_parallel_args(g)  # ember's split: its ranks share --threads
     for p in (tp, srv):
         p.add_argument("--workload", default="W1", choices=sorted(WORKLOADS), type=str.upper,
@@ -153,6 +156,12 @@ def run_bench(args: argparse.Namespace) -> dict:
              "distributed_executor_backend": args.distributed_executor_backend}
     if "ember" in backends and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         options["ember"] = {**split, **options.get("ember", {})}
+    if "ember-draft" in backends:
+        if not args.draft_model:
+            raise ValueError("--backends ember-draft needs --draft-model PATH (the model that drafts)")
+        draft = {"method": "draft_model", "model": os.path.abspath(os.path.expanduser(args.draft_model)),
+                 "num_speculative_tokens": 8}
+        options["ember-draft"] = {"speculative_config": draft, **options.get("ember-draft", {})}
     tokenizer = _tokenizer(model)  # loaded once: the random prompts' vocabulary, the text prompts' template
     vocab = _vocab(model, tokenizer)
     record: dict = {"mode": args.mode, "machine": report.machine(), "model": model, "backends": backends,

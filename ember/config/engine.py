@@ -113,6 +113,10 @@ class EngineConfig:
         if self.speculative_config is not None and self.attention_window is not None:
             raise ConfigError("speculative_config is not supported with attention_window (StreamingLLM): a rejected "
                               "draft's KV would overwrite a slot the window still attends to; leave one of them None")
+        if getattr(self.speculative_config, "method", None) == "draft_model" and (
+                self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ConfigError("speculative_config method='draft_model' runs on one rank: tensor_parallel_size and "
+                              "pipeline_parallel_size must be 1 (method='ngram' works split)")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model={self.model!r} is not a path: pass a Hugging Face folder, a .gguf file, an "
                               ".asmodel file or None (the default model)")
@@ -169,9 +173,14 @@ class EngineConfig:
         calibration = (os.path.abspath(os.path.expanduser(str(self.calibration_data))) if self.calibration_data
                        else None)
         lora = LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None
+        spec = self.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":  # as stored, the engine's dtype, device and threads
+            draft = ModelConfig(model_path(spec.model), None, self.dtype, device, None, None, None, self.seed,
+                                self.num_threads, None, None, self.enforce_eager, self.batch_invariant)
         return ModelConfig(model_path(self.model), tokenizer, self.dtype, device, self.quantization,
                            self.quant_group_size, self.quantize_embeddings, self.seed, self.num_threads, calibration,
-                           lora, self.enforce_eager, self.batch_invariant)
+                           lora, self.enforce_eager, self.batch_invariant, draft)
 
     def _cache(self) -> CacheConfig:
         fraction, source = self.kv_cache_memory_fraction, "kv_cache_memory_fraction"

@@ -90,6 +90,7 @@ class ModelConfig:
     lora: "LoRAConfig | None" = None  # adapter slots the worker holds; None: LoRA off
     enforce_eager: bool = False  # CUDA: no decode graphs
     batch_invariant: bool = True  # kernels whose per-row results do not depend on the batch (EngineConfig)
+    draft: "ModelConfig | None" = None  # speculative decoding's draft model, loaded beside this one (worker.drafter)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ember.config.checks import check, integer, one_of
 from ember.errors import ConfigError
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,15 +19,22 @@ class SpeculativeConfig:
     ``prompt_lookup_min``) are looked up in its prompt and output; the tokens that followed their latest earlier
     occurrence are the draft, at most ``num_speculative_tokens`` of them. Each request drafts as many as its
     measured acceptance pays for (``core.speculator``); no row drafts in a step with more than
-    ``disable_by_batch_size`` decoding rows (None: the engine's measured default)."""
+    ``disable_by_batch_size`` decoding rows (None: the engine's measured default).
 
-    method: str = "ngram"
+    ``method="draft_model"``: ``model`` (a path, as the engine's ``model``: a smaller model sharing the model's
+    tokenizer) drafts greedily; ``num_speculative_tokens`` bounds its drafts (``worker.drafter``). Given a ``model``
+    and no ``method``, the method is ``draft_model``, as in vLLM."""
+
+    method: str | None = None  # None: "draft_model" when a model is given, else "ngram"
     num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
         try:
             check(self, _RULES)
         except ConfigError as e:  # named as the user wrote it
@@ -34,6 +42,15 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} is out of range: it "
                               f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ConfigError(f"speculative_config.model={self.model!r} is not a path: pass the draft model's folder "
+                              "or .gguf file")
+        if self.method == "draft_model" and self.model is None:
+            raise ConfigError("speculative_config.model is required by method='draft_model': pass the draft model's "
+                              "path (a Hugging Face folder or a .gguf file sharing the model's tokenizer)")
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError(f"speculative_config.model={self.model!r} is only read by method='draft_model' (the "
+                              f"method is {self.method!r}): leave it out, or set method='draft_model'")
 
     @classmethod
     def of(cls, value: Any) -> SpeculativeConfig | None:

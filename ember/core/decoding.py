@@ -51,6 +51,9 @@ class Decoding:
         row = 0
         while row < len(sampled):  # a sequence verifying a draft of k tokens has k + 1 rows
             seq = sampled[row]
+            drafted = result.drafts.get(seq.seq_id) if result.drafts else None
+            if drafted is not None:  # the draft model's tokens in place of the placeholders the core sent
+                seq.draft_token_ids = drafted
             width = 1 + len(seq.draft_token_ids)
             if not seq.is_finished:  # else a beam that had answered before, released by its search's step just now
                 self.strategy_of(seq.request).collect(seq, row, result, outputs)

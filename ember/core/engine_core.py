@@ -89,8 +89,8 @@ class EngineCore:
         # speculative decoding: from the sequences' own tokens when configured; predictions draft either way (not
         # under a StreamingLLM window: a rejected draft's KV would overwrite slots the window still reads)
         spec = resolved.speculative
-        self.speculator = Speculator(spec or SpeculativeConfig(), lookup=spec is not None) if window is None \
-            else None
+        self.speculator = Speculator(spec or SpeculativeConfig(), lookup=spec is not None,
+                                     draft_cost=info.draft_cost) if window is None else None
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len, self.speculator)
         self.guides = Guides(grammars)
         self.writer = StepWriter()

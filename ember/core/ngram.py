@@ -54,3 +54,52 @@ class NgramIndex:
     def _take(self, q: int, k: int, at: int) -> list[int]:
         self.follow, self.follow_at = q, at
         return self.tokens[q:q + k]
+
+
+SEPARATOR = -1  # between two outputs in ``RecentOutputs``: no n-gram across it matches, no draft runs past it
+
+
+class RecentOutputs:
+    """The outputs of recently finished requests, as one index (suffix decoding's observation: agents, templated
+    answers and retried requests repeat earlier answers). A request whose own tokens give no draft looks here, for
+    its last ``n`` tokens exactly (shorter n-grams match everywhere in many outputs). Bounded: past ``max_tokens``
+    the older half of the outputs is dropped and the index rebuilt."""
+
+    __slots__ = ("n", "max_tokens", "outputs", "total", "index")
+
+    def __init__(self, n: int, max_tokens: int = 1 << 16) -> None:
+        self.n, self.max_tokens = n, max_tokens
+        self.outputs: list[list[int]] = []
+        self.total = 0
+        self.index = NgramIndex(n, n)
+
+    def add(self, tokens: list[int]) -> None:
+        if len(tokens) <= self.n:
+            return
+        tokens = tokens[-(self.max_tokens // 2 - 1):]  # an output fits the half kept
+        self.outputs.append(tokens)
+        self.total += len(tokens) + 1
+        if self.total <= self.max_tokens:
+            self.index.extend([*tokens, SEPARATOR])
+            return
+        kept, total = [], 0
+        for out in reversed(self.outputs):  # the newest half
+            if total + len(out) + 1 > self.max_tokens // 2:
+                break
+            kept.append(out)
+            total += len(out) + 1
+        self.outputs, self.total = kept[::-1], total
+        self.index = NgramIndex(self.n, self.n)
+        for out in self.outputs:
+            self.index.extend([*out, SEPARATOR])
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed context's last n tokens in the latest output holding them, to its end."""
+        n = self.n
+        if k <= 0 or len(context) < n:
+            return []
+        start = self.index.latest.get(tuple(context[-n:]))
+        if start is None:
+            return []
+        draft = self.index.tokens[start + n:start + n + k]
+        return draft[:draft.index(SEPARATOR)] if SEPARATOR in draft else draft

@@ -54,6 +54,8 @@ class OneSample:
         seq.finish(reason, stop_reason)
         self.scheduler.finish(seq)
         self.released.append(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
         if out is not None:
             sample = out.sample(seq.index)
             sample.finish_reason, sample.stop_reason = reason, stop_reason

@@ -15,10 +15,16 @@ the step, F = ``FIXED_COST_ROWS`` (the weights' read, in rows' worth). With per-
 matching is tried again later) and drafts the k in [0, num_speculative_tokens] that maximises gain per cost, and
 at most 2 + twice what its last draft kept: a copy that ends costs one long rejected draft, not several.
 Requests whose sampling reads the token history (penalties, bans), guided requests and beam searches do not draft.
+A request whose own tokens give no n-gram draft looks up its last ``prompt_lookup_max`` tokens in the outputs of
+recently finished requests (``ngram.RecentOutputs``).
 
 A request with a prediction (OpenAI's predicted outputs) drafts from it first: the prediction's next tokens while
 the output is still a copy of its start, else the tokens after the output's last 1..prompt_lookup_max tokens in it.
 Predictions draft also on an engine without ``speculative_config`` (then nothing else drafts).
+
+With a draft model (``method="draft_model"``) the core still decides k, counting each drafted token's cost to make
+(``WorkerInfo.draft_cost``, measured at start-up), and sends k placeholders: the worker's drafter fills them in the
+step and returns its tokens with the sampled ones (``worker.drafter``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.config import SpeculativeConfig
-from ember.core.ngram import NgramIndex
+from ember.core.ngram import NgramIndex, RecentOutputs
 from ember.core.request import Sequence
 from ember.protocol import SamplingRow
 
@@ -42,6 +48,10 @@ DEFAULT_MAX_BATCH = 16  # decoding rows above which no row drafts (disable_by_ba
 _DECAY = 0.7
 _IDLE_DECAY = 0.97  # per step without a draft: the estimate drifts back to the prior, so the request tries again
 _PRIOR_ACCEPT, _PRIOR_TRIES = 0.5, 1.0  # a = 0.5 before anything is measured
+# a draft model starts from a = 0.7: a smaller model of the target's family agrees on most tokens (0.5 would never
+# pay for its drafting steps, so nothing would ever be measured)
+_PRIOR_ACCEPT_DRAFT_MODEL = 0.7
+DRAFT_PLACEHOLDER = -1  # a draft model's token, for the worker to fill in the step (``worker.drafter``)
 
 
 @dataclass(slots=True)
@@ -52,10 +62,11 @@ class _SeqState:
     accepted: float = 0.0  # decayed counts: drafts accepted, positions tried
     tried: float = 0.0
     last_kept: int = 1 << 30  # what the last verified draft kept (none yet: no cap)
+    prior: float = _PRIOR_ACCEPT
 
     @property
     def acceptance(self) -> float:
-        return (self.accepted + _PRIOR_ACCEPT) / (self.tried + _PRIOR_TRIES)
+        return (self.accepted + self.prior * _PRIOR_TRIES) / (self.tried + _PRIOR_TRIES)
 
 
 @dataclass(slots=True)
@@ -71,14 +82,15 @@ def draft_weight(rows: int) -> float:
     return rows * (FIXED_COST_ROWS + 1) / (FIXED_COST_ROWS + rows)
 
 
-def best_k(acceptance: float, weight: float, most: int) -> int:
+def best_k(acceptance: float, weight: float, most: int, draft_cost: float = 0.0) -> int:
     """The draft length in [0, most] with the most expected tokens per unit of the row's cost:
-    (1 + a + ... + a^k) / (1 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST)); 0 when no draft pays."""
+    (1 + a + ... + a^k) / (1 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST) + k * draft_cost); 0 when no
+    draft pays. draft_cost: a draft model's step against the target's (0: lookup drafts cost nothing to make)."""
     best, best_value, gain, term = 0, 1.0, 1.0, 1.0
     for k in range(1, most + 1):
         term *= acceptance
         gain += term
-        value = gain / (1.0 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST))
+        value = gain / (1.0 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST) + k * draft_cost)
         if value > best_value:
             best, best_value = k, value
     return best
@@ -92,10 +104,14 @@ def may_speculate(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, lookup: bool = True) -> None:
-        """lookup: draft from the sequence's own tokens (speculative_config given); False: only predictions."""
+    def __init__(self, config: SpeculativeConfig, lookup: bool = True, draft_cost: float | None = None) -> None:
+        """lookup: draft from the sequence's own tokens (speculative_config given); False: only predictions.
+        draft_cost: a draft model's step against the target's (``WorkerInfo.draft_cost``); None: no draft model."""
         self.config = config
         self.lookup = lookup
+        self.draft_cost = draft_cost
+        # n-gram lookup also searches the outputs of recently finished requests, for the last prompt_lookup_max tokens
+        self.recent = RecentOutputs(config.prompt_lookup_max) if lookup and config.method == "ngram" else None
         self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
         self.states: dict[int, _SeqState] = {}  # sequence id -> its lookup index and acceptance
         self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
@@ -121,15 +137,21 @@ class Speculator:
             # the draft and the token sampled after it must fit max_tokens (and max_model_len)
             room = seq.max_num_tokens - seq.num_tokens - 1
             st = self._state(seq)
-            k = min(best_k(st.acceptance, weight, cfg.num_speculative_tokens), room, 2 + 2 * st.last_kept)
+            model = self.draft_cost is not None and st.prediction is None  # a draft model makes this draft
+            k = min(best_k(st.acceptance, weight, cfg.num_speculative_tokens, self.draft_cost if model else 0.0),
+                    room, 2 + 2 * st.last_kept)
             if k <= 0:
                 st.accepted *= _IDLE_DECAY
                 st.tried *= _IDLE_DECAY
                 continue
             draft = _from_prediction(seq, st, k) if st.prediction is not None else []
-            if not draft and self.lookup:
+            if model:
+                draft = [DRAFT_PLACEHOLDER] * k
+            elif not draft and self.lookup:
                 st.index.extend(seq.token_ids[len(st.index.tokens):])
                 draft = st.index.propose(seq.token_ids, k)
+                if not draft and self.recent is not None:
+                    draft = self.recent.propose(seq.token_ids, k)
             seq.draft_token_ids = draft
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -146,6 +168,11 @@ class Speculator:
         for i in range(accepted):
             c.accepted_per_position[i] += 1
 
+    def finished(self, seq: Sequence) -> None:
+        """seq's sample ended: its output joins the recent outputs that n-gram lookup searches."""
+        if self.recent is not None and seq.num_output_tokens:
+            self.recent.add(seq.token_ids[seq.num_prompt_tokens:])
+
     def forget(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.states.pop(i, None)
@@ -155,6 +182,8 @@ class Speculator:
         if st is None:
             cfg = self.config
             st = self.states[seq.seq_id] = _SeqState(NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+            if self.draft_cost is not None:
+                st.prior = _PRIOR_ACCEPT_DRAFT_MODEL
             predicted = seq.request.record.prediction_token_ids
             if predicted:
                 st.prediction = NgramIndex(1, cfg.prompt_lookup_max)

@@ -109,7 +109,8 @@ class SchedulerOutput:
     new_token_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> tokens appended (sampled, a beam's)
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> blocks appended to its table
     # speculative decoding: handle -> the draft its row verifies after its last token (the row computes 1 + len
-    # tokens and samples each; only the last token counts as computed until the core says what was kept)
+    # tokens and samples each; only the last token counts as computed until the core says what was kept). A draft
+    # of placeholders (-1) is the worker's draft model's to fill (``WorkerOutput.drafts`` says with what)
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # handle -> its computed tokens, sent when the core's count is not what the worker can know (a verified draft:
     # the kept tokens' KV stays, the rest is overwritten later)
@@ -130,3 +131,5 @@ class WorkerOutput:
     prompt_logprobs: dict[int, list[TokenLogprobs]]  # handle -> one per target token
     # beam-search rows: sampling row -> (token ids, log-probabilities) of its best continuations
     beams: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # a draft model's drafts: handle -> the tokens it drafted where the core sent placeholders (-1) to fill
+    drafts: dict[int, list[int]] = field(default_factory=dict)

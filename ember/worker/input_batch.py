@@ -112,16 +112,17 @@ class InputBatch:
         writes, self.table_writes = self.table_writes, []
         return writes
 
-    def plan(self, out: SchedulerOutput) -> StepRows:
+    def plan(self, out: SchedulerOutput, drafts: dict[int, list[int]] | None = None) -> StepRows:
         """The step's rows from the held sequences (after ``update``); then every sequence's computed tokens
-        advance by what it runs, as the core counts them."""
+        advance by what it runs, as the core counts them. drafts: the message's, placeholders filled (a draft
+        model's)."""
         rows = StepRows()
         ids, positions, slots, bs, window = rows.input_ids, rows.positions, rows.slots, self.block_size, self.window
         seqs = self.seqs
         adapted = any(seqs[h].lora_slot >= 0 for h in out.handles)
         if adapted:
             rows.lora_slots = []
-        drafts = out.draft_token_ids
+        drafts = out.draft_token_ids if drafts is None else drafts
         for handle, n in zip(out.handles, out.num_tokens):
             held = seqs[handle]
             start, c, table = len(ids), held.num_computed_tokens, held.block_ids

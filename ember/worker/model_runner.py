@@ -23,6 +23,7 @@ from ember.layers.sampler import Sampler, rank_logprobs
 from ember.lora.adapter import module_name, read_adapter
 from ember.model_loader import LoadedModel
 from ember.protocol import KVWindow, LoRALoad, SchedulerOutput, WorkerOutput
+from ember.worker.drafter import Drafter
 from ember.worker.input_batch import InputBatch, StepRows
 
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.sampler = Sampler(loaded.shape.vocab_size, seed=seed)
         self.states: dict[int, RowState] = {}  # sample handle -> its sampling state, until it finishes
         self.graphs: Any = None  # CUDA: the decode step's graphs (``cuda_graph.DecodeGraphs``), set at start-up
+        self.drafter: Drafter | None = None  # speculative decoding's draft model (the worker sets it)
 
     # --- the persistent block table ---
     def _write_tables(self) -> None:
@@ -76,6 +78,8 @@ class ModelRunner:
         """The sampled tokens on the sampling rank; None on every other rank."""
         for handle in out.finished:
             self.states.pop(handle, None)
+        if self.drafter is not None:  # the draft KV of sequences that went (or came back new) is no longer theirs
+            self.drafter.forget([*out.finished, *out.preempted, *(new.handle for new in out.new)])
         for load in out.lora_loads:
             self.load_lora(load)
         batch = self.batch
@@ -83,7 +87,8 @@ class ModelRunner:
         self._write_tables()
         if not out.handles:
             return WorkerOutput([], [], {}) if self.parallel.is_sampler else None
-        rows = batch.plan(out)
+        drafted = self._draft(out)
+        rows = batch.plan(out, {**out.draft_token_ids, **drafted} if drafted else None)
         hidden = self._forward(rows)
         if hidden is None:
             return None
@@ -99,7 +104,15 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[pl.start:pl.start + len(pl.targets)])
             if logits is not None:
                 prompt_lps[pl.handle] = rank_logprobs(logits.log_softmax(dim=-1), pl.targets, pl.k)
-        return WorkerOutput(tokens, lps, prompt_lps, beams) if self.parallel.is_sampler else None
+        return WorkerOutput(tokens, lps, prompt_lps, beams, drafted) if self.parallel.is_sampler else None
+
+    def _draft(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """The draft model's tokens for the drafts the core sent as placeholders (handle -> tokens)."""
+        drafter = self.drafter
+        if drafter is None:
+            return {}
+        wants = {h: len(d) for h, d in out.draft_token_ids.items() if d and d[0] < 0}
+        return drafter.propose(self.batch, self.tables, wants) if wants else {}
 
     def _state(self, handle: int, seed: int | None) -> RowState:
         state = self.states.get(handle)

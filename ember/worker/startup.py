@@ -46,6 +46,8 @@ class Runner(Protocol):
 
     def new_pool(self, num_blocks: int, device: torch.device | None = None, pin: bool = False) -> torch.Tensor: ...
 
+    def draft_bytes_per_block(self) -> int: ...
+
     def bind(self, pool: torch.Tensor | None) -> None: ...
 
     def agree_min(self, value: int) -> int: ...
@@ -76,7 +78,9 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
             raise ConfigError("attention_window (StreamingLLM) is not supported on a model with "
                               "sliding-window layers: they already bound their attention; leave it None")
         max_len = min(max_len, cache.attention_window)  # a sequence never holds more KV than its window
-    per_block = kv_bytes_per_block(worker.loaded, bs, cache.kv_cache_dtype)
+    # a draft model's pool has the same blocks: each block costs both
+    own_block = kv_bytes_per_block(worker.loaded, bs, cache.kv_cache_dtype)
+    per_block = own_block + worker.draft_bytes_per_block()
 
     # 1. a step's activations, measured on a scratch pool that holds just the dummy prompts: the step's budget
     # (or what every seat can take), in prompts of max_model_len, or short ones where that measures the same
@@ -103,7 +107,7 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
     worker.bind(kv_cache)
 
     # 3. the host tier (CUDA): evicted prefix blocks wait there
-    num_host = worker.agree_min(host_tier_bytes(cache, worker.device) // per_block)
+    num_host = worker.agree_min(host_tier_bytes(cache, worker.device) // own_block)  # the target's blocks
     host_cache = None
     if num_host:  # pinned on CUDA: the copies to and from the device run asynchronously
         host_cache = worker.new_pool(num_host, torch.device("cpu"), pin=worker.device.type == "cuda")

@@ -14,11 +14,12 @@ import torch
 from ember.config import CacheConfig, ModelConfig, SchedulerConfig
 from ember.distributed import ParallelContext, comm
 from ember.dtypes import name_of
+from ember.errors import ConfigError
 from ember.kernels import kernels_for
 from ember.layers.attention import AttentionMetadata, bind_attention_backend
 from ember.layers.embedding import VocabEmbedding
 from ember.layers.linear import Linear
-from ember.model_loader import load_model
+from ember.model_loader import LoadedModel, load_model
 from ember.protocol import (
     BlockCopy,
     CopyKind,
@@ -31,6 +32,7 @@ from ember.protocol import (
 )
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
+from ember.worker.drafter import Drafter, measure_draft_cost
 from ember.worker.model_runner import ModelRunner
 from ember.worker.memory import memory_now
 
@@ -76,9 +78,14 @@ class Worker:
         self.kv_cache = torch.empty(0)
         self.host_cache: torch.Tensor | None = None
         self.plan: PoolPlan | None = None
+        self.draft_cost: float | None = None  # a draft model's decode step against this model's (init_cache)
         window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
         self.runner = ModelRunner(self.loaded, self.device, cache.block_size, parallel, model_config.seed, self.lora,
                                   window)
+        draft = model_config.draft
+        if draft is not None:  # speculative decoding's draft model: its own weights and KV pool, the target's blocks
+            self.runner.drafter = Drafter(load_draft(draft, self.loaded), self.device, cache.block_size,
+                                          cache.kv_cache_dtype, model_config.batch_invariant)
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -92,11 +99,20 @@ class Worker:
                           vocab_size=loaded.shape.vocab_size,
                           quantization=loaded.quant.describe() if loaded.quant else None,
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
-                                                                        self.cache_config.kv_cache_dtype))
+                                                                        self.cache_config.kv_cache_dtype),
+                          draft_cost=self.draft_cost)
 
     def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""
         self.plan, self.kv_cache, self.host_cache = startup.start(self, self.cache_config, sched)
+        drafter = self.runner.drafter
+        if drafter is not None:  # a draft token's cost against a target step, measured here and now
+            context = min(64, self.plan.num_blocks * self.block_size)
+            self.draft_cost = measure_draft_cost(self.model, drafter.model, self.device, self.block_size, context)
+            width = -(-context // self.block_size)
+            self.kv_cache[:, :, :width].zero_()
+            drafter.pool[:, :, :width].zero_()
+            logger.info("draft model: a draft token costs %.2f of a decode step", self.draft_cost)
         return self.plan
 
     def capture_graphs(self, max_num_seqs: int, max_len: int) -> None:
@@ -122,9 +138,16 @@ class Worker:
         return torch.zeros(2, self._kv_shape[0], num_blocks, *self._kv_shape[1:], dtype=self.kv_format.pool_dtype,
                            device=device or self.device, pin_memory=pin)
 
+    def draft_bytes_per_block(self) -> int:
+        """A block's bytes in the draft model's pool (0: no draft model): start-up sizes both pools together."""
+        drafter = self.runner.drafter
+        return drafter.bytes_per_block() if drafter is not None else 0
+
     def bind(self, pool: torch.Tensor | None) -> None:
         for i, layer in enumerate(self.layers):
             layer.k_cache, layer.v_cache = (pool[0, i], pool[1, i]) if pool is not None else (torch.empty(0),) * 2
+        if self.runner.drafter is not None:  # the draft's pool: the same block numbers
+            self.runner.drafter.bind(pool.shape[2] if pool is not None else None)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Run the block copies queued by the block manager (host tier, copy-on-write), in order (runs of one kind
@@ -138,6 +161,8 @@ class Worker:
             dst = torch.tensor([c.dst for c in copies[i:j]], dtype=torch.long)
             if copies[i].kind is CopyKind.COPY:  # within the pool: every layer's K and V of the block
                 self.kv_cache.index_copy_(2, dst.to(self.device), self.kv_cache.index_select(2, src.to(self.device)))
+                if self.runner.drafter is not None:
+                    self.runner.drafter.copy_blocks(src, dst)
             elif copies[i].kind is CopyKind.SWAP_OUT:
                 blocks = self.kv_cache.index_select(2, src.to(self.device)).to("cpu")
                 self.host_cache.index_copy_(2, dst, blocks)
@@ -189,13 +214,29 @@ class Worker:
     def report(self, reset: bool = False) -> dict[str, object]:
         """This rank's place, its bytes of weights and KV, and its time in collectives since the last reset (for
         docs/parallel.md)."""
-        weights = sum(t.numel() * t.element_size() for t in self.model.parameters())
-        for m in self.model.modules():
-            if isinstance(m, Linear) and m.qmm is not None:
-                weights += sum(t.numel() * t.element_size() for t in m.qmm.impl.tensors())
-            elif isinstance(m, VocabEmbedding) and m.qt is not None:
-                weights += m.qt.nbytes()
+        weights = weight_bytes(self.model)
         p = self.parallel
         return {"rank": p.world_rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank, "layers": self.loaded.local_layers,
                 "kv_heads": self.loaded.local_kv_heads, "weight_bytes": weights,
                 "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(), **comm.COMM.snapshot(reset)}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's weights as held (quantized layers' packed tensors included)."""
+    total = sum(t.numel() * t.element_size() for t in model.parameters())
+    for m in model.modules():
+        if isinstance(m, Linear) and m.qmm is not None:
+            total += sum(t.numel() * t.element_size() for t in m.qmm.impl.tensors())
+        elif isinstance(m, VocabEmbedding) and m.qt is not None:
+            total += m.qt.nbytes()
+    return total
+
+
+def load_draft(config: ModelConfig, target: LoadedModel) -> LoadedModel:
+    """The draft model, checked against the target: one vocabulary (the same tokenizer's ids)."""
+    draft = load_model(config, ParallelContext())
+    if draft.shape.vocab_size != target.shape.vocab_size:
+        raise ConfigError(f"speculative_config.model={config.path!r} has a vocabulary of {draft.shape.vocab_size} "
+                          f"tokens and the model {target.shape.vocab_size}: a draft model must share the model's "
+                          "tokenizer")
+    return draft

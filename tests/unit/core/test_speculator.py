@@ -113,6 +113,17 @@ def test_the_cost_model_drafts_less_as_acceptance_falls_and_the_batch_grows():
     assert best_k(0.95, full, 8) > 0  # unless nearly every drafted token is kept
 
 
+
+def test_a_draft_models_steps_count_against_its_drafts():
+    """A draft model's token costs draft_cost of a target step to make: a copy (a = 0.99) still drafts long with a
+    draft at half the target's cost, ordinary agreement (a = 0.7) only a short draft or none, and a draft as costly
+    as the target never pays."""
+    assert best_k(0.99, 1.0, 8, 0.1) == 8
+    assert 0 < best_k(0.99, 1.0, 8, 0.5) <= 8
+    assert best_k(0.7, 1.0, 8, 0.5) <= 1 < best_k(0.7, 1.0, 8, 0.1) < best_k(0.7, 1.0, 8)
+    assert best_k(0.99, 1.0, 8, 1.0) == 0 and best_k(0.5, 1.0, 8, 0.5) == 0
+
+
 def test_ngram_index_finds_the_longest_latest_match():
     idx = NgramIndex(1, 3)
     tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
@@ -220,3 +231,38 @@ def test_the_last_prompt_token_of_a_chunked_prompt_owes_its_prompt_logprobs_not_
     assert any(o.prompt_logprobs_done for o in out["r"])
     assert sum(len(o.prompt_logprobs or []) for o in out["r"]) == len(prompt) - 1
     assert c.speculator.counts.drafts > 0 and samples(out["r"])[0][0] == (patterns[0] * 3)[:12]
+
+
+def test_recent_outputs_draft_for_a_request_that_repeats_an_earlier_answer(always_draft):
+    """A request whose own tokens hold nothing to copy drafts from the output of one that finished before it (the
+    same answer to another prompt): kept drafts, the same tokens as without speculation."""
+    answer = list(range(200, 230))
+    patterns = {0: answer}
+    want = {}
+    for spec in (None, NGRAM):
+        c = make_core(num_blocks=64, script=copying_script(patterns), speculative=spec)
+        outs = {}
+        for rid, prompt in (("first", [10, 11, 12, 13]), ("again", [20, 21, 22, 23, 24])):
+            c.add(request(rid, prompt, max_tokens=30, temperature=0.0, seed=0))
+            outs.update({r: samples(o)[0] for r, o in run(c).items()})
+            if rid == "first" and spec is not None:
+                first = c.speculator.counts.accepted_tokens
+        if spec is None:
+            want = outs
+    assert outs == want and outs["again"][0] == answer
+    assert first == 0 and c.speculator.counts.accepted_tokens > 15
+
+
+def test_recent_outputs_stay_bounded_and_never_draft_across_two_outputs():
+    from ember.core.ngram import RecentOutputs
+
+    recent = RecentOutputs(2, max_tokens=40)
+    recent.add([1, 2, 3, 4])
+    recent.add([5, 6, 7])
+    assert recent.propose([9, 1, 2], 5) == [3, 4]  # stops at the output's end
+    assert recent.propose([3, 4], 3) == [] and recent.propose([4, 5], 3) == []  # no n-gram spans two outputs
+    assert recent.propose([2], 3) == []  # exactly n tokens are looked up
+    for i in range(10):
+        recent.add(list(range(100 * i, 100 * i + 9)))
+    assert recent.total <= 40 and recent.propose([901, 902], 2) == [903, 904]
+    assert recent.propose([1, 2], 2) == []  # dropped with the older half

@@ -1,0 +1,109 @@
+"""Speculative decoding with a draft model (docs/speculative.md): a second model drafts inside the step, into its
+own KV pool over the target's blocks. Output equals transformers' greedy tokens and the engine's own without
+speculation whatever the draft; a draft that is the target itself is kept whole, which shows its KV cache follows
+every sequence exactly (catch-up, rollback of rejected tokens, preemption, chunked prefill, parallel samples)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_float32, hf_greedy, make_tiny_model, random_prompts, save_random_model
+
+import ember.core.speculator as speculator
+from ember import LLM, SamplingParams
+from ember.errors import ConfigError
+
+
+def _always_draft(monkeypatch) -> None:
+    """Every decoding row drafts all it may: the cost model would rightly refuse a draft model as big as the
+    target."""
+    monkeypatch.setattr(speculator, "best_k", lambda acceptance, weight, most, draft_cost=0.0: most)
+
+
+def _draft(path: str, k: int = 4) -> dict:
+    return {"model": path, "num_speculative_tokens": k}
+
+
+def _run(model: str, prompts, sp, **kw):
+    with LLM(model, dtype="float32", **{"kv_cache_memory": "64MiB", **kw}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], [o.outputs[0].logprobs for o in outs], llm.stats()
+
+
+@pytest.fixture(scope="module")
+def other_drafts(tmp_path_factory, tokenizer_dir) -> list[str]:
+    """Drafts that mostly disagree with the target: another random llama, and a qwen2 (same tokenizer)."""
+    return [make_tiny_model("llama", str(tmp_path_factory.mktemp("draft-llama")), tokenizer_dir, seed=1),
+            make_tiny_model("qwen2", str(tmp_path_factory.mktemp("draft-qwen2")), tokenizer_dir, seed=2)]
+
+
+def test_greedy_tokens_and_logprobs_whatever_the_draft(llama_dir, other_drafts, monkeypatch):
+    _always_draft(monkeypatch)
+    prompts = random_prompts(6, 5, 40, 49152, 2)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    want, want_lps, _ = _run(llama_dir, prompts, sp)
+    hf = hf_float32(llama_dir)
+    assert [w[0] for w in want] == [hf_greedy(hf, p, 24) for p in prompts]
+    for draft in (llama_dir, *other_drafts):
+        got, lps, stats = _run(llama_dir, prompts, sp, speculative_config=_draft(draft))
+        assert got == want, draft
+        for a_seq, b_seq in zip(lps, want_lps):
+            for a, b in zip(a_seq, b_seq):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+        drafted, kept = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+        assert drafted > 60, stats
+        if draft == llama_dir:  # the target drafting for itself: every drafted token is its own next token
+            assert kept == drafted, stats
+        else:
+            assert kept < drafted / 2, stats
+
+
+def test_preemption_chunked_prefill_prefix_caching_and_parallel_samples(llama_dir, monkeypatch):
+    """Twelve requests of two greedy samples each (sharing blocks until they write) over a pool of a few sequences
+    (preemptions: the draft's KV caught up again on return), 48-token steps (chunked prompts), a shared prompt
+    prefix (prefix caching): the same tokens as without speculation, and the target drafting for itself still keeps
+    every draft."""
+    _always_draft(monkeypatch)
+    prefix = random_prompts(1, 20, 20, 49152, 8)[0]
+    prompts = [prefix + p for p in random_prompts(12, 5, 30, 49152, 9)]
+    sp = SamplingParams(max_tokens=20, temperature=0, n=2, ignore_eos=True)
+    kw = dict(kv_cache_memory=16 * 16 * 512 * 2, max_model_len=128, max_num_batched_tokens=48)  # both pools
+    want, _, _ = _run(llama_dir, prompts, sp, **kw)
+    got, _, stats = _run(llama_dir, prompts, sp, speculative_config=_draft(llama_dir, 3), **kw)
+    assert got == want
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
+    assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+
+
+def test_seeded_sampling_draws_the_same_tokens(llama_dir, other_drafts, monkeypatch):
+    """A draft's tokens are greedy: a sampling row keeps one where its own draw (seeded by seed and position) is
+    that token, so seeded samples are those of one-token steps."""
+    _always_draft(monkeypatch)
+    prompts = random_prompts(4, 5, 30, 49152, 6)
+    sp = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=5, n=2, ignore_eos=True)
+    want, _, _ = _run(llama_dir, prompts, sp)
+    for draft in (llama_dir, other_drafts[0]):
+        got, _, stats = _run(llama_dir, prompts, sp, speculative_config=_draft(draft))
+        assert got == want and stats["spec_decode_num_draft_tokens"] > 50, draft
+
+
+def test_the_cost_model_keeps_a_draft_as_big_as_the_target_off(llama_dir):
+    """Unpatched, the engine measures a draft step against a target step at start-up; a draft as costly as the
+    target never pays (1 + a + ... gains less than the draft's steps cost), so nothing is drafted."""
+    prompts = random_prompts(2, 5, 10, 49152, 4)
+    _, _, stats = _run(llama_dir, prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                       speculative_config=_draft(llama_dir))
+    assert stats["spec_decode_num_drafts"] == 0, stats
+
+
+def test_draft_model_config_errors(llama_dir, tmp_path, tokenizer_dir):
+    with pytest.raises(ConfigError, match=r"speculative_config.model is required by method='draft_model'"):
+        LLM(llama_dir, speculative_config={"method": "draft_model"})
+    with pytest.raises(ConfigError, match=r"speculative_config.model=.* is only read by method='draft_model'"):
+        LLM(llama_dir, speculative_config={"method": "ngram", "model": llama_dir})
+    with pytest.raises(ConfigError, match=r"speculative_config.model=3 is not a path"):
+        LLM(llama_dir, speculative_config={"model": 3})
+    with pytest.raises(ConfigError, match=r"runs on one rank: tensor_parallel_size"):
+        LLM(llama_dir, speculative_config={"model": llama_dir}, tensor_parallel_size=2)
+    other = save_random_model("LlamaConfig", str(tmp_path / "v"), tokenizer_dir, vocab_size=50000)
+    with pytest.raises(ConfigError, match=r"vocabulary of 50000 tokens and the model 49152: a draft model must "):
+        LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", speculative_config={"model": other})
