@@ -76,11 +76,11 @@ class RecentOutputs:
     def add(self, tokens: list[int]) -> None:
         if len(tokens) <= self.n:
             return
-        tokens = tokens[-(self.max_tokens // 2 - 1):]  # an output fits the half kept
+        tokens = tokens[-max(1, self.max_tokens // 2 - 1):]  # an output fits the half kept
         self.outputs.append(tokens)
         self.total += len(tokens) + 1
         if self.total <= self.max_tokens:
-            self.index.extend([*tokens, SEPARATOR])
+            self._index(tokens)
             return
         kept, total = [], 0
         for out in reversed(self.outputs):  # the newest half
@@ -91,7 +91,23 @@ class RecentOutputs:
         self.outputs, self.total = kept[::-1], total
         self.index = NgramIndex(self.n, self.n)
         for out in self.outputs:
-            self.index.extend([*out, SEPARATOR])
+            self._index(out)
+
+    def _index(self, out: list[int]) -> None:
+        """Index an output; its last n-gram, followed by nothing, does not hide an occurrence that has a follower
+        (earlier in it, or in an older output)."""
+        latest, n = self.index.latest, self.n
+        key = tuple(out[-n:])
+        before = latest.get(key)
+        start = len(self.index.tokens)
+        self.index.extend([*out, SEPARATOR])
+        inside = [i for i in range(len(out) - n) if tuple(out[i:i + n]) == key]
+        if inside:
+            latest[key] = start + inside[-1]
+        elif before is not None:
+            latest[key] = before
+        else:
+            latest.pop(key, None)
 
     def propose(self, context: list[int], k: int) -> list[int]:
         """Up to k tokens that followed context's last n tokens in the latest output holding them, to its end."""

@@ -16,7 +16,7 @@ matching is tried again later) and drafts the k in [0, num_speculative_tokens] t
 at most 2 + twice what its last draft kept: a copy that ends costs one long rejected draft, not several.
 Requests whose sampling reads the token history (penalties, bans), guided requests and beam searches do not draft.
 A request whose own tokens give no n-gram draft looks up its last ``prompt_lookup_max`` tokens in the outputs of
-recently finished requests (``ngram.RecentOutputs``).
+recently finished requests with its prefix-cache salt (``ngram.RecentOutputs``).
 
 A request with a prediction (OpenAI's predicted outputs) drafts from it first: the prediction's next tokens while
 the output is still a copy of its start, else the tokens after the output's last 1..prompt_lookup_max tokens in it.
@@ -51,6 +51,7 @@ _PRIOR_ACCEPT, _PRIOR_TRIES = 0.5, 1.0  # a = 0.5 before anything is measured
 # a draft model starts from a = 0.7: a smaller model of the target's family agrees on most tokens (0.5 would never
 # pay for its drafting steps, so nothing would ever be measured)
 _PRIOR_ACCEPT_DRAFT_MODEL = 0.7
+MAX_RECENT_SALTS = 8  # prefix-cache salts whose recent outputs are kept for n-gram lookup
 DRAFT_PLACEHOLDER = -1  # a draft model's token, for the worker to fill in the step (``worker.drafter``)
 
 
@@ -110,8 +111,10 @@ class Speculator:
         self.config = config
         self.lookup = lookup
         self.draft_cost = draft_cost
-        # n-gram lookup also searches the outputs of recently finished requests, for the last prompt_lookup_max tokens
-        self.recent = RecentOutputs(config.prompt_lookup_max) if lookup and config.method == "ngram" else None
+        # n-gram lookup also searches the outputs of recently finished requests with the same prefix-cache salt
+        # (a salt isolates its users: another's answers must not speed theirs up), for the last prompt_lookup_max
+        # tokens; the most recently used MAX_RECENT_SALTS salts keep theirs
+        self.recent: dict[object, RecentOutputs] | None = {} if lookup and config.method == "ngram" else None
         self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
         self.states: dict[int, _SeqState] = {}  # sequence id -> its lookup index and acceptance
         self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
@@ -150,8 +153,9 @@ class Speculator:
             elif not draft and self.lookup:
                 st.index.extend(seq.token_ids[len(st.index.tokens):])
                 draft = st.index.propose(seq.token_ids, k)
-                if not draft and self.recent is not None:
-                    draft = self.recent.propose(seq.token_ids, k)
+                recent = self.recent.get(seq.request.record.cache_salt) if self.recent is not None else None
+                if not draft and recent is not None:
+                    draft = recent.propose(seq.token_ids, k)
             seq.draft_token_ids = draft
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -170,8 +174,14 @@ class Speculator:
 
     def finished(self, seq: Sequence) -> None:
         """seq's sample ended: its output joins the recent outputs that n-gram lookup searches."""
-        if self.recent is not None and seq.num_output_tokens:
-            self.recent.add(seq.token_ids[seq.num_prompt_tokens:])
+        if self.recent is None or not seq.num_output_tokens:
+            return
+        salt = seq.request.record.cache_salt
+        recent = self.recent.pop(salt, None) or RecentOutputs(self.config.prompt_lookup_max)
+        self.recent[salt] = recent  # the most recently used last
+        if len(self.recent) > MAX_RECENT_SALTS:
+            del self.recent[next(iter(self.recent))]
+        recent.add(seq.token_ids[seq.num_prompt_tokens:])
 
     def forget(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
@@ -182,9 +192,9 @@ class Speculator:
         if st is None:
             cfg = self.config
             st = self.states[seq.seq_id] = _SeqState(NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
-            if self.draft_cost is not None:
-                st.prior = _PRIOR_ACCEPT_DRAFT_MODEL
             predicted = seq.request.record.prediction_token_ids
+            if self.draft_cost is not None and not predicted:
+                st.prior = _PRIOR_ACCEPT_DRAFT_MODEL
             if predicted:
                 st.prediction = NgramIndex(1, cfg.prompt_lookup_max)
                 st.prediction.extend(predicted)

@@ -16,7 +16,7 @@ class WorkerInfo:
     vocab_size: int
     quantization: str | None  # the weight layout, described; None: float weights
     kv_bytes_per_block: int  # one block of this rank's KV pool (its stage's layers, its KV heads)
-    # a draft model's step against the model's at batch 1 (their weights' bytes); None: no draft model
+    # a draft model's decode step against the model's at batch 1, timed at start-up; None: no draft model
     draft_cost: float | None = None
 
 

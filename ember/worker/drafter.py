@@ -10,9 +10,10 @@ position), so a stale entry (a block shared through the prefix cache or copied o
 correctness.
 
 Per sequence the drafter knows how many leading positions of its draft KV hold the sequence's tokens. Before a draft
-it feeds the positions after those but the last (the prompt the first time; afterwards at most the one token a fully
-kept draft leaves), in chunks of at most ``max_tokens``; then it decodes greedily: the last token at its position,
-then each drafted token, one batched decode step per drafted token.
+it feeds the positions after those but the last (the whole prompt the first time, the draft's KV not being shared
+through the prefix cache; afterwards the tokens added since its last draft), in passes of at most ``max_tokens``
+(the step's budget); then it decodes greedily: the last token at its position, then each drafted token, one batched
+decode step per drafted token.
 """
 
 from __future__ import annotations

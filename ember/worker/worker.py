@@ -104,9 +104,14 @@ class Worker:
 
     def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""
-        self.plan, self.kv_cache, self.host_cache = startup.start(self, self.cache_config, sched)
         drafter = self.runner.drafter
+        if drafter is not None and drafter.loaded.shape.max_position < sched.max_model_len:
+            raise ConfigError(f"speculative_config.model supports {drafter.loaded.shape.max_position} positions, "
+                              f"fewer than max_model_len={sched.max_model_len}: lower max_model_len or draft with a "
+                              "model as long as the target")
+        self.plan, self.kv_cache, self.host_cache = startup.start(self, self.cache_config, sched)
         if drafter is not None:  # a draft token's cost against a target step, measured here and now
+            drafter.max_tokens = sched.max_num_batched_tokens  # its catch-up passes: a step's budget at most
             context = min(64, self.plan.num_blocks * self.block_size)
             self.draft_cost = measure_draft_cost(self.model, drafter.model, self.device, self.block_size, context)
             width = -(-context // self.block_size)
@@ -174,12 +179,13 @@ class Worker:
     def stats(self) -> WorkerStats:
         """Memory now and the peak since warm-up, next to the warm-up's peak (CUDA: allocator; CPU: RSS)."""
         now, peak = memory_now(self.device)
-        plan = self.plan
+        plan, drafter = self.plan, self.runner.drafter
         return WorkerStats(kv_budget_source=plan.budget_source if plan else "",
                            attention_backend=self.attention_backend.name, memory_in_use_bytes=now,
                            serving_peak_bytes=peak, warmup_peak_bytes=plan.warmup_peak_bytes if plan else 0,
                            activation_bytes=plan.activation_bytes if plan else 0,
-                           kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size())
+                           kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size()
+                           + (drafter.pool.numel() * drafter.pool.element_size() if drafter is not None else 0))
 
     def agree_min(self, value: int) -> int:
         """The smallest value over every rank (the KV pool size all ranks can hold)."""

@@ -104,6 +104,9 @@ def test_draft_model_config_errors(llama_dir, tmp_path, tokenizer_dir):
         LLM(llama_dir, speculative_config={"model": 3})
     with pytest.raises(ConfigError, match=r"runs on one rank: tensor_parallel_size"):
         LLM(llama_dir, speculative_config={"model": llama_dir}, tensor_parallel_size=2)
+    short = make_tiny_model("llama", str(tmp_path / "short"), tokenizer_dir, max_position=64)
+    with pytest.raises(ConfigError, match=r"speculative_config.model supports 64 positions, fewer than max_model_len"):
+        LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", speculative_config={"model": short})
     other = save_random_model("LlamaConfig", str(tmp_path / "v"), tokenizer_dir, vocab_size=50000)
     with pytest.raises(ConfigError, match=r"vocabulary of 50000 tokens and the model 49152: a draft model must "):
         LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", speculative_config={"model": other})

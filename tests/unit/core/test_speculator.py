@@ -266,3 +266,31 @@ def test_recent_outputs_stay_bounded_and_never_draft_across_two_outputs():
         recent.add(list(range(100 * i, 100 * i + 9)))
     assert recent.total <= 40 and recent.propose([901, 902], 2) == [903, 904]
     assert recent.propose([1, 2], 2) == []  # dropped with the older half
+
+
+def test_recent_outputs_are_kept_apart_by_cache_salt(always_draft):
+    """A request under another prefix-cache salt (another tenant, another adapter) drafts nothing from the first's
+    answer; one under the same salt does."""
+    import dataclasses
+
+    answer = list(range(300, 330))
+    c = make_core(num_blocks=64, script=copying_script({0: answer}), speculative=NGRAM)
+    kept = []
+    for rid, salt in (("first", "a"), ("other", "b"), ("same", "a")):
+        req = dataclasses.replace(request(rid, [10 + len(rid), 11, 12], max_tokens=30, temperature=0.0, seed=0),
+                                  cache_salt=salt)
+        c.add(req)
+        assert samples(run(c)[rid])[0][0] == answer
+        kept.append(c.speculator.counts.accepted_tokens - sum(kept))
+    assert kept[0] == kept[1] == 0 and kept[2] > 15
+
+
+def test_the_last_ngram_of_an_output_does_not_hide_an_earlier_one():
+    from ember.core.ngram import RecentOutputs
+
+    recent = RecentOutputs(2)
+    recent.add([1, 2, 3, 4])
+    recent.add([7, 1, 2])  # (1, 2) ends this output: the older occurrence, followed by 3 4, still drafts
+    assert recent.propose([1, 2], 2) == [3, 4]
+    recent.add([1, 2, 9, 1, 2])  # inside this output (1, 2) is followed by 9: the latest with a follower
+    assert recent.propose([1, 2], 2) == [9, 1]
