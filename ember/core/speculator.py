@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from ember.config import SpeculativeConfig
 from ember.core.ngram import NgramIndex, RecentOutputs
 from ember.core.request import Sequence
-from ember.protocol import SamplingRow
+from ember.protocol import DRAFT_PLACEHOLDER, SamplingRow
 
 # a verifying row's extra over a batch-1 decode step, measured on a 2-core Xeon (docs/speculative.md): 1 + 0.12 to
 # 0.22 with one drafted token, 1.23 to 1.31 with eight (SmolLM2-135M Q4_1, Qwen2.5-Coder-1.5B Q4_K_M)
@@ -52,7 +52,6 @@ _PRIOR_ACCEPT, _PRIOR_TRIES = 0.5, 1.0  # a = 0.5 before anything is measured
 # pay for its drafting steps, so nothing would ever be measured)
 _PRIOR_ACCEPT_DRAFT_MODEL = 0.7
 MAX_RECENT_SALTS = 8  # prefix-cache salts whose recent outputs are kept for n-gram lookup
-DRAFT_PLACEHOLDER = -1  # a draft model's token, for the worker to fill in the step (``worker.drafter``)
 
 
 @dataclass(slots=True)
@@ -193,11 +192,11 @@ class Speculator:
             cfg = self.config
             st = self.states[seq.seq_id] = _SeqState(NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
             predicted = seq.request.record.prediction_token_ids
-            if self.draft_cost is not None and not predicted:
-                st.prior = _PRIOR_ACCEPT_DRAFT_MODEL
             if predicted:
                 st.prediction = NgramIndex(1, cfg.prompt_lookup_max)
                 st.prediction.extend(predicted)
+            elif self.draft_cost is not None:
+                st.prior = _PRIOR_ACCEPT_DRAFT_MODEL
         return st
 
 

@@ -4,6 +4,7 @@ the core sends its workers each step and what they answer. Plain, typed, picklab
 executor speaks them without the engine."""
 
 from ember.protocol.batch import (
+                                  DRAFT_PLACEHOLDER,
                                   BlockCopy,
                                   CopyKind,
                                   LoRALoad,
@@ -35,7 +36,8 @@ from ember.protocol.status import FinishReason, RequestStatus
 from ember.protocol.window import KVWindow
 from ember.protocol.worker import PoolPlan, WorkerInfo
 
-__all__ = ["AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "CoreFailed", "CoreMessage", "CoreReady",
+__all__ = ["DRAFT_PLACEHOLDER", "AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "CoreFailed", "CoreMessage",
+           "CoreReady",
            "EngineCommand", "EngineOutput", "EngineRequest", "EngineStats", "FinishReason", "KVWindow", "LoRALoad",
            "ModelInfo", "NewSequence", "PoolPlan", "PromptLogprobsRows", "RequestStatus", "SampleOutput",
            "SamplingRow", "SchedulerOutput", "SchedulerStats", "Shutdown", "StepOutputs", "StopSample",

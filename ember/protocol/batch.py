@@ -97,6 +97,9 @@ class NewSequence:
     prompt_logprobs: int | None = None  # k: score the prompt tokens it computes (the top k of each too)
 
 
+DRAFT_PLACEHOLDER = -1  # a draft token the worker's draft model fills in the step (``SchedulerOutput.draft_token_ids``)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step, as the core sends it to every worker: new sequences in full, the others as diffs (tokens and KV

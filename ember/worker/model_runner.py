@@ -22,7 +22,7 @@ from ember.layers.lora import LoRABatch
 from ember.layers.sampler import Sampler, rank_logprobs
 from ember.lora.adapter import module_name, read_adapter
 from ember.model_loader import LoadedModel
-from ember.protocol import KVWindow, LoRALoad, SchedulerOutput, WorkerOutput
+from ember.protocol import DRAFT_PLACEHOLDER, KVWindow, LoRALoad, SchedulerOutput, WorkerOutput
 from ember.worker.drafter import Drafter
 from ember.worker.input_batch import InputBatch, StepRows
 
@@ -111,7 +111,7 @@ class ModelRunner:
         drafter = self.drafter
         if drafter is None:
             return {}
-        wants = {h: len(d) for h, d in out.draft_token_ids.items() if d and d[0] < 0}
+        wants = {h: len(d) for h, d in out.draft_token_ids.items() if d and d[0] == DRAFT_PLACEHOLDER}
         return drafter.propose(self.batch, self.tables, wants) if wants else {}
 
     def _state(self, handle: int, seed: int | None) -> RowState:
