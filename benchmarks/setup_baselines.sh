@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds one virtual environment per baseline engine, so that their pins never touch ember's own environment.
-#   benchmarks/setup_baselines.sh [hf] [vllm] [llamacpp]      (no argument: all three)
+#   benchmarks/setup_baselines.sh [hf] [vllm] [llamacpp] [llamacpp-draft]      (no argument: the first three)
 # Environments go to $EMBER_BENCH_VENVS (default .bench/venvs); `ember bench --backends ...` finds them there.
 # Each is made once (a stamp file marks success); delete the folder to rebuild.
 set -euo pipefail
@@ -44,7 +44,23 @@ for t in "${targets[@]}"; do
       CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'" \
         "$ROOT/llamacpp/bin/pip" install -q --no-cache-dir --no-binary llama-cpp-python llama-cpp-python psutil
       ;;
-    *) echo "unknown baseline '$t' (choose from hf, vllm, llamacpp)" >&2; exit 2 ;;
+    llamacpp-draft)
+      # llama.cpp's own speculative decoding: llama-speculative-simple built from the sdist of the llamacpp
+      # environment's llama-cpp-python (the same llama.cpp, the same flags); its driver runs in that environment
+      [ -f "$ROOT/llamacpp/.installed" ] || "$0" llamacpp
+      rm -rf "$ROOT/llamacpp-draft" && mkdir -p "$ROOT/llamacpp-draft"
+      version=$("$ROOT/llamacpp/bin/python" -c 'from importlib.metadata import version; print(version("llama-cpp-python"))')
+      "$ROOT/llamacpp/bin/pip" download -q --no-deps --no-binary :all: -d "$ROOT/llamacpp-draft" "llama-cpp-python==$version"
+      tar xzf "$ROOT/llamacpp-draft/llama_cpp_python-$version.tar.gz" -C "$ROOT/llamacpp-draft"
+      src="$ROOT/llamacpp-draft/llama_cpp_python-$version/vendor/llama.cpp"
+      noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+      log="$ROOT/llamacpp-draft/build.log"  # about 5 minutes on 2 cores; the compiler's warnings go to the log
+      { cmake -S "$src" -B "$ROOT/llamacpp-draft/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" &&
+        cmake --build "$ROOT/llamacpp-draft/build" --target llama-speculative-simple -j"$(nproc)"; } >"$log" 2>&1 ||
+        { tail -n 30 "$log" >&2; exit 1; }
+      ;;
+    *) echo "unknown baseline '$t' (choose from hf, vllm, llamacpp, llamacpp-draft)" >&2; exit 2 ;;
   esac
   touch "$stamp"
   echo "[$t] ready"

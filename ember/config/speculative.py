@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ember.config.checks import check, integer, one_of
+from ember.config.model import QUANT_METHODS
 from ember.errors import ConfigError
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -22,8 +23,11 @@ class SpeculativeConfig:
     ``disable_by_batch_size`` decoding rows (None: the engine's measured default).
 
     ``method="draft_model"``: ``model`` (a path, as the engine's ``model``: a smaller model sharing the model's
-    tokenizer) drafts greedily; ``num_speculative_tokens`` bounds its drafts (``worker.drafter``). Given a ``model``
-    and no ``method``, the method is ``draft_model``, as in vLLM."""
+    tokenizer) drafts greedily where prompt lookup finds nothing (lookup's drafts cost nothing to make);
+    ``num_speculative_tokens`` bounds its drafts (``worker.drafter``). Given a ``model``
+    and no ``method``, the method is ``draft_model``, as in vLLM. ``quantization`` is the draft's weight layout as
+    ``EngineConfig.quantization`` takes it (None: as stored; "int4" quantizes at load): a draft's weights decide
+    only speed, and at batch 1 its step costs about the bytes it reads."""
 
     method: str | None = None  # None: "draft_model" when a model is given, else "ngram"
     num_speculative_tokens: int = 8
@@ -31,6 +35,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
     model: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -48,6 +53,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and self.model is None:
             raise ConfigError("speculative_config.model is required by method='draft_model': pass the draft model's "
                               "path (a Hugging Face folder or a .gguf file sharing the model's tokenizer)")
+        if self.quantization is not None and self.model is None:
+            raise ConfigError(f"speculative_config.quantization={self.quantization!r} is only read with a draft "
+                              "model: leave it out, or pass speculative_config.model")
         if self.method != "draft_model" and self.model is not None:
             raise ConfigError(f"speculative_config.model={self.model!r} is only read by method='draft_model' (the "
                               f"method is {self.method!r}): leave it out, or set method='draft_model'")
@@ -74,4 +82,5 @@ _RULES = {
     "prompt_lookup_max": integer(1),
     "prompt_lookup_min": integer(1),
     "disable_by_batch_size": integer(1, optional=True),
+    "quantization": one_of(("none", *QUANT_METHODS), optional=True),
 }

@@ -22,9 +22,11 @@ A request with a prediction (OpenAI's predicted outputs) drafts from it first: t
 the output is still a copy of its start, else the tokens after the output's last 1..prompt_lookup_max tokens in it.
 Predictions draft also on an engine without ``speculative_config`` (then nothing else drafts).
 
-With a draft model (``method="draft_model"``) the core still decides k, counting each drafted token's cost to make
-(``WorkerInfo.draft_cost``, measured at start-up), and sends k placeholders: the worker's drafter fills them in the
-step and returns its tokens with the sampled ones (``worker.drafter``).
+With a draft model (``method="draft_model"``) free drafts still go first: a row whose prediction or lookup finds
+tokens drafts those (a copy costs nothing to draft; the model would spend a step a token on it). Elsewhere the core
+decides k for the model, counting each drafted token's cost to make (``WorkerInfo.draft_cost``, measured at
+start-up), and sends k placeholders: the worker's drafter fills them in the step and returns its tokens with the
+sampled ones (``worker.drafter``). Each source keeps its own acceptance estimate per request.
 """
 
 from __future__ import annotations
@@ -55,18 +57,41 @@ MAX_RECENT_SALTS = 8  # prefix-cache salts whose recent outputs are kept for n-g
 
 
 @dataclass(slots=True)
-class _SeqState:
-    index: NgramIndex
-    prediction: NgramIndex | None = None  # the request's predicted output, indexed
-    copied: int = 0  # output tokens known to equal the prediction's start; -1: the output left it
+class _Estimate:
+    """One draft source's decaying acceptance estimate for one request."""
+
+    prior: float = _PRIOR_ACCEPT
     accepted: float = 0.0  # decayed counts: drafts accepted, positions tried
     tried: float = 0.0
     last_kept: int = 1 << 30  # what the last verified draft kept (none yet: no cap)
-    prior: float = _PRIOR_ACCEPT
 
     @property
     def acceptance(self) -> float:
         return (self.accepted + self.prior * _PRIOR_TRIES) / (self.tried + _PRIOR_TRIES)
+
+    def k(self, weight: float, most: int, room: int, draft_cost: float = 0.0) -> int:
+        """The draft length this estimate pays for, within room and 2 + twice the last draft's kept tokens."""
+        return min(best_k(self.acceptance, weight, most, draft_cost), room, 2 + 2 * self.last_kept)
+
+    def idle(self) -> None:
+        """A step this source did not pay for: the estimate drifts back to the prior, so it is tried again."""
+        self.accepted *= _IDLE_DECAY
+        self.tried *= _IDLE_DECAY
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * _DECAY + accepted
+        self.tried = self.tried * _DECAY + min(accepted + 1, drafted)
+        self.last_kept = accepted
+
+
+@dataclass(slots=True)
+class _SeqState:
+    index: NgramIndex
+    prediction: NgramIndex | None = None  # the request's predicted output, indexed
+    copied: int = 0  # output tokens known to equal the prediction's start; -1: the output left it
+    lookup: _Estimate = field(default_factory=_Estimate)  # drafts free to make: the prediction's, the lookup's
+    model: _Estimate | None = None  # the draft model's (None: no draft model)
+    pending: _Estimate | None = None  # the source of the draft being verified
 
 
 @dataclass(slots=True)
@@ -113,7 +138,7 @@ class Speculator:
         # n-gram lookup also searches the outputs of recently finished requests with the same prefix-cache salt
         # (a salt isolates its users: another's answers must not speed theirs up), for the last prompt_lookup_max
         # tokens; the most recently used MAX_RECENT_SALTS salts keep theirs
-        self.recent: dict[object, RecentOutputs] | None = {} if lookup and config.method == "ngram" else None
+        self.recent: dict[object, RecentOutputs] | None = {} if lookup else None
         self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
         self.states: dict[int, _SeqState] = {}  # sequence id -> its lookup index and acceptance
         self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
@@ -130,40 +155,47 @@ class Speculator:
         if rows == 0 or rows > self.max_batch:
             return
         weight = draft_weight(rows)
-        cfg = self.config
         for seq in decoding:
             # a draft follows an output token: the last prompt token's row may still owe prompt logprobs
             if seq.num_output_tokens == 0 or not (self.lookup or seq.request.record.prediction_token_ids) \
                     or not may_speculate(seq):
                 continue
             # the draft and the token sampled after it must fit max_tokens (and max_model_len)
-            room = seq.max_num_tokens - seq.num_tokens - 1
-            st = self._state(seq)
-            model = self.draft_cost is not None and st.prediction is None  # a draft model makes this draft
-            k = min(best_k(st.acceptance, weight, cfg.num_speculative_tokens, self.draft_cost if model else 0.0),
-                    room, 2 + 2 * st.last_kept)
-            if k <= 0:
-                st.accepted *= _IDLE_DECAY
-                st.tried *= _IDLE_DECAY
-                continue
-            draft = _from_prediction(seq, st, k) if st.prediction is not None else []
-            if model:
-                draft = [DRAFT_PLACEHOLDER] * k
-            elif not draft and self.lookup:
-                st.index.extend(seq.token_ids[len(st.index.tokens):])
-                draft = st.index.propose(seq.token_ids, k)
-                recent = self.recent.get(seq.request.record.cache_salt) if self.recent is not None else None
-                if not draft and recent is not None:
-                    draft = recent.propose(seq.token_ids, k)
-            seq.draft_token_ids = draft
+            seq.draft_token_ids = self._draft(seq, self._state(seq), weight, seq.max_num_tokens - seq.num_tokens - 1)
+
+    def _draft(self, seq: Sequence, st: _SeqState, weight: float, room: int) -> list[int]:
+        """A draft free to make (the prediction's, else the lookup's) where its estimate pays for one and it finds
+        tokens; else, with a draft model, placeholders for as many tokens as its estimate pays for; else none."""
+        most = self.config.num_speculative_tokens
+        k = st.lookup.k(weight, most, room)
+        draft: list[int] = []
+        if k <= 0:
+            st.lookup.idle()
+        elif st.prediction is not None:
+            draft = _from_prediction(seq, st, k)
+        if k > 0 and not draft and self.lookup:
+            st.index.extend(seq.token_ids[len(st.index.tokens):])
+            draft = st.index.propose(seq.token_ids, k)
+            recent = self.recent.get(seq.request.record.cache_salt) if self.recent is not None else None
+            if not draft and recent is not None:
+                draft = recent.propose(seq.token_ids, k)
+        if draft:
+            st.pending = st.lookup
+            return draft
+        if st.model is None:
+            return []
+        k = st.model.k(weight, most, room, self.draft_cost)
+        if k <= 0:
+            st.model.idle()
+            return []
+        st.pending = st.model
+        return [DRAFT_PLACEHOLDER] * k
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """seq verified a draft of ``drafted`` tokens and kept the first ``accepted``."""
         st = self.states.get(seq.seq_id)
         if st is not None:
-            st.accepted = st.accepted * _DECAY + accepted
-            st.tried = st.tried * _DECAY + min(accepted + 1, drafted)
-            st.last_kept = accepted
+            (st.pending or st.lookup).record(drafted, accepted)
         c = self.counts
         c.drafts += 1
         c.drafted_tokens += drafted
@@ -195,8 +227,8 @@ class Speculator:
             if predicted:
                 st.prediction = NgramIndex(1, cfg.prompt_lookup_max)
                 st.prediction.extend(predicted)
-            elif self.draft_cost is not None:
-                st.prior = _PRIOR_ACCEPT_DRAFT_MODEL
+            if self.draft_cost is not None:
+                st.model = _Estimate(_PRIOR_ACCEPT_DRAFT_MODEL)
         return st
 
 

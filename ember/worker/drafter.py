@@ -9,11 +9,11 @@ blocks, and needs no block table of its own. A draft decides only speed, never o
 position), so a stale entry (a block shared through the prefix cache or copied on write) costs acceptance, not
 correctness.
 
-Per sequence the drafter knows how many leading positions of its draft KV hold the sequence's tokens. Before a draft
-it feeds the positions after those but the last (the whole prompt the first time, the draft's KV not being shared
-through the prefix cache; afterwards the tokens added since its last draft), in passes of at most ``max_tokens``
-(the step's budget); then it decodes greedily: the last token at its position, then each drafted token, one batched
-decode step per drafted token.
+Per sequence the drafter knows how many leading positions of its draft KV hold the sequence's tokens. A draft
+feeds the positions after those (the whole prompt the first time, the draft's KV not being shared through the
+prefix cache; afterwards the tokens added since its last draft, often just the last), in passes of at most
+``max_tokens`` (the step's budget), the last pass giving the first drafted token; then it decodes greedily, one
+batched decode step per further drafted token.
 """
 
 from __future__ import annotations
@@ -84,72 +84,86 @@ class Drafter:
         """handle -> k greedy draft tokens after its sequence's tokens, for every (handle, k) in ``wants``. The
         scheduler gave each such sequence blocks for k more tokens than it holds, where the draft's KV goes."""
         held = {h: batch.seqs[h] for h in wants}
-        self._catch_up(held, tables)
-        handles = list(wants)
-        drafts: dict[int, list[int]] = {h: [] for h in handles}
-        for step in range(max(wants.values())):
-            live = [h for h in handles if wants[h] > step]
-            tokens = [held[h].token_ids[-1] if step == 0 else drafts[h][-1] for h in live]
-            positions = [len(held[h].token_ids) - 1 + step for h in live]
-            logits = self._decode(live, held, tokens, positions, tables)
-            for h, t in zip(live, logits.argmax(dim=-1).tolist()):
+        drafts = {h: [t] for h, t in self._first(held, tables).items()}
+        for step in range(1, max(wants.values())):
+            live = [h for h in wants if wants[h] > step]
+            rows = [(held[h], [drafts[h][-1]], len(held[h].token_ids) - 1 + step) for h in live]
+            for h, t in zip(live, self._forward(rows, tables)):
                 drafts[h].append(t)
-        for h in handles:
-            n = len(held[h].token_ids)
-            self.cached[h] = _Cached(n, drafts[h][:-1])
+        for h in wants:
+            self.cached[h] = _Cached(len(held[h].token_ids), drafts[h][:-1])
         return drafts
 
-    def _catch_up(self, held: dict[int, HeldSequence], tables: torch.Tensor) -> None:
-        """Feed every sequence's tokens from the first its draft KV lacks up to (not including) its last, in
-        forward passes of at most ``max_tokens`` tokens (a long span is cut, as chunked prefill cuts a prompt)."""
-        spans = []  # (handle, first position, end)
-        for h, seq in held.items():
-            n = len(seq.token_ids)
-            c = self.cached.get(h)
-            valid = 0
-            if c is not None:
-                valid = min(c.valid, n - 1)
-                for t in c.fed:  # the drafted tokens the sequence kept are its tokens there
-                    if valid >= n - 1 or seq.token_ids[valid] != t:
-                        break
-                    valid += 1
-            if valid < n - 1:
-                spans.append((h, valid, n - 1))
-        while spans:
-            ids: list[int] = []
-            positions: list[int] = []
-            slots: list[int] = []
-            prefills, rest = [], []
-            for h, a, b in spans:
-                room = self.max_tokens - len(ids)
-                if room <= 0:
-                    rest.append((h, a, b))
-                    continue
-                end = min(b, a + room)
-                seq = held[h]
-                prefills.append(PrefillSpan(len(ids), end - a, end, self._table(seq, tables)))
-                ids.extend(seq.token_ids[a:end])
-                positions.extend(range(a, end))
-                slots.extend(self._slot(seq, p) for p in range(a, end))
-                if end < b:
-                    rest.append((h, end, b))
-            meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), 0, None, None,
-                                     prefills)
-            self.model(self._tensor(ids), self._tensor(positions), meta)
-            spans = rest
+    def _lacking(self, h: int, seq: HeldSequence) -> int:
+        """The first position of ``seq`` its draft KV lacks (at most its last token's)."""
+        n = len(seq.token_ids)
+        c = self.cached.get(h)
+        if c is None:
+            return 0
+        valid = min(c.valid, n - 1)
+        for t in c.fed:  # the drafted tokens the sequence kept are its tokens there
+            if valid >= n - 1 or seq.token_ids[valid] != t:
+                break
+            valid += 1
+        return valid
 
-    def _decode(self, live: list[int], held: dict[int, HeldSequence], tokens: list[int], positions: list[int],
-                tables: torch.Tensor) -> torch.Tensor:
-        """One batched decode step of the draft model: each row's token at its position; the logits."""
-        seqs = [held[h] for h in live]
-        width = max(len(s.block_ids) for s in seqs)
-        which = torch.tensor([s.row for s in seqs], dtype=torch.long)
-        slots = [self._slot(s, p) for s, p in zip(seqs, positions)]
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), len(live),
-                                 tables[which, :width].to(self.device),
-                                 torch.tensor([p + 1 for p in positions], dtype=torch.long, device=self.device), [])
-        hidden = self.model(self._tensor(tokens), self._tensor(positions), meta)
-        return self.model.compute_logits(hidden)
+    def _first(self, held: dict[int, HeldSequence], tables: torch.Tensor) -> dict[int, int]:
+        """Feed every sequence's tokens from the first its draft KV lacks through its last; handle -> the greedy
+        token after them. A pass holds at most ``max_tokens`` tokens: while more are left, passes feed the
+        earliest (never a span's last token, as chunked prefill cuts a prompt); the last pass feeds the rest and
+        gives the first drafted tokens, so a step whose drafts were all kept costs no pass more than one whose
+        draft was cut."""
+        spans = {h: [self._lacking(h, seq), len(seq.token_ids)] for h, seq in held.items()}
+        while sum(b - a for a, b in spans.values()) > self.max_tokens:
+            rows, room = [], self.max_tokens
+            for h, span in spans.items():
+                a, b = span
+                end = min(b - 1, a + room)
+                if end > a:
+                    rows.append((held[h], held[h].token_ids[a:end], a))
+                    room -= end - a
+                    span[0] = end
+            if not rows:  # every span is down to its last token: more rows than a pass holds, fed in one
+                break
+            self._forward(rows, tables, logits=False)
+        rows = [(held[h], held[h].token_ids[a:b], a) for h, (a, b) in spans.items()]
+        return dict(zip(spans, self._forward(rows, tables)))
+
+    def _forward(self, rows: list[tuple[HeldSequence, list[int], int]], tables: torch.Tensor,
+                 logits: bool = True) -> list[int]:
+        """One forward pass of the draft model over (sequence, tokens, first position) rows: a row of one token
+        is a decode row, a longer one a prefill span over the paged KV (as chunked prefill); the greedy token
+        after each row's last, in the rows' order ([] when ``logits`` is False)."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) > 1)  # decode rows first, as the kernels want
+        decodes = [rows[i] for i in order if len(rows[i][1]) == 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills, last = [], []
+        for i in order:
+            seq, tokens, a = rows[i]
+            b = a + len(tokens)
+            if b - a > 1:
+                prefills.append(PrefillSpan(len(ids), b - a, b, self._table(seq, tables)))
+            ids.extend(tokens)
+            positions.extend(range(a, b))
+            slots.extend(self._slot(seq, p) for p in range(a, b))
+            last.append(len(ids) - 1)
+        decode_tables = context_lens = None
+        if decodes:
+            width = max(len(seq.block_ids) for seq, _, _ in decodes)
+            which = torch.tensor([seq.row for seq, _, _ in decodes], dtype=torch.long)
+            decode_tables = tables[which, :width].to(self.device)
+            context_lens = self._tensor([a + 1 for _, _, a in decodes])
+        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, context_lens, prefills)
+        hidden = self.model(self._tensor(ids), self._tensor(positions), meta)
+        if not logits:
+            return []
+        tokens = self.model.compute_logits(hidden[self._tensor(last)]).argmax(dim=-1).tolist()
+        out = [0] * len(rows)
+        for i, t in zip(order, tokens):
+            out[i] = t
+        return out
 
     def _slot(self, seq: HeldSequence, position: int) -> int:
         bs = self.block_size

@@ -9,14 +9,18 @@ import pytest
 from conftest import hf_float32, hf_greedy, make_tiny_model, random_prompts, save_random_model
 
 import ember.core.speculator as speculator
+from ember.core.ngram import NgramIndex, RecentOutputs
 from ember import LLM, SamplingParams
 from ember.errors import ConfigError
 
 
-def _always_draft(monkeypatch) -> None:
+def _always_draft(monkeypatch, lookup: bool = False) -> None:
     """Every decoding row drafts all it may: the cost model would rightly refuse a draft model as big as the
-    target."""
+    target. lookup=False: only the draft model drafts (prompt lookup, which goes first, finds nothing)."""
     monkeypatch.setattr(speculator, "best_k", lambda acceptance, weight, most, draft_cost=0.0: most)
+    if not lookup:
+        monkeypatch.setattr(NgramIndex, "propose", lambda self, context, k: [])
+        monkeypatch.setattr(RecentOutputs, "propose", lambda self, context, k: [])
 
 
 def _draft(path: str, k: int = 4) -> dict:
@@ -25,7 +29,8 @@ def _draft(path: str, k: int = 4) -> dict:
 
 def _run(model: str, prompts, sp, **kw):
     with LLM(model, dtype="float32", **{"kv_cache_memory": "64MiB", **kw}) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        outs = llm.generate([p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts], sp,
+                            use_tqdm=False)
         return [[c.token_ids for c in o.outputs] for o in outs], [o.outputs[0].logprobs for o in outs], llm.stats()
 
 
@@ -43,18 +48,38 @@ def test_greedy_tokens_and_logprobs_whatever_the_draft(llama_dir, other_drafts, 
     want, want_lps, _ = _run(llama_dir, prompts, sp)
     hf = hf_float32(llama_dir)
     assert [w[0] for w in want] == [hf_greedy(hf, p, 24) for p in prompts]
-    for draft in (llama_dir, *other_drafts):
-        got, lps, stats = _run(llama_dir, prompts, sp, speculative_config=_draft(draft))
-        assert got == want, draft
+    quantized = {**_draft(llama_dir), "quantization": "int4"}  # the target's weights in int4 drafting for it
+    for config in (_draft(llama_dir), *map(_draft, other_drafts), quantized):
+        draft = config["model"]
+        got, lps, stats = _run(llama_dir, prompts, sp, speculative_config=config)
+        assert got == want, config
         for a_seq, b_seq in zip(lps, want_lps):
             for a, b in zip(a_seq, b_seq):
                 assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
         drafted, kept = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
         assert drafted > 60, stats
-        if draft == llama_dir:  # the target drafting for itself: every drafted token is its own next token
+        if config is quantized:  # int4 rounding flips the near-uniform argmaxes of a random model: some kept
+            assert 0 < kept < drafted, stats
+        elif draft == llama_dir:  # the target drafting for itself: every drafted token is its own next token
             assert kept == drafted, stats
         else:
             assert kept < drafted / 2, stats
+
+
+def test_prediction_drafts_and_model_drafts_in_one_engine_keep_the_tokens(llama_dir, other_drafts, monkeypatch):
+    """Free drafts (here a prediction: right for 16 tokens, then wrong) go first, the draft model's where they
+    find nothing or stop paying: the same tokens as without speculation, and both kinds of draft verified."""
+    _always_draft(monkeypatch, lookup=True)
+    prompts = random_prompts(4, 5, 30, 49152, 12)
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want, _, _ = _run(llama_dir, prompts, sp)
+    junk = random_prompts(1, 16, 16, 49152, 13)[0]
+    predicted = [{"prompt_token_ids": p, "prediction_token_ids": w[0][:16] + junk} for p, w in zip(prompts, want)]
+    for draft in (llama_dir, other_drafts[0]):
+        got, _, stats = _run(llama_dir, predicted, sp, speculative_config=_draft(draft))
+        drafted, kept = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+        assert got == want, draft
+        assert 4 * 10 <= kept < drafted, (draft, stats)  # most of the predictions' right tokens kept, no junk
 
 
 def test_preemption_chunked_prefill_prefix_caching_and_parallel_samples(llama_dir, monkeypatch):
@@ -100,6 +125,11 @@ def test_draft_model_config_errors(llama_dir, tmp_path, tokenizer_dir):
         LLM(llama_dir, speculative_config={"method": "draft_model"})
     with pytest.raises(ConfigError, match=r"speculative_config.model=.* is only read by method='draft_model'"):
         LLM(llama_dir, speculative_config={"method": "ngram", "model": llama_dir})
+    with pytest.raises(ConfigError, match=r"speculative_config.quantization='int3' is not supported: use one of "
+                                          r"'none', 'int8', 'int4', 'w8a8' or None"):
+        LLM(llama_dir, speculative_config={"model": llama_dir, "quantization": "int3"})
+    with pytest.raises(ConfigError, match=r"speculative_config.quantization='int4' is only read with a draft model"):
+        LLM(llama_dir, speculative_config={"quantization": "int4"})
     with pytest.raises(ConfigError, match=r"speculative_config.model=3 is not a path"):
         LLM(llama_dir, speculative_config={"model": 3})
     with pytest.raises(ConfigError, match=r"runs on one rank: tensor_parallel_size"):

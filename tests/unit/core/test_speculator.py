@@ -14,7 +14,7 @@ from ember.config import EngineConfig, SpeculativeConfig
 from ember.core.ngram import NgramIndex
 from ember.core.speculator import best_k, draft_weight
 from ember.errors import ConfigError
-from ember.protocol import FinishReason
+from ember.protocol import DRAFT_PLACEHOLDER, FinishReason
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -294,3 +294,27 @@ def test_the_last_ngram_of_an_output_does_not_hide_an_earlier_one():
     assert recent.propose([1, 2], 2) == [3, 4]
     recent.add([1, 2, 9, 1, 2])  # inside this output (1, 2) is followed by 9: the latest with a follower
     assert recent.propose([1, 2], 2) == [9, 1]
+
+
+def test_with_a_draft_model_lookup_drafts_first_and_the_model_where_it_finds_nothing(always_draft):
+    """With a draft model the prompt lookup still drafts first (its tokens cost nothing to make); a sequence it
+    finds nothing for gets the draft model's placeholders, and each source keeps its own estimate."""
+    prompt = [10 + i for i in range(40)]
+    c = make_core(num_blocks=64, script=copying_script({0: prompt, 1: [90, 91, 92, 93, 94, 95]}), speculative=NGRAM)
+    c.add(request("copy", prompt, max_tokens=30, temperature=0.0, seed=0))
+    c.add(request("new", [60, 61, 62, 63], max_tokens=30, temperature=0.0, seed=1))
+    for _ in range(3):
+        c.step()
+    spec = c.speculator
+    spec.draft_cost, spec.states = 0.1, {}  # as an engine with a draft model measures it (fresh estimates)
+    running = {s.request.request_id: s for s in c.scheduler.running}
+    spec.propose(list(running.values()))
+    copy, new = running["copy"], running["new"]
+    at = copy.num_output_tokens
+    assert copy.draft_token_ids == prompt[at:at + 4]
+    assert new.draft_token_ids == [DRAFT_PLACEHOLDER] * 4
+    spec.record(new, 4, 0)
+    spec.record(copy, 4, 4)
+    model, lookup = spec.states[new.seq_id].model, spec.states[new.seq_id].lookup
+    assert model.tried > 0 and model.acceptance < 0.7 and lookup.tried == 0
+    assert spec.states[copy.seq_id].lookup.accepted == 4 and spec.states[copy.seq_id].model.tried == 0
