@@ -9,6 +9,9 @@ ROOT=${EMBER_BENCH_VENVS:-.bench/venvs}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$ROOT"
 targets=("$@")
+# llama.cpp without its AMX matmul, which segfaults in ggml_backend_amx_mul_mat on the first prompt on AMX Xeons
+# here (llama-cpp-python 0.3.36); -march=native would turn it on: the explicit -mno-amx-* flags win over it
+noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 [ ${#targets[@]} -eq 0 ] && targets=(hf vllm llamacpp)
 
 fresh() {  # fresh NAME: a new venv with the CPU build of torch when asked
@@ -37,23 +40,21 @@ for t in "${targets[@]}"; do
       ;;
     llamacpp)
       fresh llamacpp
-      # builds llama.cpp from source (about 4 minutes on 2 cores), tuned for this CPU; without its AMX matmul, which
-      # segfaults in ggml_backend_amx_mul_mat on the first prompt on AMX Xeons here (llama-cpp-python 0.3.36)
-      # (-march=native would turn it on: the explicit -mno-amx-* flags win over it)
-      noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+      # builds llama.cpp from source (about 4 minutes on 2 cores), tuned for this CPU, without AMX ($noamx)
       CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'" \
         "$ROOT/llamacpp/bin/pip" install -q --no-cache-dir --no-binary llama-cpp-python llama-cpp-python psutil
       ;;
     llamacpp-draft)
       # llama.cpp's own speculative decoding: llama-speculative-simple built from the sdist of the llamacpp
       # environment's llama-cpp-python (the same llama.cpp, the same flags); its driver runs in that environment
-      [ -f "$ROOT/llamacpp/.installed" ] || "$0" llamacpp
+      [ -f "$ROOT/llamacpp/.installed" ] || benchmarks/setup_baselines.sh llamacpp  # (cd'ed to the repository)
       rm -rf "$ROOT/llamacpp-draft" && mkdir -p "$ROOT/llamacpp-draft"
-      version=$("$ROOT/llamacpp/bin/python" -c 'from importlib.metadata import version; print(version("llama-cpp-python"))')
-      "$ROOT/llamacpp/bin/pip" download -q --no-deps --no-binary :all: -d "$ROOT/llamacpp-draft" "llama-cpp-python==$version"
+      version=$("$ROOT/llamacpp/bin/python" -c \
+        'from importlib.metadata import version; print(version("llama-cpp-python"))')
+      "$ROOT/llamacpp/bin/pip" download -q --no-deps --no-binary :all: -d "$ROOT/llamacpp-draft" \
+        "llama-cpp-python==$version"
       tar xzf "$ROOT/llamacpp-draft/llama_cpp_python-$version.tar.gz" -C "$ROOT/llamacpp-draft"
       src="$ROOT/llamacpp-draft/llama_cpp_python-$version/vendor/llama.cpp"
-      noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
       log="$ROOT/llamacpp-draft/build.log"  # about 5 minutes on 2 cores; the compiler's warnings go to the log
       { cmake -S "$src" -B "$ROOT/llamacpp-draft/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" &&

@@ -162,6 +162,9 @@ def run_bench(args: argparse.Namespace) -> dict:
              "distributed_executor_backend": args.distributed_executor_backend}
     if "ember" in backends and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         options["ember"] = {**split, **options.get("ember", {})}
+    if "llamacpp-draft" in backends and args.mode != "latency":
+        raise ValueError(f"--backends llamacpp-draft runs in latency mode only (llama-speculative-simple serves one "
+                         f"request a process), not {args.mode}")
     drafting = [b for b in backends if b.endswith("-draft")]
     if drafting:
         if not args.draft_model:

@@ -113,10 +113,9 @@ class EngineConfig:
         if self.speculative_config is not None and self.attention_window is not None:
             raise ConfigError("speculative_config is not supported with attention_window (StreamingLLM): a rejected "
                               "draft's KV would overwrite a slot the window still attends to; leave one of them None")
-        if getattr(self.speculative_config, "method", None) == "draft_model" and (
-                self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
-            raise ConfigError("speculative_config method='draft_model' runs on one rank: tensor_parallel_size and "
-                              "pipeline_parallel_size must be 1 (method='ngram' works split)")
+        if getattr(self.speculative_config, "method", None) == "draft_model" and self.pipeline_parallel_size > 1:
+            raise ConfigError("speculative_config method='draft_model' runs whole on every tensor-parallel rank, "
+                              "not split in stages: pipeline_parallel_size must be 1 (method='ngram' works split)")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model={self.model!r} is not a path: pass a Hugging Face folder, a .gguf file, an "
                               ".asmodel file or None (the default model)")

@@ -25,9 +25,10 @@ class SpeculativeConfig:
     ``method="draft_model"``: ``model`` (a path, as the engine's ``model``: a smaller model sharing the model's
     tokenizer) drafts greedily where prompt lookup finds nothing (lookup's drafts cost nothing to make);
     ``num_speculative_tokens`` bounds its drafts (``worker.drafter``). Given a ``model``
-    and no ``method``, the method is ``draft_model``, as in vLLM. ``quantization`` is the draft's weight layout as
-    ``EngineConfig.quantization`` takes it (None: as stored; "int4" quantizes at load): a draft's weights decide
-    only speed, and at batch 1 its step costs about the bytes it reads."""
+    and no ``method``, the method is ``draft_model``, as in vLLM. ``quantization`` is the draft's weight layout:
+    None (as stored), "none", "int8", "int4" or "w8a8", quantized at load as ``EngineConfig.quantization`` does
+    (no calibrated algorithm): a draft's weights decide only speed, and at batch 1 its step costs about the bytes
+    it reads."""
 
     method: str | None = None  # None: "draft_model" when a model is given, else "ngram"
     num_speculative_tokens: int = 8

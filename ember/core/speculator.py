@@ -26,7 +26,8 @@ With a draft model (``method="draft_model"``) free drafts still go first: a row 
 tokens drafts those (a copy costs nothing to draft; the model would spend a step a token on it). Elsewhere the core
 decides k for the model, counting each drafted token's cost to make (``WorkerInfo.draft_cost``, measured at
 start-up), and sends k placeholders: the worker's drafter fills them in the step and returns its tokens with the
-sampled ones (``worker.drafter``). Each source keeps its own acceptance estimate per request.
+sampled ones (``worker.drafter``). Free drafts (prediction, lookup) share one acceptance estimate per request, the
+model has its own; while free drafts run, the model's estimate stands still.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class _Estimate:
         self.tried *= _IDLE_DECAY
 
     def record(self, drafted: int, accepted: int) -> None:
+        """A verified draft: ``accepted`` of its ``drafted`` tokens kept (a rejection counts its position tried)."""
         self.accepted = self.accepted * _DECAY + accepted
         self.tried = self.tried * _DECAY + min(accepted + 1, drafted)
         self.last_kept = accepted

@@ -50,6 +50,19 @@ def all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def broadcast(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """TP rank 0's ``x`` on every TP rank of the stage (each passes a tensor of the same shape and dtype)."""
+    if ctx.tp_size == 1:
+        return x
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    x = x.contiguous()
+    dist.broadcast(x, src=ctx.tp_root, group=ctx.tp_group)
+    COMM.add("broadcast", start)
+    return x
+
+
 def gather_last_dim(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor | None:
     """Concatenate each TP rank's slice along the last dim on TP rank 0; None on the other ranks."""
     if ctx.tp_size == 1:

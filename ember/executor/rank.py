@@ -49,6 +49,8 @@ def rank_model_config(model: ModelConfig, local_rank: int, ranks_on_node: int) -
         changes["device"] = f"cuda:{local_rank}"
     elif ranks_on_node > 1:
         changes["num_threads"] = max(1, (model.num_threads or os.cpu_count() or 1) // ranks_on_node)
+    if changes and model.draft is not None:  # the draft model runs beside the rank's share, on its device
+        changes["draft"] = dataclasses.replace(model.draft, **changes)
     return dataclasses.replace(model, **changes) if changes else model
 
 

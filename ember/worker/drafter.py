@@ -39,6 +39,15 @@ class _Cached:
     fed: list[int]
 
 
+@dataclass(slots=True)
+class _Row:
+    """A sequence's tokens a draft pass feeds, from position ``start`` on (one token: a decode row)."""
+
+    seq: HeldSequence
+    tokens: list[int]
+    start: int
+
+
 class Drafter:
     def __init__(self, loaded: LoadedModel, device: torch.device, block_size: int, kv_cache_dtype: str,
                  batch_invariant: bool, max_tokens: int = 2048) -> None:
@@ -87,8 +96,8 @@ class Drafter:
         drafts = {h: [t] for h, t in self._first(held, tables).items()}
         for step in range(1, max(wants.values())):
             live = [h for h in wants if wants[h] > step]
-            rows = [(held[h], [drafts[h][-1]], len(held[h].token_ids) - 1 + step) for h in live]
-            for h, t in zip(live, self._forward(rows, tables)):
+            rows = [_Row(held[h], [drafts[h][-1]], len(held[h].token_ids) - 1 + step) for h in live]
+            for h, t in zip(live, self._greedy(rows, tables)):
                 drafts[h].append(t)
         for h in wants:
             self.cached[h] = _Cached(len(held[h].token_ids), drafts[h][:-1])
@@ -120,50 +129,51 @@ class Drafter:
                 a, b = span
                 end = min(b - 1, a + room)
                 if end > a:
-                    rows.append((held[h], held[h].token_ids[a:end], a))
+                    rows.append(_Row(held[h], held[h].token_ids[a:end], a))
                     room -= end - a
                     span[0] = end
             if not rows:  # every span is down to its last token: more rows than a pass holds, fed in one
                 break
-            self._forward(rows, tables, logits=False)
-        rows = [(held[h], held[h].token_ids[a:b], a) for h, (a, b) in spans.items()]
-        return dict(zip(spans, self._forward(rows, tables)))
+            self._pass(rows, tables)
+        rows = [_Row(held[h], held[h].token_ids[a:b], a) for h, (a, b) in spans.items()]
+        return dict(zip(spans, self._greedy(rows, tables)))
 
-    def _forward(self, rows: list[tuple[HeldSequence, list[int], int]], tables: torch.Tensor,
-                 logits: bool = True) -> list[int]:
-        """One forward pass of the draft model over (sequence, tokens, first position) rows: a row of one token
-        is a decode row, a longer one a prefill span over the paged KV (as chunked prefill); the greedy token
-        after each row's last, in the rows' order ([] when ``logits`` is False)."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) > 1)  # decode rows first, as the kernels want
-        decodes = [rows[i] for i in order if len(rows[i][1]) == 1]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills, last = [], []
-        for i in order:
-            seq, tokens, a = rows[i]
-            b = a + len(tokens)
-            if b - a > 1:
-                prefills.append(PrefillSpan(len(ids), b - a, b, self._table(seq, tables)))
-            ids.extend(tokens)
-            positions.extend(range(a, b))
-            slots.extend(self._slot(seq, p) for p in range(a, b))
-            last.append(len(ids) - 1)
-        decode_tables = context_lens = None
-        if decodes:
-            width = max(len(seq.block_ids) for seq, _, _ in decodes)
-            which = torch.tensor([seq.row for seq, _, _ in decodes], dtype=torch.long)
-            decode_tables = tables[which, :width].to(self.device)
-            context_lens = self._tensor([a + 1 for _, _, a in decodes])
-        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, context_lens, prefills)
-        hidden = self.model(self._tensor(ids), self._tensor(positions), meta)
-        if not logits:
-            return []
+    def _greedy(self, rows: list[_Row], tables: torch.Tensor) -> list[int]:
+        """One pass over ``rows``; the greedy token after each row's last, in the rows' order."""
+        hidden, order, last = self._pass(rows, tables)
         tokens = self.model.compute_logits(hidden[self._tensor(last)]).argmax(dim=-1).tolist()
         out = [0] * len(rows)
         for i, t in zip(order, tokens):
             out[i] = t
         return out
+
+    def _pass(self, rows: list[_Row], tables: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """One forward pass of the draft model, writing its KV: one-token rows as decode rows (first, as the
+        kernels want), longer ones as prefill spans over the paged KV (as chunked prefill). The hidden states,
+        the rows' order in the pass and each one's last index there."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) > 1)
+        decodes = [rows[i] for i in order if len(rows[i].tokens) == 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills, last = [], []
+        for i in order:
+            row = rows[i]
+            end = row.start + len(row.tokens)
+            if len(row.tokens) > 1:
+                prefills.append(PrefillSpan(len(ids), len(row.tokens), end, self._table(row.seq, tables)))
+            ids.extend(row.tokens)
+            positions.extend(range(row.start, end))
+            slots.extend(self._slot(row.seq, p) for p in range(row.start, end))
+            last.append(len(ids) - 1)
+        decode_tables = context_lens = None
+        if decodes:
+            width = max(len(r.seq.block_ids) for r in decodes)
+            which = torch.tensor([r.seq.row for r in decodes], dtype=torch.long)
+            decode_tables = tables[which, :width].to(self.device)
+            context_lens = self._tensor([r.start + 1 for r in decodes])
+        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, context_lens, prefills)
+        return self.model(self._tensor(ids), self._tensor(positions), meta), order, last
 
     def _slot(self, seq: HeldSequence, position: int) -> int:
         bs = self.block_size

@@ -112,7 +112,16 @@ class ModelRunner:
         if drafter is None:
             return {}
         wants = {h: len(d) for h, d in out.draft_token_ids.items() if d and d[0] == DRAFT_PLACEHOLDER}
-        return drafter.propose(self.batch, self.tables, wants) if wants else {}
+        if not wants:
+            return {}
+        drafts = drafter.propose(self.batch, self.tables, wants)
+        if self.parallel.tp_size > 1:  # every rank's forward takes TP rank 0's tokens, should a rank round apart
+            flat = comm.broadcast(torch.tensor([t for h in wants for t in drafts[h]], device=self.device),
+                                  self.parallel).tolist()
+            at = 0
+            for h, k in wants.items():
+                drafts[h], at = flat[at:at + k], at + k
+        return drafts
 
     def _state(self, handle: int, seed: int | None) -> RowState:
         state = self.states.get(handle)

@@ -240,7 +240,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def load_draft(config: ModelConfig, target: LoadedModel) -> LoadedModel:
     """The draft model, checked against the target: one vocabulary (the same tokenizer's ids)."""
-    draft = load_model(config, ParallelContext())
+    try:
+        draft = load_model(config, ParallelContext())
+    except ValueError as e:  # the layout asked for does not fit the file: named as the user wrote it
+        if str(e).startswith("quantization="):
+            raise ConfigError(f"speculative_config.{e}") from None
+        raise
     if draft.shape.vocab_size != target.shape.vocab_size:
         raise ConfigError(f"speculative_config.model={config.path!r} has a vocabulary of {draft.shape.vocab_size} "
                           f"tokens and the model {target.shape.vocab_size}: a draft model must share the model's "

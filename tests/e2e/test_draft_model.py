@@ -99,6 +99,18 @@ def test_preemption_chunked_prefill_prefix_caching_and_parallel_samples(llama_di
     assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
 
 
+def test_a_draft_model_beside_a_model_split_over_two_ranks(llama_dir, monkeypatch):
+    """Each tensor-parallel rank holds the whole draft model and its KV pool and drafts the same tokens; the target
+    drafting for itself under T=2 keeps every draft and gives the tokens of one rank."""
+    _always_draft(monkeypatch)
+    prompts = random_prompts(4, 5, 30, 49152, 14)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want, _, _ = _run(llama_dir, prompts, sp)
+    got, _, stats = _run(llama_dir, prompts, sp, speculative_config=_draft(llama_dir), tensor_parallel_size=2)
+    assert got == want
+    assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+
+
 def test_seeded_sampling_draws_the_same_tokens(llama_dir, other_drafts, monkeypatch):
     """A draft's tokens are greedy: a sampling row keeps one where its own draw (seeded by seed and position) is
     that token, so seeded samples are those of one-token steps."""
@@ -132,8 +144,8 @@ def test_draft_model_config_errors(llama_dir, tmp_path, tokenizer_dir):
         LLM(llama_dir, speculative_config={"quantization": "int4"})
     with pytest.raises(ConfigError, match=r"speculative_config.model=3 is not a path"):
         LLM(llama_dir, speculative_config={"model": 3})
-    with pytest.raises(ConfigError, match=r"runs on one rank: tensor_parallel_size"):
-        LLM(llama_dir, speculative_config={"model": llama_dir}, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"not split in stages: pipeline_parallel_size must be 1"):
+        LLM(llama_dir, speculative_config={"model": llama_dir}, pipeline_parallel_size=2)
     short = make_tiny_model("llama", str(tmp_path / "short"), tokenizer_dir, max_position=64)
     with pytest.raises(ConfigError, match=r"speculative_config.model supports 64 positions, fewer than max_model_len"):
         LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", speculative_config={"model": short})

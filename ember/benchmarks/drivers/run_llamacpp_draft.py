@@ -4,8 +4,10 @@ the very same GGUF files, greedy, EOS not consulted, llama.cpp's own draft setti
 tokens a draft, no cut on the draft's own probability; ``--option llamacpp-draft.draft_max=N`` sets
 ``--spec-draft-n-max``, ``draft_p_min=P`` ``--spec-draft-p-min``). Latency mode only.
 
-The example prints totals, not token arrivals: its prompt time ("encoded") and its decode time and token count
-("decoded"), and the tokens it drafted and kept. A request's token times here are its decode time spread evenly
+The example reads its prompt as text: the request's token ids are detokenized (special tokens kept) and
+llama.cpp tokenizes them again, so its prompt count (reported) may differ by a token or two. It prints totals,
+not token arrivals: its prompt time ("encoded") and its decode time and token count ("decoded"), and the tokens
+it drafted and kept. A request's token times here are its decode time spread evenly
 after its prompt time, so the harness's time per output token (a request's decode time over its tokens after the
 first) is llama.cpp's own figure; TTFT is its prompt time plus one such share. Model loading is not timed, as in
 the other drivers."""
@@ -36,7 +38,7 @@ def load(spec: dict) -> dict:
     return {"spec": spec, "vocab": vocab}
 
 
-def _one(engine: dict, r: dict) -> tuple[dict, str]:
+def _one(engine: dict, r: dict) -> dict:
     spec, opts = engine["spec"], engine["spec"]["options"]
     text = engine["vocab"].detokenize(r["prompt_token_ids"], special=True).decode("utf-8", errors="replace")
     threads = str(spec.get("threads") or os.cpu_count())
@@ -63,16 +65,15 @@ def _one(engine: dict, r: dict) -> tuple[dict, str]:
     prompt_s = float(found["encoded"].group(2))
     n, decode_s = int(found["decoded"].group(1)), float(found["decoded"].group(2))
     times = [prompt_s + decode_s * (i + 1) / n for i in range(n)]
-    out = output_record(len(r["prompt_token_ids"]), n, times)
+    out = output_record(int(found["encoded"].group(1)), n, times)  # the prompt as llama.cpp tokenized its text
     out.update(draft_tokens=int(found["drafted"].group(1)), accepted_draft_tokens=int(found["accepted"].group(1)))
-    return out, log
+    return out
 
 
 def latency(engine: dict, spec: dict) -> dict:
     outputs, start = [], time.perf_counter()
     for r in spec["requests"]:
-        out, _ = _one(engine, r)
-        outputs.append(out)
+        outputs.append(_one(engine, r))
     return {"wall_s": time.perf_counter() - start, "outputs": outputs}
 
 
