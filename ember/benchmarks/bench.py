@@ -165,6 +165,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     if "llamacpp-draft" in backends and args.mode != "latency":
         raise ValueError(f"--backends llamacpp-draft runs in latency mode only (llama-speculative-simple serves one "
                          f"request a process), not {args.mode}")
+    if args.draft_quantization is not None and "ember-draft" not in backends:
+        raise ValueError("--draft-quantization is read by the ember-draft backend only: add it to --backends")
     drafting = [b for b in backends if b.endswith("-draft")]
     if drafting:
         if not args.draft_model:

@@ -58,6 +58,11 @@ def _one(engine: dict, r: dict) -> dict:
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"llamacpp-draft: {' '.join(cmd)} exited with {proc.returncode}:\n{log[-3000:]}")
+    return parse(log)
+
+
+def parse(log: str) -> dict:
+    """The output record of one run from the example's printed totals (token times spread as the module says)."""
     found = {k: re.search(p, log) for k, p in _FIGURES.items()}
     missing = [k for k, m in found.items() if m is None]
     if missing:
