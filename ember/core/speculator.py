@@ -170,18 +170,9 @@ class Speculator:
         tokens; else, with a draft model, placeholders for as many tokens as its estimate pays for; else none."""
         most = self.config.num_speculative_tokens
         k = st.lookup.k(weight, most, room)
-        draft: list[int] = []
         if k <= 0:
             st.lookup.idle()
-        elif st.prediction is not None:
-            draft = _from_prediction(seq, st, k)
-        if k > 0 and not draft and self.lookup:
-            st.index.extend(seq.token_ids[len(st.index.tokens):])
-            draft = st.index.propose(seq.token_ids, k)
-            recent = self.recent.get(seq.request.record.cache_salt) if self.recent is not None else None
-            if not draft and recent is not None:
-                draft = recent.propose(seq.token_ids, k)
-        if draft:
+        elif draft := self._free(seq, st, k):
             st.pending = st.lookup
             return draft
         if st.model is None:
@@ -192,6 +183,16 @@ class Speculator:
             return []
         st.pending = st.model
         return [DRAFT_PLACEHOLDER] * k
+
+    def _free(self, seq: Sequence, st: _SeqState, k: int) -> list[int]:
+        """Up to k tokens from the prediction, else from the sequence's own tokens, else from recent outputs."""
+        draft = _from_prediction(seq, st, k) if st.prediction is not None else []
+        if draft or not self.lookup:
+            return draft
+        st.index.extend(seq.token_ids[len(st.index.tokens):])
+        draft = st.index.propose(seq.token_ids, k)
+        recent = self.recent.get(seq.request.record.cache_salt) if self.recent is not None else None
+        return draft or (recent.propose(seq.token_ids, k) if recent is not None else [])
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """seq verified a draft of ``drafted`` tokens and kept the first ``accepted``."""

@@ -37,9 +37,8 @@ from ember.protocol.window import KVWindow
 from ember.protocol.worker import PoolPlan, WorkerInfo
 
 __all__ = ["DRAFT_PLACEHOLDER", "AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "CoreFailed", "CoreMessage",
-           "CoreReady",
-           "EngineCommand", "EngineOutput", "EngineRequest", "EngineStats", "FinishReason", "KVWindow", "LoRALoad",
-           "ModelInfo", "NewSequence", "PoolPlan", "PromptLogprobsRows", "RequestStatus", "SampleOutput",
+           "CoreReady", "EngineCommand", "EngineOutput", "EngineRequest", "EngineStats", "FinishReason", "KVWindow",
+           "LoRALoad", "ModelInfo", "NewSequence", "PoolPlan", "PromptLogprobsRows", "RequestStatus", "SampleOutput",
            "SamplingRow", "SchedulerOutput", "SchedulerStats", "Shutdown", "StepOutputs", "StopSample",
            "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo", "WorkerOutput",
            "WorkerStats"]
