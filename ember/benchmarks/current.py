@@ -3,8 +3,9 @@
 A record is what ``ember bench ... --out`` writes (mode, machine, model, backends, every run, medians, ratios).
 The current one for a (machine, model, mode, workload) is the newest by the date the harness stamps in
 ``machine.date``. Records that set ember against nothing but its own variants (``ember-variant``, ``ember-lora``,
-``ember-json``: ablations) are left to the docs that discuss them. The block goes between two marker comments of
-the document, so the hand-written method around it stays; ``--check`` says whether the document is up to date.
+``ember-json``: ablations) and speculative decoding's text-prompt runs are left to the docs that discuss them. The
+block goes between two marker comments of the document, so the hand-written method around it stays; ``--check``
+says whether the document is up to date.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def is_ablation(record: dict) -> bool:
     return len(backends) > 1 and all(b.startswith("ember") for b in backends)
 
 
+def belongs_elsewhere(record: dict) -> bool:
+    """Records another document holds with what they need around them: ablations, and speculative decoding's
+    text-prompt latency runs (docs/speculative.md: acceptance, ablations, llama.cpp's own drafting)."""
+    return is_ablation(record) or record.get("prompts") == "text"
+
+
 def load(bench_dir: str) -> list[Entry]:
     out = []
     for path in sorted(glob.glob(os.path.join(bench_dir, "**", "*.json"), recursive=True)):
@@ -95,11 +102,12 @@ def load(bench_dir: str) -> list[Entry]:
 
 
 def current(entries: list[Entry]) -> list[Entry]:
-    """The newest record of each (machine, model, mode, workload), ablations left out; ordered machine by machine
-    (CPUs first), the model with the most tables first, then throughput W1..W4, latency, serving."""
+    """The newest record of each (machine, model, mode, workload), those another document holds left out
+    (``belongs_elsewhere``); ordered machine by machine (CPUs first), the model with the most tables first, then
+    throughput W1..W4, latency, serving."""
     newest: dict[tuple, Entry] = {}
     for e in entries:
-        if is_ablation(e.record):
+        if belongs_elsewhere(e.record):
             continue
         k = e.key()
         if k not in newest or (e.date, e.path) > (newest[k].date, newest[k].path):
@@ -127,7 +135,7 @@ def chart_path(entry: Entry) -> str:
 def _title(e: Entry) -> str:
     r = e.record
     if r["mode"] == "latency":
-        return f"{e.model}: batch-1 latency" + (f", {e.workload} prompts" if e.workload else "")
+        return f"{e.model}: batch-1 latency"
     what = "serving over HTTP" if r.get("http") else r["mode"]
     return f"{e.model}: {e.workload or 'workload not recorded'} {what}"
 
@@ -139,17 +147,13 @@ def _workload_line(e: Entry) -> str:
         for fig in r["median"].values():
             for k, f in fig.items():
                 if k.startswith("prompt_") and isinstance(f, dict):
-                    lens.append(k[7:])  # a prompt length, or a text prompt's kind (--prompts text)
+                    lens.append(int(k[7:]))
                     outs.add(f.get("output_tokens"))
                     runs.add(f.get("runs"))
-        lens = sorted(set(lens), key=lambda x: (not x.isdigit(), int(x) if x.isdigit() else 0, x))
+        lens = sorted(set(lens))
         out = ", ".join(f"{x:.0f}" for x in sorted(x for x in outs if x is not None)) or "not recorded"
         per = ", ".join(f"{x:.0f}" for x in sorted(x for x in runs if x is not None)) or "not recorded"
-        if r.get("prompts") == "text":
-            return (f"One request at a time: chat prompts of {', '.join(lens)} kinds "
-                    f"(ember/benchmarks/text_prompts.py), {out} output tokens, {per} requests per kind and repeat; "
-                    "TPOT = time per output token after the first.")
-        return (f"One request at a time: prompts of {' and '.join(lens)} tokens, {out} output tokens, "
+        return (f"One request at a time: prompts of {' and '.join(map(str, lens))} tokens, {out} output tokens, "
                 f"{per} requests per prompt length and repeat; TPOT = time per output token after the first.")
     desc = r.get("workload_description") or "description not recorded"
     text = f"{e.workload} {desc}"
@@ -210,11 +214,12 @@ def render(bench_dir: str, doc_path: str) -> str:
     out = [BEGIN, "", "## Results", "", _wrap(
            f"The newest record in [{_link(bench_dir, doc_dir)}/]({_link(bench_dir, doc_dir)}/) for each machine, "
            "model, mode and workload (newest by the date the harness stamps in the record), leaving out ablations "
-           "(ember against nothing but its own variants, such as `ember-variant`, `ember-lora` or `ember-json`: "
-           "the docs that discuss them cite their records). Medians over the repeats, each repeat's figure in "
-           "parentheses; \"ember / backend\" is ember's median over the backend's (output tokens/s, or batch-1 "
-           "decode tokens/s). Figures compare within one record: records of the same machine name may come from "
-           "different machines (a record names the CPU model, not its generation).")]
+           "(ember against nothing but its own variants, such as `ember-variant`, `ember-lora` or `ember-json`) and "
+           "speculative decoding's text-prompt runs: the docs that discuss them cite their records. Medians over "
+           "the repeats, each repeat's figure in parentheses; \"ember / backend\" is ember's median over the "
+           "backend's (output tokens/s, or batch-1 decode tokens/s). Figures compare within one record: records of "
+           "the same machine name may come from different machines (a record names the CPU model, not its "
+           "generation).")]
     kind = None
     for e in chosen:
         if e.kind != kind:
