@@ -113,7 +113,6 @@ def test_the_cost_model_drafts_less_as_acceptance_falls_and_the_batch_grows():
     assert best_k(0.95, full, 8) > 0  # unless nearly every drafted token is kept
 
 
-
 def test_a_draft_models_steps_count_against_its_drafts():
     """A draft model's token costs draft_cost of a target step to make: a copy (a = 0.99) still drafts long with a
     draft at half the target's cost, ordinary agreement (a = 0.7) only a short draft or none, and a draft as costly
