@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ember.config.checks import check, integer, one_of
+from ember.config.checks import check, integer, number, one_of
 from ember.config.model import QUANT_METHODS
 from ember.errors import ConfigError
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +22,12 @@ class SpeculativeConfig:
     measured acceptance pays for (``core.speculator``); no row drafts in a step with more than
     ``disable_by_batch_size`` decoding rows (None: the engine's measured default).
 
+    ``method="suffix"``: suffix decoding (``core.suffix``): the longest earlier match of the sequence's last
+    tokens (up to ``suffix_decoding_max_tree_depth``) in its prompt and output and in the outputs of the last
+    ``suffix_decoding_max_cached_requests`` finished requests (0: none); the continuation most of its occurrences
+    share, while that share stays >= ``suffix_decoding_min_token_prob``, at most
+    ``suffix_decoding_max_spec_factor`` tokens a matched token. ``num_speculative_tokens`` defaults to the depth.
+
     ``method="draft_model"``: ``model`` (a path, as the engine's ``model``: a smaller model sharing the model's
     tokenizer) drafts greedily where prompt lookup finds nothing (lookup's drafts cost nothing to make);
     ``num_speculative_tokens`` bounds its drafts (``worker.drafter``). Given a ``model``
@@ -31,16 +37,23 @@ class SpeculativeConfig:
     it reads."""
 
     method: str | None = None  # None: "draft_model" when a model is given, else "ngram"
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int | None = None  # None: suffix_decoding_max_tree_depth for "suffix", else 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
     model: str | None = None
     quantization: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method is None:
             object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens",
+                               self.suffix_decoding_max_tree_depth if self.method == "suffix" else 8)
         try:
             check(self, _RULES)
         except ConfigError as e:  # named as the user wrote it
@@ -57,6 +70,10 @@ class SpeculativeConfig:
         if self.quantization is not None and self.model is None:
             raise ConfigError(f"speculative_config.quantization={self.quantization!r} is only read with a draft "
                               "model: leave it out, or pass speculative_config.model")
+        changed = [f.name for f in fields(self) if f.name.startswith("suffix_") and getattr(self, f.name) != f.default]
+        if self.method != "suffix" and changed:
+            raise ConfigError(f"speculative_config.{changed[0]}={getattr(self, changed[0])!r} is only read by "
+                              f"method='suffix' (the method is {self.method!r}): leave it out, or set method='suffix'")
         if self.method != "draft_model" and self.model is not None:
             raise ConfigError(f"speculative_config.model={self.model!r} is only read by method='draft_model' (the "
                               f"method is {self.method!r}): leave it out, or set method='draft_model'")
@@ -84,4 +101,8 @@ _RULES = {
     "prompt_lookup_min": integer(1),
     "disable_by_batch_size": integer(1, optional=True),
     "quantization": one_of(("none", *QUANT_METHODS), optional=True),
+    "suffix_decoding_max_tree_depth": integer(2),
+    "suffix_decoding_max_cached_requests": integer(0),
+    "suffix_decoding_max_spec_factor": number(0.0, 64.0, low_open=True),
+    "suffix_decoding_min_token_prob": number(0.0, 1.0),
 }

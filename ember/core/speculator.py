@@ -16,7 +16,9 @@ matching is tried again later) and drafts the k in [0, num_speculative_tokens] t
 at most 2 + twice what its last draft kept: a copy that ends costs one long rejected draft, not several.
 Requests whose sampling reads the token history (penalties, bans), guided requests and beam searches do not draft.
 A request whose own tokens give no n-gram draft looks up its last ``prompt_lookup_max`` tokens in the outputs of
-recently finished requests with its prefix-cache salt (``ngram.RecentOutputs``).
+recently finished requests with its prefix-cache salt (``ngram.RecentOutputs``). With ``method="suffix"`` the
+lookup is suffix decoding's: the request's own ``suffix.SuffixIndex`` and the recent outputs'
+(``suffix.RecentSuffixes``) both draft, and the draft with more expected kept tokens goes.
 
 A request with a prediction (OpenAI's predicted outputs) drafts from it first: the prediction's next tokens while
 the output is still a copy of its start, else the tokens after the output's last 1..prompt_lookup_max tokens in it.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from ember.config import SpeculativeConfig
 from ember.core.ngram import NgramIndex, RecentOutputs
 from ember.core.request import Sequence
+from ember.core.suffix import RecentSuffixes, SuffixIndex
 from ember.protocol import DRAFT_PLACEHOLDER, SamplingRow
 
 # a verifying row's extra over a batch-1 decode step, measured on a 2-core Xeon (docs/speculative.md): 1 + 0.12 to
@@ -88,7 +91,7 @@ class _Estimate:
 
 @dataclass(slots=True)
 class _SeqState:
-    index: NgramIndex
+    index: NgramIndex | SuffixIndex  # the sequence's own tokens: SuffixIndex with method="suffix"
     prediction: NgramIndex | None = None  # the request's predicted output, indexed
     copied: int = 0  # output tokens known to equal the prediction's start; -1: the output left it
     lookup: _Estimate = field(default_factory=_Estimate)  # drafts free to make: the prediction's, the lookup's
@@ -140,7 +143,10 @@ class Speculator:
         # n-gram lookup also searches the outputs of recently finished requests with the same prefix-cache salt
         # (a salt isolates its users: another's answers must not speed theirs up), for the last prompt_lookup_max
         # tokens; the most recently used MAX_RECENT_SALTS salts keep theirs
-        self.recent: dict[object, RecentOutputs] | None = {} if lookup else None
+        self.recent: dict[object, RecentOutputs | RecentSuffixes] | None = {} if lookup else None
+        self.suffix = config.method == "suffix"
+        if self.suffix and not config.suffix_decoding_max_cached_requests:
+            self.recent = None
         self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
         self.states: dict[int, _SeqState] = {}  # sequence id -> its lookup index and acceptance
         self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
@@ -190,8 +196,12 @@ class Speculator:
         if draft or not self.lookup:
             return draft
         st.index.extend(seq.token_ids[len(st.index.tokens):])
-        draft = st.index.propose(seq.token_ids, k)
         recent = self.recent.get(seq.request.record.cache_salt) if self.recent is not None else None
+        if isinstance(st.index, SuffixIndex):  # the better of the sequence's own draft and the recent outputs'
+            own = st.index.speculate(seq.token_ids, k)
+            other = recent.speculate(seq.token_ids, k) if recent is not None else own
+            return (own if own.score >= other.score else other).tokens
+        draft = st.index.propose(seq.token_ids, k)
         return draft or (recent.propose(seq.token_ids, k) if recent is not None else [])
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -211,7 +221,7 @@ class Speculator:
         if self.recent is None or not seq.num_output_tokens:
             return
         salt = seq.request.record.cache_salt
-        recent = self.recent.pop(salt, None) or RecentOutputs(self.config.prompt_lookup_max)
+        recent = self.recent.pop(salt, None) or self._recent_outputs()
         self.recent[salt] = recent  # the most recently used last
         if len(self.recent) > MAX_RECENT_SALTS:
             del self.recent[next(iter(self.recent))]
@@ -221,11 +231,21 @@ class Speculator:
         for i in seq_ids:
             self.states.pop(i, None)
 
+    def _recent_outputs(self) -> RecentOutputs | RecentSuffixes:
+        cfg = self.config
+        if self.suffix:
+            return RecentSuffixes(cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_tree_depth,
+                                  cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
+        return RecentOutputs(cfg.prompt_lookup_max)
+
     def _state(self, seq: Sequence) -> _SeqState:
         st = self.states.get(seq.seq_id)
         if st is None:
             cfg = self.config
-            st = self.states[seq.seq_id] = _SeqState(NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+            index = SuffixIndex(cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor,
+                                cfg.suffix_decoding_min_token_prob, resync=True) if self.suffix \
+                else NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            st = self.states[seq.seq_id] = _SeqState(index)
             predicted = seq.request.record.prediction_token_ids
             if predicted:
                 st.prediction = NgramIndex(1, cfg.prompt_lookup_max)

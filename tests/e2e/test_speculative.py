@@ -78,16 +78,17 @@ def test_small_pool_chunked_prefill_and_lora_change_nothing(llama_dir, tmp_path,
     assert got == want
 
 
-def test_a_copy_task_on_the_default_model_keeps_most_drafts():
-    """The real SmolLM2-135M-Instruct asked to copy a passage: the n-gram drafts from the prompt are often kept, the
-    text is what one-token steps give, and a stop string cuts it at the same place."""
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_copy_task_on_the_default_model_keeps_most_drafts(method):
+    """The real SmolLM2-135M-Instruct asked to copy a passage: the drafts from the prompt (n-gram lookup, suffix
+    decoding) are often kept, the text is what one-token steps give, and a stop string cuts it at the same place."""
     passage = open(f"{TESTS}/data/alice_ch1.txt").read()[33:900]
     messages = [{"role": "user", "content": f'Copy this text:\n\n"""{passage}"""'}]
     sp = SamplingParams(max_tokens=96, temperature=0)
     stop = SamplingParams(max_tokens=96, temperature=0, stop=["sister"])
     with LLM() as base:
         want = [base.chat(messages, p, use_tqdm=False)[0].outputs[0] for p in (sp, stop)]
-    with LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+    with LLM(speculative_config={"method": method, "num_speculative_tokens": 4}) as llm:
         got = [llm.chat(messages, p, use_tqdm=False)[0].outputs[0] for p in (sp, stop)]
         stats = llm.stats()
     for g, w in zip(got, want):

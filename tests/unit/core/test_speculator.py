@@ -138,9 +138,9 @@ def test_ngram_index_finds_the_longest_latest_match():
 @given(num_blocks=st.integers(8, 40), budget=st.integers(8, 96), max_num_seqs=st.integers(1, 4),
        reqs=st.lists(st.tuples(st.lists(st.integers(3, 12), min_size=1, max_size=40), st.integers(0, 9),
                                st.integers(1, 30), st.booleans()), min_size=1, max_size=6),
-       block_size=st.sampled_from([1, 4, 16]))
+       block_size=st.sampled_from([1, 4, 16]), method=st.sampled_from(["ngram", "suffix"]))
 def test_speculation_changes_no_token_under_any_pool_budget_or_batch(num_blocks, budget, max_num_seqs, reqs,
-                                                                    block_size):
+                                                                    block_size, method):
     """Random prompts over a small vocabulary (many n-gram matches), 'models' that copy them with deviations and
     EOS, random pools (preemption), budgets (chunked prefill) and seats: with speculation every request ends with
     the tokens and finish reason it has without, the pool is whole after, and every block the prefix cache holds
@@ -156,8 +156,9 @@ def test_speculation_changes_no_token_under_any_pool_budget_or_batch(num_blocks,
         if num_blocks * block_size < max(len(p) + mt for p, mt in zip(prompts, max_tokens)):
             return  # a request the pool can never hold is interrupted: compared elsewhere
         base, want = _run(patterns, prompts, None, max_tokens, block_size=block_size, **kw)
-        core, got = _run(patterns, prompts, SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1),
-                         max_tokens, block_size=block_size, **kw)
+        spec = SpeculativeConfig(method="suffix", num_speculative_tokens=5) if method == "suffix" else \
+            SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1)
+        core, got = _run(patterns, prompts, spec, max_tokens, block_size=block_size, **kw)
     finally:
         speculator.DRAFT_STEP_COST, speculator.DRAFT_TOKEN_COST = costs
     assert got == want
