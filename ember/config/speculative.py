@@ -51,13 +51,18 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method is None:
             object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
-        if self.num_speculative_tokens is None:
-            object.__setattr__(self, "num_speculative_tokens",
-                               self.suffix_decoding_max_tree_depth if self.method == "suffix" else 8)
         try:
             check(self, _RULES)
         except ConfigError as e:  # named as the user wrote it
             raise ConfigError(f"speculative_config.{e}") from None
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens",
+                               self.suffix_decoding_max_tree_depth if self.method == "suffix" else 8)
+        if self.suffix_decoding_max_spec_factor * self.suffix_decoding_max_tree_depth < 1:
+            raise ConfigError(f"speculative_config.suffix_decoding_max_spec_factor="
+                              f"{self.suffix_decoding_max_spec_factor!r} is out of range: with "
+                              f"suffix_decoding_max_tree_depth={self.suffix_decoding_max_tree_depth} no match drafts "
+                              "a token; factor x depth must be >= 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} is out of range: it "
                               f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
@@ -96,7 +101,7 @@ class SpeculativeConfig:
 
 _RULES = {
     "method": one_of(SPECULATIVE_METHODS),
-    "num_speculative_tokens": integer(1),
+    "num_speculative_tokens": integer(1, optional=True),
     "prompt_lookup_max": integer(1),
     "prompt_lookup_min": integer(1),
     "disable_by_batch_size": integer(1, optional=True),

@@ -200,7 +200,10 @@ class Speculator:
         if isinstance(st.index, SuffixIndex):  # the better of the sequence's own draft and the recent outputs'
             own = st.index.speculate(seq.token_ids, k)
             other = recent.speculate(seq.token_ids, k) if recent is not None else own
-            return (own if own.score >= other.score else other).tokens
+            if own.score >= other.score:
+                return own.tokens
+            st.index.last = None  # the own draft was not sent: no resync from it
+            return other.tokens
         draft = st.index.propose(seq.token_ids, k)
         return draft or (recent.propose(seq.token_ids, k) if recent is not None else [])
 

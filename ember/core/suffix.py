@@ -15,7 +15,7 @@ latest ``MAX_OCCURRENCES`` positions of the last gram one matched token at a tim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KEY = 2  # the shortest match that drafts (one token matches everywhere)
 MAX_OCCURRENCES = 32  # latest occurrences of the last gram a lookup weighs: bounds its cost on repetitive text
@@ -42,8 +42,9 @@ class SuffixIndex:
     resync (an index of the sequence that drafts from it): where no match drafts, a copy that skipped or changed a
     token goes on. A model copying a text drops a word or changes a line break, its next tokens are the text's again,
     but the last two tokens are found nowhere; the sequence's last token found just past where the last draft was
-    read drafts what follows it there (an edit deletes, and the copy resumes a step sooner). Only right after a
-    draft from a long match (a copy, not a coincidence of common tokens), once."""
+    read drafts what follows it there (an edit deletes, and the copy resumes a step sooner; a changed token is
+    found nowhere, and the next step, the copy's next token, resyncs). Only within two steps of a draft from a long
+    match (a copy, not a coincidence of common tokens), and never after a resync's draft."""
 
     __slots__ = ("max_depth", "spec_factor", "min_prob", "resync", "tokens", "followers", "last")
 
@@ -75,7 +76,8 @@ class SuffixIndex:
         if self.resync:
             if not draft.tokens and self.last is not None:
                 draft = self._resync(context, k, *self.last)
-            self.last = (draft, len(context)) if draft.tokens else None
+            if draft.tokens:
+                self.last = (draft, len(context))
         return draft
 
     def _resync(self, context: list[int], k: int, last: SuffixDraft, at: int) -> SuffixDraft:
@@ -83,7 +85,7 @@ class SuffixIndex:
         the first place from where the copy would stand now (moved on by what context gained) where the text
         holds context's last token, within ``RESYNC_WINDOW``."""
         gained = len(context) - at
-        if last.match < RESYNC_MIN_MATCH or gained > len(last.tokens) + 1:
+        if last.match < RESYNC_MIN_MATCH or gained > len(last.tokens) + 2:
             return NO_DRAFT
         seq, token, start = self.tokens, context[-1], last.start + gained - 1
         for q in range(start, min(start + RESYNC_WINDOW, len(seq) - 1)):
@@ -104,11 +106,13 @@ class SuffixIndex:
                 while length < longest and length < p and seq[p - length - 1] == context[-length - 1]:
                     length += 1
             cap = min(k, int(length * self.spec_factor + 1e-6))
-            if (len(occ), cap) != walked:  # a longer match with the same occurrences and cap drafts the same
+            if (len(occ), cap) != walked:
                 walked = (len(occ), cap)
                 draft = self._walk(occ, cap, length)
                 if draft.score >= best.score and draft.tokens:
                     best = draft
+            elif best is draft:  # a longer match with the same occurrences and cap drafts the same: its length
+                best = draft = replace(draft, match=length)
             if len(occ) == 1 or length >= longest:
                 return best
             length += 1

@@ -29,7 +29,7 @@ def test_the_longest_match_drafts_not_the_latest():
 
 
 def test_the_continuation_most_occurrences_share_drafts_and_the_draft_stops_where_they_split():
-    """"5 6" is followed by 7 1 twice and 8 once: 7 has a share of 2/3; then the two "5 6 7" continue with 1 and 3
+    """"5 6" is followed by 7 twice and by 8 once: 7 has a share of 2/3; then the two "5 6 7" continue with 1 and 3
     (1/3 each, the latest wins a tie), under min_token_prob=0.4 the draft stops before it."""
     text = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 3, 4, 4, 5, 6]
     draft = _index(text).speculate(text, 2)
@@ -49,7 +49,7 @@ def test_a_short_match_drafts_at_most_spec_factor_tokens_a_matched_token():
 def test_a_copy_that_skips_a_token_resyncs_once_after_a_long_match():
     """The sequence copies a passage (a 10-token match drafts its next tokens); the model drops one of them: the
     last two tokens are found nowhere, and the resync drafts from just past the dropped token. It does not follow
-    a resync with another, nor a short match, nor without ``resync``."""
+    a resync with another, nor a short match, nor without ``resync``; a changed token resyncs a step later."""
     passage = list(range(100, 130))
     seq = [1, 2, 3, *passage, 4, 5, *passage[:10]]
     idx = _index(seq, depth=24)
@@ -59,11 +59,19 @@ def test_a_copy_that_skips_a_token_resyncs_once_after_a_long_match():
     seq.append(passage[11])  # passage[10] dropped
     idx.extend(seq[-1:])
     assert idx.speculate(seq, 4).tokens == passage[12:16]
-    seq.append(999)
+    plain = _index(seq)
+    assert plain.speculate(seq, 4).tokens == []  # no resync: nothing until the copy matches two tokens again
+    seq.append(passage[13])  # passage[12] dropped too, right after the resync's draft: no second resync
     idx.extend(seq[-1:])
     assert idx.speculate(seq, 4).tokens == []
-    plain = _index(seq[:-1])
-    assert plain.speculate(seq[:-1], 4).tokens == []  # no resync: nothing until the copy matches two tokens again
+    changed = [1, 2, 3, *passage, 4, 5, *passage[:10]]
+    idx = _index(changed)
+    idx.resync = True
+    assert idx.speculate(changed, 4).tokens == passage[10:14]
+    for token, want in ((999, []), (passage[11], passage[12:16])):  # passage[10] changed to 999, then the copy
+        changed.append(token)
+        idx.extend([token])
+        assert idx.speculate(changed, 4).tokens == want
     short = [1, 2, 3, *passage, 4, 5, *passage[:3]]
     idx = _index(short)
     idx.resync = True
@@ -71,6 +79,15 @@ def test_a_copy_that_skips_a_token_resyncs_once_after_a_long_match():
     short.append(passage[4])
     idx.extend(short[-1:])
     assert idx.speculate(short, 4).tokens == []
+
+
+def test_a_match_longer_than_its_draft_counts_its_whole_length():
+    """The passage copied twice before: its occurrences stay two as the match grows past the draft's cap; the draft
+    records the match's whole length (what the resync asks for)."""
+    passage = list(range(100, 130))
+    seq = [*passage, 1, *passage, 2, *passage[:12]]
+    draft = _index(seq).speculate(seq, 4)
+    assert draft.tokens == passage[12:16] and draft.match == 12
 
 
 def test_recent_suffixes_never_draft_across_two_outputs_and_stay_bounded():
@@ -123,6 +140,11 @@ def test_suffix_config_defaults_and_errors_name_the_key():
         SpeculativeConfig(method="suffix", suffix_decoding_max_spec_factor=float("nan"))
     with pytest.raises(ConfigError, match=r"suffix_decoding_max_tree_depth=1 is out of range: it must be an int"):
         SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=1)
+    with pytest.raises(ConfigError, match=r"suffix_decoding_max_tree_depth=0 is out of range"):
+        SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=0)
+    with pytest.raises(ConfigError, match=r"suffix_decoding_max_spec_factor=0\.01 is out of range: with "
+                                          r"suffix_decoding_max_tree_depth=24 no match drafts a token"):
+        SpeculativeConfig(method="suffix", suffix_decoding_max_spec_factor=0.01)
     with pytest.raises(ConfigError, match=r"suffix_decoding_max_tree_depth=8 is only read by method='suffix' \(the "
                                           r"method is 'ngram'\)"):
         SpeculativeConfig(suffix_decoding_max_tree_depth=8)
