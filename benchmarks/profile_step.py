@@ -8,6 +8,7 @@ kernels' time too.
     python benchmarks/profile_step.py --model /tmp/qwen2.5-coder-1.5b-q4_k_m.gguf --context 256 --modules
     EMBER_CPU_KERNELS=0 python benchmarks/profile_step.py --batch 48 --context 400   # the torch fallback
     python benchmarks/profile_step.py --prefill --batch 1 --context 512 --modules      # a prefill step
+    python benchmarks/profile_step.py --verify 4 --context 256   # a row verifying 4 drafted tokens
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main() -> None:
     ap.add_argument("--modules", action="store_true", help="time each layer module (hooks) instead of the ops")
     ap.add_argument("--prefill", action="store_true",
                     help="a prefill step instead: B sequences of L new prompt tokens each, empty caches")
+    ap.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="B rows verifying K drafted tokens each at context L (speculative decoding's step: K + 1 "
+                         "tokens a row, a draft span over the paged cache, every position's logits)")
     args = ap.parse_args()
 
     from ember.config import EngineConfig
@@ -47,7 +51,15 @@ def main() -> None:
     nbl = -(-L // cfg.block_size)
     tables = torch.arange(B * nbl).view(B, nbl)
     slots = tables[:, (L - 1) // cfg.block_size] * cfg.block_size + (L - 1) % cfg.block_size
-    if args.prefill:  # each sequence's L tokens in one span; the LM head reads each sequence's last row only
+    if args.verify:  # each sequence's last K + 1 tokens new, every one of them a sampled position
+        K = args.verify + 1
+        flat = (tables[:, :, None] * cfg.block_size + torch.arange(cfg.block_size)).view(B, -1)
+        slots = flat[:, L - K:L].reshape(-1)
+        meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(b * K, K, L, tables[b], draft=True)
+                                                        for b in range(B)])
+        ids, pos = torch.randint(100, 1000, (B * K,)), torch.arange(L - K, L).repeat(B)
+        last = torch.arange(B * K)
+    elif args.prefill:  # each sequence's L tokens in one span; the LM head reads each sequence's last row only
         slots = (tables[:, :, None] * cfg.block_size + torch.arange(cfg.block_size)).view(B, -1)[:, :L].reshape(-1)
         meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(b * L, L, L, tables[b]) for b in range(B)])
         ids, pos = torch.randint(100, 1000, (B * L,)), torch.arange(L).repeat(B)
@@ -67,7 +79,7 @@ def main() -> None:
     for _ in range(n):
         step()
     ms = 1e3 * (time.perf_counter() - start) / n
-    kind = "prefill of" if args.prefill else "decode at"
+    kind = "prefill of" if args.prefill else f"verifying {args.verify} drafted at" if args.verify else "decode at"
     print(f"batch {B}, {kind} context {L}, {args.dtype}, quantization {args.quantization}: {ms:.2f} ms a step")
     if args.modules:
         module_times(model, step)

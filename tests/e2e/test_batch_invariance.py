@@ -80,7 +80,7 @@ def test_int8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
     s32 = qt.scales.view(-1).float()
     x = torch.randn(70, k, generator=g).bfloat16()
     alone = _rows_alone(lambda r: avx512.int8_gemm(r, qt.data, s32), x)
-    for m in (2, 3, 4, 5, 6, 8, 9, 17, 64, 70):
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 17, 64, 70):
         assert torch.equal(avx512.int8_gemm(x[:m], qt.data, s32), alone[:m]), f"{m} rows"
         assert torch.equal(avx512.int8_gemm(x[-m:], qt.data, s32), alone[-m:]), f"last {m} rows"
     ref = F.linear(x.float(), qt.dequantize(torch.float32))
