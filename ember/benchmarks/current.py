@@ -154,7 +154,7 @@ def _workload_line(e: Entry) -> str:
         out = ", ".join(f"{x:.0f}" for x in sorted(x for x in outs if x is not None)) or "not recorded"
         per = ", ".join(f"{x:.0f}" for x in sorted(x for x in runs if x is not None)) or "not recorded"
         return (f"One request at a time: prompts of {' and '.join(map(str, lens))} tokens, {out} output tokens, "
-                f"{per} requests per prompt length and repeat; TPOT = time per output token after the first.")
+                f"{per} requests per prompt length and repeat.")
     desc = r.get("workload_description") or "description not recorded"
     text = f"{e.workload} {desc}"
     if r.get("num_requests") is not None:
@@ -171,10 +171,11 @@ def _workload_line(e: Entry) -> str:
 def _setup_line(e: Entry) -> str:
     r, m = e.record, e.machine
     parts = [f"Recorded {e.date or '(date not recorded)'}"]
-    machine = [m.get("gpu"), m.get("cpu") or "CPU not recorded",
-               f"{m['cores']} cores" if m.get("cores") else "cores not recorded",
-               f"torch {m['torch']}" if m.get("torch") else None, f"Python {m['python']}" if m.get("python") else None]
-    parts.append("machine: " + ", ".join(x for x in machine if x))
+    # a CPU record's heading names its CPU and cores, a GPU record's only the GPU
+    machine = [m.get("cpu") or "CPU not recorded", f"{m['cores']} cores" if m.get("cores") else "cores not recorded"] \
+        if m.get("gpu") else []
+    machine += [f"torch {m['torch']}" if m.get("torch") else None, f"Python {m['python']}" if m.get("python") else None]
+    parts.append(", ".join(x for x in machine if x) or "machine not recorded")
     threads = r.get("threads")
     parts.append(f"{threads} threads a backend" if threads else "threads not recorded")
     repeats = r.get("repeats")
@@ -189,8 +190,7 @@ def _setup_line(e: Entry) -> str:
     versions = list(dict.fromkeys(v for v in (r.get("versions") or {}).values() if v))
     if versions:
         parts.append("versions: " + "; ".join(versions))
-    parts.append(f"model `{r.get('model') or 'not recorded'}`")
-    return "; ".join(parts) + "."
+    return "; ".join(parts) + "."  # the heading names the model file, the command its path
 
 
 def section(e: Entry, doc_dir: str) -> str:
@@ -217,7 +217,8 @@ def render(bench_dir: str, doc_path: str) -> str:
            "(ember against nothing but its own variants, such as `ember-variant`, `ember-lora` or `ember-json`) and "
            "speculative decoding's text-prompt runs: the docs that discuss them cite their records. Medians over "
            "the repeats, each repeat's figure in parentheses; \"ember / backend\" is ember's median over the "
-           "backend's (output tokens/s, or batch-1 decode tokens/s). Figures compare within one record: records of "
+           "backend's (output tokens/s, or batch-1 decode tokens/s); TPOT is the time per output token after the first. "
+           "Figures compare within one record: records of "
            "the same machine name may come from different machines (a record names the CPU model, not its "
            "generation).")]
     kind = None
