@@ -1,5 +1,5 @@
-"""Suffix decoding (Oliaro et al., arXiv 2411.04975; vLLM's ``method="suffix"``): drafts from every earlier
-occurrence of the sequence's latest tokens, weighted by how often each continuation followed them, in the sequence
+"""Suffix decoding (Oliaro et al., arXiv 2411.04975; vLLM's ``method="suffix"``): drafts from the earlier
+occurrences of the sequence's latest tokens, weighted by how often each continuation followed them, in the sequence
 itself and in the outputs of recently finished requests.
 
 Prompt lookup (``ngram.NgramIndex``) takes the tokens after one occurrence of a fixed-length n-gram. Here the
