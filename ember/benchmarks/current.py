@@ -217,10 +217,9 @@ def render(bench_dir: str, doc_path: str) -> str:
            "(ember against nothing but its own variants, such as `ember-variant`, `ember-lora` or `ember-json`) and "
            "speculative decoding's text-prompt runs: the docs that discuss them cite their records. Medians over "
            "the repeats, each repeat's figure in parentheses; \"ember / backend\" is ember's median over the "
-           "backend's (output tokens/s, or batch-1 decode tokens/s); TPOT is the time per output token after the first. "
-           "Figures compare within one record: records of "
-           "the same machine name may come from different machines (a record names the CPU model, not its "
-           "generation).")]
+           "backend's (output tokens/s, or batch-1 decode tokens/s); TPOT is the time per output token after the "
+           "first. Figures compare within one record: records of the same machine name may come from different "
+           "machines (a record names the CPU model, not its generation).")]
     kind = None
     for e in chosen:
         if e.kind != kind:
