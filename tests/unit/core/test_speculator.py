@@ -52,11 +52,13 @@ def _cached_blocks_are_real(core, finished_tokens: list[list[int]]) -> None:
         assert tokens in real, (block, tokens)
 
 
-def test_drafts_copied_from_the_prompt_verify_and_the_output_is_unchanged(always_draft):
+@pytest.mark.parametrize("spec", [NGRAM, SpeculativeConfig(method="suffix", num_speculative_tokens=4)],
+                         ids=["ngram", "suffix"])
+def test_drafts_copied_from_the_prompt_verify_and_the_output_is_unchanged(always_draft, spec):
     prompt = [10 + i for i in range(24)]
     patterns = {0: prompt[4:12] + [99] + prompt[13:] + prompt[:4]}  # copies the prompt, one token its own
     base, want = _run(patterns, [prompt], None, [40])
-    core, got = _run(patterns, [prompt], NGRAM, [40])
+    core, got = _run(patterns, [prompt], spec, [40])
     assert got == want
     counts = core.speculator.counts
     assert counts.accepted_tokens > 20 and counts.drafted_tokens > counts.accepted_tokens  # kept and rejected
