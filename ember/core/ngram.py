@@ -59,6 +59,19 @@ class NgramIndex:
 SEPARATOR = -1  # between two outputs in ``RecentOutputs``: no n-gram across it matches, no draft runs past it
 
 
+def newest_half(outputs: list[list[int]], max_tokens: int, max_outputs: int | None = None) -> tuple[list, int]:
+    """The newest outputs within half of ``max_tokens`` (each counted with its separator) and of ``max_outputs``
+    (at least one), oldest first, and their tokens: what a bounded store of recent outputs keeps when full."""
+    most = max(1, max_outputs // 2) if max_outputs is not None else len(outputs)
+    kept, total = [], 0
+    for out in reversed(outputs):
+        if total + len(out) + 1 > max_tokens // 2 or len(kept) >= most:
+            break
+        kept.append(out)
+        total += len(out) + 1
+    return kept[::-1], total
+
+
 class RecentOutputs:
     """The outputs of recently finished requests, as one index (suffix decoding's observation: agents, templated
     answers and retried requests repeat earlier answers). A request whose own tokens give no draft looks here, for
@@ -82,13 +95,7 @@ class RecentOutputs:
         if self.total <= self.max_tokens:
             self._index(tokens)
             return
-        kept, total = [], 0
-        for out in reversed(self.outputs):  # the newest half
-            if total + len(out) + 1 > self.max_tokens // 2:
-                break
-            kept.append(out)
-            total += len(out) + 1
-        self.outputs, self.total = kept[::-1], total
+        self.outputs, self.total = newest_half(self.outputs, self.max_tokens)
         self.index = NgramIndex(self.n, self.n)
         for out in self.outputs:
             self._index(out)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ember.core.ngram import SEPARATOR, newest_half  # SEPARATOR: between two documents of one index
+
 KEY = 2  # the shortest match that drafts (one token matches everywhere)
 MAX_OCCURRENCES = 32  # latest occurrences of the last gram a lookup weighs: bounds its cost on repetitive text
-SEPARATOR = -1  # between two documents of one index: no match crosses it, no draft runs past it
 RESYNC_WINDOW = 16  # how far past where a copy stood a resync looks for the sequence's last token
 RESYNC_MIN_MATCH = 8  # a resync follows a draft from a match this long (a copy), not any short match
 
@@ -168,13 +169,7 @@ class RecentSuffixes:
         if self.total <= self.max_tokens and len(self.outputs) <= self.max_requests:
             self.index.extend([*tokens, SEPARATOR])
             return
-        kept, total = [], 0
-        for out in reversed(self.outputs):  # the newest half, in tokens and in outputs
-            if total + len(out) + 1 > self.max_tokens // 2 or len(kept) >= max(1, self.max_requests // 2):
-                break
-            kept.append(out)
-            total += len(out) + 1
-        self.outputs, self.total = kept[::-1], total
+        self.outputs, self.total = newest_half(self.outputs, self.max_tokens, self.max_requests)
         index = self.index
         self.index = SuffixIndex(index.max_depth, index.spec_factor, index.min_prob)
         for out in self.outputs:
