@@ -34,5 +34,4 @@ def oracle_drafts(monkeypatch: Any, prompts: list[list[int]], outputs: list[list
         return []
 
     monkeypatch.setattr(NgramIndex, "propose", propose)
-    monkeypatch.setattr(speculator, "DRAFT_STEP_COST", 0.0)
-    monkeypatch.setattr(speculator, "DRAFT_TOKEN_COST", 0.0)
+    monkeypatch.setattr(speculator, "verify_extra", lambda k, costs=None: 0.0)

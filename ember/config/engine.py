@@ -179,7 +179,8 @@ class EngineConfig:
                                 self.seed, self.num_threads, None, None, self.enforce_eager, self.batch_invariant)
         return ModelConfig(model_path(self.model), tokenizer, self.dtype, device, self.quantization,
                            self.quant_group_size, self.quantize_embeddings, self.seed, self.num_threads, calibration,
-                           lora, self.enforce_eager, self.batch_invariant, draft)
+                           lora, self.enforce_eager, self.batch_invariant, draft,
+                           spec.num_speculative_tokens if spec is not None else 0)
 
     def _cache(self) -> CacheConfig:
         fraction, source = self.kv_cache_memory_fraction, "kv_cache_memory_fraction"

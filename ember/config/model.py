@@ -91,6 +91,7 @@ class ModelConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs
     batch_invariant: bool = True  # kernels whose per-row results do not depend on the batch (EngineConfig)
     draft: "ModelConfig | None" = None  # speculative decoding's draft model, loaded beside this one (worker.drafter)
+    verify_tokens: int = 0  # speculative decoding's longest draft: start-up times verifying 1 .. this many (0: none)
 
 
 @dataclass(frozen=True, slots=True)

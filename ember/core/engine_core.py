@@ -89,8 +89,9 @@ class EngineCore:
         # speculative decoding: from the sequences' own tokens when configured; predictions draft either way (not
         # under a StreamingLLM window: a rejected draft's KV would overwrite slots the window still reads)
         spec = resolved.speculative
-        self.speculator = Speculator(spec or SpeculativeConfig(), lookup=spec is not None,
-                                     draft_cost=info.draft_cost) if window is None else None
+        self.speculator = None if window is not None else Speculator(
+            spec or SpeculativeConfig(), lookup=spec is not None, draft_cost=info.draft_cost,
+            verify_costs=info.verify_costs)
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len, self.speculator)
         self.guides = Guides(grammars)
         self.writer = StepWriter()

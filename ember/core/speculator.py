@@ -7,10 +7,11 @@ to the first that differs from its sample, plus that sample. Accepting exactly t
 produced keeps the output what decoding one token a step gives, token for token (greedy, and seeded sampling since
 a draw depends only on the seed and the position), and the distribution for unseeded sampling.
 
-How many tokens to draft: verifying a draft of k tokens costs a batch-1 step ``DRAFT_STEP_COST + k *
-DRAFT_TOKEN_COST`` more (the row runs as a short prefill span, and every drafted token adds its compute and its
-logits); in a step of B decoding rows that extra weighs B (F + 1) / (F + B) times as much against the row's share of
-the step, F = ``FIXED_COST_ROWS`` (the weights' read, in rows' worth). With per-token acceptance a the row gains
+How many tokens to draft: verifying a draft of k tokens costs a batch-1 step ``verify_costs[k] - 1`` more, as
+timed on this machine at start-up (``worker.verify_cost``; the row runs as a short prefill span, and every drafted
+token adds its compute and its logits), or ``DRAFT_STEP_COST + k * DRAFT_TOKEN_COST`` where nothing was timed; in a
+step of B decoding rows that extra weighs B (F + 1) / (F + B) times as much against the row's share of the step,
+F = ``FIXED_COST_ROWS`` (the weights' read, in rows' worth). With per-token acceptance a the row gains
 1 + a + ... + a^k tokens. Each request keeps a decaying estimate of a (so a request that stopped
 matching is tried again later) and drafts the k in [0, num_speculative_tokens] that maximises gain per cost, and
 at most 2 + twice what its last draft kept: a copy that ends costs one long rejected draft, not several.
@@ -42,8 +43,9 @@ from ember.core.request import Sequence
 from ember.core.suffix import RecentSuffixes, SuffixIndex
 from ember.protocol import DRAFT_PLACEHOLDER, SamplingRow
 
-# a verifying row's extra over a batch-1 decode step, measured on a 2-core Xeon (docs/speculative.md): 1 + 0.12 to
-# 0.22 with one drafted token, 1.23 to 1.31 with eight (SmolLM2-135M Q4_1, Qwen2.5-Coder-1.5B Q4_K_M)
+# a verifying row's extra over a batch-1 decode step where start-up timed none (several ranks, predictions without
+# speculative_config), as measured on a 2-core Xeon with AMX (docs/speculative.md): 1 + 0.12 to 0.22 with one
+# drafted token, 1.23 to 1.31 with eight (SmolLM2-135M Q4_1, Qwen2.5-Coder-1.5B Q4_K_M)
 DRAFT_STEP_COST = 0.15
 DRAFT_TOKEN_COST = 0.025
 # a batch-1 step's weight read in rows' worth of compute: 8 (SmolLM2) to 16 (1.5B), from decode steps at 1 and 32 rows
@@ -73,9 +75,10 @@ class _Estimate:
     def acceptance(self) -> float:
         return (self.accepted + self.prior * _PRIOR_TRIES) / (self.tried + _PRIOR_TRIES)
 
-    def k(self, weight: float, most: int, room: int, draft_cost: float = 0.0) -> int:
+    def k(self, weight: float, most: int, room: int, draft_cost: float = 0.0,
+          costs: tuple[float, ...] | None = None) -> int:
         """The draft length this estimate pays for, within room and 2 + twice the last draft's kept tokens."""
-        return min(best_k(self.acceptance, weight, most, draft_cost), room, 2 + 2 * self.last_kept)
+        return min(best_k(self.acceptance, weight, most, draft_cost, costs), room, 2 + 2 * self.last_kept)
 
     def idle(self) -> None:
         """A step this source did not pay for: the estimate drifts back to the prior, so it is tried again."""
@@ -112,15 +115,28 @@ def draft_weight(rows: int) -> float:
     return rows * (FIXED_COST_ROWS + 1) / (FIXED_COST_ROWS + rows)
 
 
-def best_k(acceptance: float, weight: float, most: int, draft_cost: float = 0.0) -> int:
+def verify_extra(k: int, costs: tuple[float, ...] | None = None) -> float:
+    """What verifying k drafted tokens adds to a batch-1 decode step, in steps: timed (``costs``, past its end
+    growing as its last two entries do) or the Xeon's constants."""
+    if costs is None:
+        return DRAFT_STEP_COST + k * DRAFT_TOKEN_COST
+    last = len(costs) - 1
+    if k <= last:
+        return costs[k] - 1.0
+    return costs[last] - 1.0 + (k - last) * (costs[last] - costs[last - 1] if last else DRAFT_TOKEN_COST)
+
+
+def best_k(acceptance: float, weight: float, most: int, draft_cost: float = 0.0,
+           costs: tuple[float, ...] | None = None) -> int:
     """The draft length in [0, most] with the most expected tokens per unit of the row's cost:
-    (1 + a + ... + a^k) / (1 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST) + k * draft_cost); 0 when no
-    draft pays. draft_cost: a draft model's step against the target's (0: lookup drafts cost nothing to make)."""
+    (1 + a + ... + a^k) / (1 + weight * verify_extra(k) + k * draft_cost); 0 when no draft pays. draft_cost: a
+    draft model's step against the target's (0: lookup drafts cost nothing to make); costs: the timed verify steps
+    (``WorkerInfo.verify_costs``)."""
     best, best_value, gain, term = 0, 1.0, 1.0, 1.0
     for k in range(1, most + 1):
         term *= acceptance
         gain += term
-        value = gain / (1.0 + weight * (DRAFT_STEP_COST + k * DRAFT_TOKEN_COST) + k * draft_cost)
+        value = gain / (1.0 + weight * verify_extra(k, costs) + k * draft_cost)
         if value > best_value:
             best, best_value = k, value
     return best
@@ -134,12 +150,16 @@ def may_speculate(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, lookup: bool = True, draft_cost: float | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, lookup: bool = True, draft_cost: float | None = None,
+                 verify_costs: tuple[float, ...] | None = None) -> None:
         """lookup: draft from the sequence's own tokens (speculative_config given); False: only predictions.
-        draft_cost: a draft model's step against the target's (``WorkerInfo.draft_cost``); None: no draft model."""
+        draft_cost: a draft model's step against the target's (``WorkerInfo.draft_cost``); None: no draft model.
+        verify_costs: a step verifying k drafted tokens against a decode step (``WorkerInfo.verify_costs``); None:
+        the constants."""
         self.config = config
         self.lookup = lookup
         self.draft_cost = draft_cost
+        self.verify_costs = verify_costs
         # n-gram lookup also searches the outputs of recently finished requests with the same prefix-cache salt
         # (a salt isolates its users: another's answers must not speed theirs up), for the last prompt_lookup_max
         # tokens; the most recently used MAX_RECENT_SALTS salts keep theirs
@@ -175,7 +195,7 @@ class Speculator:
         """A draft free to make (the prediction's, else the lookup's) where its estimate pays for one and it finds
         tokens; else, with a draft model, placeholders for as many tokens as its estimate pays for; else none."""
         most = self.config.num_speculative_tokens
-        k = st.lookup.k(weight, most, room)
+        k = st.lookup.k(weight, most, room, 0.0, self.verify_costs)
         if k <= 0:
             st.lookup.idle()
         elif draft := self._free(seq, st, k):
@@ -183,7 +203,7 @@ class Speculator:
             return draft
         if st.model is None:
             return []
-        k = st.model.k(weight, most, room, self.draft_cost)
+        k = st.model.k(weight, most, room, self.draft_cost, self.verify_costs)
         if k <= 0:
             st.model.idle()
             return []

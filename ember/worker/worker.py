@@ -33,6 +33,7 @@ from ember.protocol import (
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.drafter import Drafter, measure_draft_cost
+from ember.worker.verify_cost import measure_verify_costs
 from ember.worker.model_runner import ModelRunner
 from ember.worker.memory import memory_now
 
@@ -79,6 +80,8 @@ class Worker:
         self.host_cache: torch.Tensor | None = None
         self.plan: PoolPlan | None = None
         self.draft_cost: float | None = None  # a draft model's decode step against this model's (init_cache)
+        self.verify_costs: tuple[float, ...] | None = None  # a step verifying k drafted tokens (init_cache)
+        self.verify_tokens = model_config.verify_tokens
         window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
         self.runner = ModelRunner(self.loaded, self.device, cache.block_size, parallel, model_config.seed, self.lora,
                                   window)
@@ -100,7 +103,7 @@ class Worker:
                           quantization=loaded.quant.describe() if loaded.quant else None,
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
                                                                         self.cache_config.kv_cache_dtype),
-                          draft_cost=self.draft_cost)
+                          draft_cost=self.draft_cost, verify_costs=self.verify_costs)
 
     def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""
@@ -118,6 +121,15 @@ class Worker:
             self.kv_cache[:, :, :width].zero_()
             drafter.pool[:, :, :width].zero_()
             logger.info("draft model: a draft token costs %.2f of a decode step", self.draft_cost)
+        context = min(128, self.plan.num_blocks * self.block_size)
+        if self.verify_tokens and self.parallel.world_size == 1 and context > self.verify_tokens:
+            # what verifying k drafted tokens costs here (every rank would have to run it together: one rank only)
+            self.verify_costs = measure_verify_costs(self.model, self.device, self.block_size, context,
+                                                     self.verify_tokens)
+            self.kv_cache[:, :, :-(-context // self.block_size)].zero_()
+            shown = [k for k in (1, 2, 4, 8, 16, 24) if k <= self.verify_tokens]
+            logger.info("speculative decoding: verifying %s drafted tokens costs %s decode steps",
+                        " / ".join(map(str, shown)), " / ".join(f"{self.verify_costs[k]:.2f}" for k in shown))
         return self.plan
 
     def capture_graphs(self, max_num_seqs: int, max_len: int) -> None:

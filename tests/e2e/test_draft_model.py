@@ -17,7 +17,7 @@ from ember.errors import ConfigError
 def _always_draft(monkeypatch, lookup: bool = False) -> None:
     """Every decoding row drafts all it may: the cost model would rightly refuse a draft model as big as the
     target. lookup=False: only the draft model drafts (prompt lookup, which goes first, finds nothing)."""
-    monkeypatch.setattr(speculator, "best_k", lambda acceptance, weight, most, draft_cost=0.0: most)
+    monkeypatch.setattr(speculator, "best_k", lambda acceptance, weight, most, draft_cost=0.0, costs=None: most)
     if not lookup:
         monkeypatch.setattr(NgramIndex, "propose", lambda self, context, k: [])
         monkeypatch.setattr(RecentOutputs, "propose", lambda self, context, k: [])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import TESTS, hf_float32, hf_greedy, peft_adapter, random_prompts
-from internals import oracle_drafts
+from internals import core_of, oracle_drafts, worker_of
 
 from ember import LLM, SamplingParams
 from ember.errors import BadRequestError
@@ -38,6 +38,19 @@ def test_greedy_tokens_and_logprobs_are_those_of_one_token_steps(llama_dir, monk
             assert a.keys() == b.keys()
             for t in a:
                 assert abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank
+
+
+def test_start_up_times_the_verify_step_for_every_draft_length(llama_dir):
+    """The speculator sizes drafts by what verifying them costs on this machine (``worker.verify_cost``): a cost
+    for every length up to num_speculative_tokens, a decode step's at 0, never falling; the blocks the timing
+    wrote are zeros again before the first request."""
+    with LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", speculative_config=NGRAM) as llm:
+        costs = core_of(llm).speculator.verify_costs
+        assert len(costs) == NGRAM["num_speculative_tokens"] + 1 and costs[0] == 1.0
+        assert all(a <= b < float("inf") for a, b in zip(costs, costs[1:]))
+        assert not worker_of(llm).kv_cache.any()
+    with LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB") as llm:  # nothing to size: nothing timed
+        assert core_of(llm).speculator.verify_costs is None
 
 
 def test_seeded_sampling_draws_the_same_tokens(llama_dir, monkeypatch):

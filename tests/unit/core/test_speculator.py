@@ -31,8 +31,7 @@ def copying_script(patterns: dict[int, list[int]]):
 @pytest.fixture
 def always_draft(monkeypatch):
     """Drafts cost nothing: every sequence drafts all it can, whatever the batch (the cost model is tested apart)."""
-    monkeypatch.setattr(speculator, "DRAFT_STEP_COST", 0.0)
-    monkeypatch.setattr(speculator, "DRAFT_TOKEN_COST", 0.0)
+    monkeypatch.setattr(speculator, "verify_extra", lambda k, costs=None: 0.0)
 
 
 def _run(patterns, prompts, spec, max_tokens, num_blocks=64, max_num_seqs=8, budget=256, **core):
@@ -93,8 +92,7 @@ def test_a_draft_never_runs_past_max_tokens(always_draft):
 def test_no_draft_for_beams_penalties_or_when_the_batch_is_large(monkeypatch):
     prompt = [10, 11, 12, 10, 11]
     patterns = {0: [12, 10, 11]}
-    monkeypatch.setattr(speculator, "DRAFT_STEP_COST", 0.0)
-    monkeypatch.setattr(speculator, "DRAFT_TOKEN_COST", 0.0)
+    monkeypatch.setattr(speculator, "verify_extra", lambda k, costs=None: 0.0)
     core = make_core(script=copying_script(patterns), speculative=NGRAM)
     core.add(request("pen", prompt, max_tokens=8, temperature=0.0, seed=0, repetition_penalty=1.2))
     core.add(request("beam", prompt, max_tokens=8, beam_width=2))
@@ -113,6 +111,21 @@ def test_the_cost_model_drafts_less_as_acceptance_falls_and_the_batch_grows():
     assert best_k(0.15, one, 8) == 0  # rarely right: not worth a verifying step
     assert best_k(0.5, full, 8) == 0  # a full batch: the verifying row's extra weighs 7 rows' share
     assert best_k(0.95, full, 8) > 0  # unless nearly every drafted token is kept
+
+
+def test_the_cost_model_follows_the_timed_verify_steps():
+    """With the verify steps timed at start-up (``WorkerInfo.verify_costs``) the draft length follows them: free
+    verification drafts all, a steep one little, and rows in passes of 3 (the int4 kernel's) stop a draft where a
+    pass would begin; past the table the cost grows as its last two entries do."""
+    flat = (1.0,) * 9
+    steep = tuple(1.0 + 0.3 * k for k in range(9))
+    passes = (1.0, 1.0, 1.0, 1.6, 1.6, 1.6, 2.2, 2.2, 2.2)
+    assert best_k(0.5, 1.0, 8, costs=flat) == 8
+    assert best_k(0.9, 1.0, 8) == 8 > best_k(0.9, 1.0, 8, costs=steep) == 5
+    assert best_k(0.5, 1.0, 8, costs=steep) == 1
+    assert best_k(0.6, 1.0, 8, costs=passes) == 2
+    assert speculator.verify_extra(4, (1.0, 1.1, 1.3)) == pytest.approx(0.7)
+    assert speculator.verify_extra(3, None) == speculator.DRAFT_STEP_COST + 3 * speculator.DRAFT_TOKEN_COST
 
 
 def test_a_draft_models_steps_count_against_its_drafts():
@@ -147,8 +160,8 @@ def test_speculation_changes_no_token_under_any_pool_budget_or_batch(num_blocks,
     EOS, random pools (preemption), budgets (chunked prefill) and seats: with speculation every request ends with
     the tokens and finish reason it has without, the pool is whole after, and every block the prefix cache holds
     has real tokens."""
-    costs = speculator.DRAFT_STEP_COST, speculator.DRAFT_TOKEN_COST
-    speculator.DRAFT_STEP_COST = speculator.DRAFT_TOKEN_COST = 0.0
+    extra = speculator.verify_extra
+    speculator.verify_extra = lambda k, costs=None: 0.0
     try:
         prompts = [p for p, *_ in reqs]
         patterns = {i: (p[shift % len(p):] + p[:shift % len(p)] + ([EOS] if eos else [7]))
@@ -162,7 +175,7 @@ def test_speculation_changes_no_token_under_any_pool_budget_or_batch(num_blocks,
             SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1)
         core, got = _run(patterns, prompts, spec, max_tokens, block_size=block_size, **kw)
     finally:
-        speculator.DRAFT_STEP_COST, speculator.DRAFT_TOKEN_COST = costs
+        speculator.verify_extra = extra
     assert got == want
     assert core.block_manager.num_used == 0 and not core.requests and not core.executor.live
     _cached_blocks_are_real(core, [list(p) + got[f"r{i}"][0] for i, p in enumerate(prompts)])
