@@ -33,9 +33,9 @@ from ember.protocol import (
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.drafter import Drafter, measure_draft_cost
-from ember.worker.verify_cost import measure_verify_costs
 from ember.worker.model_runner import ModelRunner
 from ember.worker.memory import memory_now
+from ember.worker.verify_cost import measure_verify_costs
 
 logger = logging.getLogger("ember")
 
