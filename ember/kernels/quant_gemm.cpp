@@ -242,9 +242,10 @@ inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
 // 1.30-1.32 ms a weight without, 1.05-1.10 at 1-2 KB ahead, 1.19 at 3 KB.
 constexpr int64_t INT4_PREFETCH = 2048;
 
-// y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes; szb: the block's (scale, zero) pairs, [groups, 64, 2]). U interleaved
-// chains of group sums: with one or two rows the loop otherwise waits on the dot products' latency (one row through
-// the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms).
+// y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes; szb: the block's (scale, zero) pairs, [groups, 64, 2]). U
+// interleaved chains of group sums: with one or two rows the loop otherwise waits on the dot products' latency (one
+// row through the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms, U = 2
+// 1.89-1.98 ms).
 // A row's result depends on U, not on R: the batch-invariant kernel runs one U at every row count.
 template <int R, int U>
 inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
