@@ -69,9 +69,9 @@ class EngineConfig:
     # batch (docs/batch_invariance.md has what each path costs; CUDA is not covered yet)
     batch_invariant: bool = True
     # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1/Q4_K
-    # blocks stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load; "awq" (int4
-    # after AWQ's activation-aware scales) | "smoothquant" (w8a8 after smoothing) = calibrate on text first, once: the
-    # transformed float weights are cached (docs/quantization.md)
+    # blocks stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load;
+    # "awq" (int4 after AWQ's activation-aware scales) | "smoothquant" (w8a8 after smoothing) = calibrate on text
+    # first, once: the transformed float weights are cached (docs/quantization.md)
     quantization: str | None = None
     quant_group_size: int | None = None  # int4 groups: 32, 64 or 128; None: 128 (GGUF Q4 blocks: their 32)
     quantize_embeddings: bool | None = None  # the embedding table and LM head as int8; None: as the checkpoint has it
