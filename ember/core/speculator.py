@@ -43,7 +43,7 @@ from ember.core.request import Sequence
 from ember.core.suffix import RecentSuffixes, SuffixIndex
 from ember.protocol import DRAFT_PLACEHOLDER, SamplingRow
 
-# a verifying row's extra over a batch-1 decode step where start-up timed none (several ranks, predictions without
+# a verifying row's extra over a batch-1 decode step where start-up timed none (several ranks, CUDA, predictions without
 # speculative_config), as measured on a 2-core Xeon with AMX (docs/speculative.md): 1 + 0.12 to 0.22 with one
 # drafted token, 1.23 to 1.31 with eight (SmolLM2-135M Q4_1, Qwen2.5-Coder-1.5B Q4_K_M)
 DRAFT_STEP_COST = 0.15

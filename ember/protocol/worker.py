@@ -19,7 +19,7 @@ class WorkerInfo:
     # a draft model's decode step against the model's at batch 1, timed at start-up; None: no draft model
     draft_cost: float | None = None
     # a step verifying k drafted tokens against a decode step at batch 1, k = 0 .. the longest draft, timed at
-    # start-up (worker.verify_cost); None: not measured (no speculative_config, or several ranks)
+    # start-up (worker.verify_cost); None: not measured (no speculative_config, several ranks, CUDA)
     verify_costs: tuple[float, ...] | None = None
 
 

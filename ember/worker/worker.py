@@ -35,7 +35,7 @@ from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.drafter import Drafter, measure_draft_cost
 from ember.worker.model_runner import ModelRunner
 from ember.worker.memory import memory_now
-from ember.worker.verify_cost import measure_verify_costs
+from ember.worker.verify_cost import MAX_TIMED_DRAFT, measure_verify_costs
 
 logger = logging.getLogger("ember")
 
@@ -121,13 +121,14 @@ class Worker:
             self.kv_cache[:, :, :width].zero_()
             drafter.pool[:, :, :width].zero_()
             logger.info("draft model: a draft token costs %.2f of a decode step", self.draft_cost)
-        context = min(128, self.plan.num_blocks * self.block_size)
-        if self.verify_tokens and self.parallel.world_size == 1 and context > self.verify_tokens:
-            # what verifying k drafted tokens costs here (every rank would have to run it together: one rank only)
-            self.verify_costs = measure_verify_costs(self.model, self.device, self.block_size, context,
-                                                     self.verify_tokens)
+        context = min(128, self.plan.num_blocks * self.block_size, sched.max_model_len)
+        most = min(self.verify_tokens, MAX_TIMED_DRAFT)  # longer drafts: extrapolated by the speculator
+        if most and self.parallel.world_size == 1 and self.device.type == "cpu" and context > most:
+            # what verifying k drafted tokens costs here (every rank would have to run it together: one rank only;
+            # CUDA decodes through graphs, which an eager timing would not see: the constants there)
+            self.verify_costs = measure_verify_costs(self.model, self.device, self.block_size, context, most)
             self.kv_cache[:, :, :-(-context // self.block_size)].zero_()
-            shown = [k for k in (1, 2, 4, 8, 16, 24) if k <= self.verify_tokens]
+            shown = [k for k in (1, 2, 4, 8, 16, 24) if k <= most]
             logger.info("speculative decoding: verifying %s drafted tokens costs %s decode steps",
                         " / ".join(map(str, shown)), " / ".join(f"{self.verify_costs[k]:.2f}" for k in shown))
         return self.plan
