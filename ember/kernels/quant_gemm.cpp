@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -880,22 +881,23 @@ void int8_rows_inv(const PaddedRows& x, int64_t K, const int8_t* w, const float*
   });
 }
 
-// rows m0 .. m0 + mr - 1 (mr <= 12) against one block of 2 weight rows
-void int8_group_inv(const PaddedRows& x, int64_t m0, int64_t mr, int64_t K, const int8_t* w, const int8_t* tails,
-                    const float* scales, int64_t N, int64_t n0, bool prefetch, c10::BFloat16* y) {
-  switch (mr) {
-    case 1: int8_block_inv<1, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 2: int8_block_inv<2, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 3: int8_block_inv<3, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 4: int8_block_inv<4, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 5: int8_block_inv<5, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 6: int8_block_inv<6, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 7: int8_block_inv<7, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 8: int8_block_inv<8, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 9: int8_block_inv<9, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 10: int8_block_inv<10, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    case 11: int8_block_inv<11, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
-    default: int8_block_inv<12, 2>(x, m0, K, w, tails, scales, N, n0, prefetch, y); break;
+// f(std::integral_constant<int, m>{}) for a row count m in 1 .. 12: the row kernels take theirs as a template
+// argument (their sums live in registers)
+template <typename F>
+void with_rows(int64_t m, F&& f) {
+  switch (m) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 9: f(std::integral_constant<int, 9>{}); break;
+    case 10: f(std::integral_constant<int, 10>{}); break;
+    case 11: f(std::integral_constant<int, 11>{}); break;
+    default: f(std::integral_constant<int, 12>{}); break;
   }
 }
 
@@ -914,8 +916,9 @@ void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w,
       const int64_t b0 = t * INT8_TILE_PAIRS, b1 = ember_fixed::min(pairs, b0 + INT8_TILE_PAIRS);
       for (int64_t m0 = 0; m0 < M; m0 += 12)
         for (int64_t b = b0; b < b1; ++b)
-          int8_group_inv(x, m0, ember_fixed::min<int64_t>(12, M - m0), K, w, tails.data(), scales, N, b * 2,
-                         m0 == 0, y);
+          with_rows(ember_fixed::min<int64_t>(12, M - m0), [&](auto rows) {  // rows m0 .. against pair b
+            int8_block_inv<decltype(rows)::value, 2>(x, m0, K, w, tails.data(), scales, N, b * 2, m0 == 0, y);
+          });
     }
   });
 }
@@ -923,21 +926,10 @@ void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w,
 void int8_gemm_inv(const c10::BFloat16* xp, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
                    c10::BFloat16* y) {
   const PaddedRows x(xp, M, K);
-  switch (M) {
-    case 1: int8_rows_inv<1>(x, K, w, scales, N, y); break;
-    case 2: int8_rows_inv<2>(x, K, w, scales, N, y); break;
-    case 3: int8_rows_inv<3>(x, K, w, scales, N, y); break;
-    case 4: int8_rows_inv<4>(x, K, w, scales, N, y); break;
-    case 5: int8_rows_inv<5>(x, K, w, scales, N, y); break;
-    case 6: int8_rows_inv<6>(x, K, w, scales, N, y); break;
-    case 7: int8_rows_inv<7>(x, K, w, scales, N, y); break;
-    case 8: int8_rows_inv<8>(x, K, w, scales, N, y); break;
-    case 9: int8_rows_inv<9>(x, K, w, scales, N, y); break;
-    case 10: int8_rows_inv<10>(x, K, w, scales, N, y); break;
-    case 11: int8_rows_inv<11>(x, K, w, scales, N, y); break;
-    case 12: int8_rows_inv<12>(x, K, w, scales, N, y); break;
-    default: int8_groups_inv(x, M, K, w, scales, N, y); break;
-  }
+  if (M < 1 || M > 12)  // no rows: the groups' loop runs none
+    int8_groups_inv(x, M, K, w, scales, N, y);
+  else
+    with_rows(M, [&](auto rows) { int8_rows_inv<decltype(rows)::value>(x, K, w, scales, N, y); });
 }
 
 }  // namespace
