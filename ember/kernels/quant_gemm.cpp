@@ -3,7 +3,7 @@
 // AVX512-BF16 dot products as exact bf16 values and the scales are applied to float32 sums, so w is not rounded to
 // bf16 (torch's packed ops do not round it either).
 // Batch invariant (the default, `invariant`): a row's result is the same bits whatever rows share the call. int4
-// reads the pack 3 rows of x at a time against each 64-column block with the same chains of sums at every row
+// reads the pack up to 6 rows of x at a time against each 64-column block with the same chain of sums at every row
 // count; int8 runs every output as one chain of 32-input dot products (int8_gemm_inv: the weight converted where
 // it lies, for groups of up to 12 rows in turn). The arithmetic is compiled in a fixed order.
 // Otherwise (batch_invariant=False): int4 from 128 rows and int8 from 5 lay 64 output columns out as bf16 pairs in
@@ -189,8 +189,9 @@ void int8_rows(const c10::BFloat16* x, int64_t K, const int8_t* w, const float* 
 // int4: rows k and k + 1 of a 64-column block are 64 adjacent bytes of the pack, read once a block; two byte
 // permutations put each column's (k, k + 1) bytes in one 32-bit lane and a mask with an OR makes the nibbles bf16
 // pairs: 0x4300 | q is the bf16 of 128 + q, exact, so no integer-to-float conversion. The 128 leaves with the
-// offsets: w = (q - 8) * s + zero = (128 + q) * s + (zero - 136 * s). 3 rows a pass (3 x 4 group sums + 3 x 4
-// totals stay in registers); further rows run over the same block while it is in cache. 2 threads, 2026-11-25,
+// offsets: w = (q - 8) * s + zero = (128 + q) * s + (zero - 136 * s). Up to 6 rows a pass (batch invariant; 3
+// otherwise: 3 x 4 group sums + 3 x 4 totals stay in registers); further rows run over the same block while it is
+// in cache. 2 threads, 2026-11-25,
 // against torch's packed op: 3072x576 at 1 row 10 vs 25 us, 64 rows 0.28 vs 0.65 ms, 512 rows 2.2 vs 5.2 ms; it
 // also beat the panel layout the int8 path uses, at every row count up to 2048 (64 rows: 0.28 vs 0.33 ms).
 struct Int4Consts {
@@ -244,10 +245,9 @@ inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
 constexpr int64_t INT4_PREFETCH = 2048;
 
 // y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes; szb: the block's (scale, zero) pairs, [groups, 64, 2]). U
-// interleaved chains of group sums: with one or two rows the loop otherwise waits on the dot products' latency (one
-// row through the 120 int4 weights of the default model's shapes, 66 MB, 2 threads: U = 1 2.08-2.20 ms, U = 2
-// 1.89-1.98 ms).
-// A row's result depends on U, not on R: the batch-invariant kernel runs one U at every row count.
+// interleaved chains of group sums (one row through the 120 int4 weights of the default model's shapes, 66 MB, 2
+// threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms when first measured; within noise of each other on an AMD
+// Zen 5, 2026-11-28). A row's result depends on U, not on R: the batch-invariant kernel runs U = 1 at every row count.
 template <int R, int U>
 inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
                             int64_t gw, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y) {
@@ -321,10 +321,33 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* sz
   }
 }
 
-constexpr int64_t ROW_SPAN = 48;  // a multiple of 3
+constexpr int64_t ROW_SPAN = 48;  // a multiple of 3 and of INV_PASS
 constexpr int U1 = 2, U2 = 2;  // chains at 1 and 2 rows (3 rows: 12 independent sums already)
-constexpr int U_INVARIANT = 2;  // the chains of every row count in the batch-invariant kernel
-template <int UA, int UB, int UC>
+
+// batch invariant: one chain a group (U = 1) at every row count, in passes of up to INV_PASS rows (24 sums in
+// registers), so that a weight block streamed from memory serves up to 6 rows at once. Against 3-row passes of two
+// chains (2 threads, AMD Zen 5, 2026-11-28, the default model's 120 int4 weights, interleaved in one process): 1
+// row 0.97-1.00x the time, 4 rows 0.82-0.84x, 5 0.82x, 6 0.76x, 9 0.86x, 12-48 0.90x.
+constexpr int INV_PASS = 6;
+void int4_span_invariant(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
+                         int64_t gw, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y,
+                         int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; m += INV_PASS) {
+    const int32_t* xr = xw + m * kw;
+    const float* sr = xsum + m * groups;
+    c10::BFloat16* yr = y + m * N;
+    switch (ember_fixed::min<int64_t>(INV_PASS, m1 - m)) {
+      case 1: int4_block_rows<1, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 2: int4_block_rows<2, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 3: int4_block_rows<3, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 4: int4_block_rows<4, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 5: int4_block_rows<5, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      default: int4_block_rows<6, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+    }
+  }
+}
+
+// batch_invariant=False: 3-row passes, two chains at 1 and 2 rows
 void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups, int64_t gw,
                const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; m += 3) {
@@ -332,9 +355,9 @@ void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* 
     const float* sr = xsum + m * groups;
     c10::BFloat16* yr = y + m * N;
     switch (ember_fixed::min<int64_t>(3, m1 - m)) {
-      case 1: int4_block_rows<1, UA>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      case 2: int4_block_rows<2, UB>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      default: int4_block_rows<3, UC>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 1: int4_block_rows<1, U1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 2: int4_block_rows<2, U2>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      default: int4_block_rows<3, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
     }
   }
 }
@@ -354,8 +377,8 @@ std::vector<float> group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int6
   return xsum;
 }
 
-// invariant: every row through chains of U_INVARIANT (the same bits whatever rows are beside it); otherwise 3-row
-// passes take one chain (measured faster). Every pass unpacks the block again, from L1: laying its unpacked pairs
+// invariant: int4_span_invariant (the same bits whatever rows are beside it); otherwise int4_span. Every pass
+// unpacks the block again, from L1: laying its unpacked pairs
 // out once in a per-thread copy for the other passes to read (as the kernel did from 12 rows) took 1.9x as long
 // at 12 to 512 rows (2 threads, AMD Zen 5, 2026-11-28, SmolLM2's four int4 shapes; a batch-32 decode step 44-46
 // -> 32-35 ms, a 512-token prefill 338-341 -> 195-214 ms; the same bits).
@@ -375,9 +398,9 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
       const c10::BFloat16* szb = sz + nb * groups * NB * 2;
       c10::BFloat16* yb = y + nb * NB;
       if (invariant)
-        int4_span<U_INVARIANT, U_INVARIANT, U_INVARIANT>(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb, m0, m1);
+        int4_span_invariant(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb, m0, m1);
       else
-        int4_span<U1, U2, 1>(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb, m0, m1);
+        int4_span(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb, m0, m1);
     }
   });
 }

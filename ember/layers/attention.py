@@ -181,6 +181,8 @@ class AttentionBackend:
         nd = meta.num_decode
         if nd and nd == T:  # decode only: the kernel's result is the output, not copied into another buffer
             return self.decode(layer, q, meta, fmt).reshape(T, Hq * D)
+        if not nd and len(meta.prefills) == 1 and meta.prefills[0].length == T:  # one chunk or drafted span: as is
+            return self.prefill(layer, q, k, v, meta.prefills[0], fmt).reshape(T, Hq * D)
         out = q.new_empty(T, Hq, D)
         if nd:
             out[:nd] = self.decode(layer, q[:nd], meta, fmt)

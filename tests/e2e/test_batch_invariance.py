@@ -288,6 +288,9 @@ def _attention_cases(kernels, dtype, heads, kv_heads, d, bs, ctx=100):
             q[-40:], kc, vc, table, ctx, window, d ** -0.5), fresh[-40:]
         yield window, "a one-token chunk", kernels.paged_prefill_attention(
             q[59:60], kc, vc, table, 60, window, d ** -0.5), fresh[59:60]
+        for n in (5, 9, 32, 33):  # drafted spans (up to 32 tokens: one work item a KV head), and past them
+            yield window, f"a {n}-token chunk", kernels.paged_prefill_attention(
+                q[90 - n:90], kc, vc, table, 90, window, d ** -0.5), fresh[90 - n:90]
         lens = torch.arange(1, ctx + 1)
         decode = kernels.paged_decode_attention(q, kc, vc, table[None].expand(ctx, -1).contiguous(), lens, window,
                                                 d ** -0.5)
