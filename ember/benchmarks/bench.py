@@ -30,10 +30,13 @@ def add_bench_parser(sub) -> None:
     tp = modes.add_parser("throughput", help="all requests at once: requests/s, tokens/s, peak memory")
     lat = modes.add_parser("latency", help="one request at a time: TTFT and time per output token")
     srv = modes.add_parser("serving", help="Poisson arrivals through AsyncLLM: TTFT/TPOT/ITL/E2E, goodput")
-    from ember.benchmarks import current
+    sc = modes.add_parser("scaling", help="output tokens/s as concurrency and prompt length grow, one engine a point")
+    from ember.benchmarks import current, scaling
+
+    scaling.add_arguments(sc)
 
     current.add_parser(modes)
-    for p in (tp, lat, srv):
+    for p in (tp, lat, srv, sc):
         g = p.add_argument_group("common")
         g.add_argument("--model", default=None, help=".gguf file or Hugging Face folder (default: the embedded "
                                                      "SmolLM2-135M-Instruct); hf/vLLM get it exported to safetensors")
@@ -82,6 +85,9 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     lat.add_argument("--runs", type=int, default=5, help="requests per prompt length and repeat (default 5)")
     srv.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
+    srv.add_argument("--rates", default=None, metavar="R1,R2,...",
+                     help="a run at each of these rates instead of --rate, and the curve of goodput, TTFT p99 and "
+                          "TPOT p99 against the rate (ember/benchmarks/curve.py)")
     srv.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
     srv.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token at most")
     srv.add_argument("--http", action="store_true",
@@ -183,6 +189,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     record: dict = {"mode": args.mode, "machine": report.machine(), "model": model, "backends": backends,
                     "dtypes": dtypes, "threads": args.threads, "repeats": args.repeats, "seed": args.seed,
                     "command": "ember bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None}
+    if args.mode == "scaling":
+        from ember.benchmarks.scaling import check_backends, run_scaling
+
+        check_backends(backends)
+        plan = {b: (backend_python(b, args.venvs, pythons), _model_for(b, model)) for b in backends}
+        return run_scaling(args, backends, model, plan, dtypes, options, vocab, record)
     groups = None  # latency: each request's group in the tables (None: by prompt length)
     if args.mode == "latency" and args.prompts == "text":
         requests, groups = _text_requests(tokenizer, args.runs, args.output_len, args.seed)
@@ -292,7 +304,13 @@ def main(args: argparse.Namespace) -> int:
 
         return current.main(args)
     try:
-        run_bench(args)
+        if args.mode == "serving" and args.rates:
+            from ember.benchmarks.curve import parse_rates, run_curve
+
+            parse_rates(args.rates)  # before the first run
+            run_curve(args, run_bench)
+        else:
+            run_bench(args)
     except (BenchError, ValueError) as e:
         print(f"ember bench: error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 over the paged cache, every position's logits) against a plain decode step, timed at start-up. The speculator sizes
 drafts by it (``core.speculator.best_k``). The cost is not linear in k and differs between CPUs: the quantized
 matmuls are memory-bound for a few rows and compute-bound past them, in passes of several rows (SmolLM2-135M at
-k = 8: 1.23-1.31 decode steps on a 2-core Xeon with AMX, 1.6-2.1 on a 2-core AMD Zen 5 without). The step is
+k = 8: 1.23-1.31 decode steps on a 2-core Xeon with AMX, 1.7-1.8 on a 2-core AMD Zen 5 without). The step is
 timed to its greedy token (logits and argmax): sampling with top-k / top-p adds a little a row, more with a large
 vocabulary, and is not counted."""
 

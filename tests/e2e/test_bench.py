@@ -116,6 +116,50 @@ def test_serving_ends_every_request(llama_dir, tmp_path):
     assert fig["ttft_ms_p50"] <= fig["e2e_ms_p50"] and fig["goodput_requests_per_s"] <= fig["requests_per_s"]
 
 
+def test_scaling_runs_each_point_with_its_concurrency_and_prompt_length(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", "scaling", "--model", llama_dir, "--dtype", "float32", "--concurrency", "1,4",
+                 "--prompt-lens", "8,24", "--prompt-len", "10", "--output-len", "3", "--requests-per-len", "2",
+                 "--repeats", "1", "--out", str(out), "--threads", "1"]) == 0
+    assert (out / "scaling.png").stat().st_size > 1000
+    with open(out / "scaling.json") as f:
+        record = json.load(f)
+    runs = record["runs"]
+    # concurrency c: max(c, 8) requests of --prompt-len tokens; prompt length n: --requests-per-len requests of n
+    for c in ("1", "4"):
+        (run,) = runs["concurrency"][c]["ember"]
+        assert run["output_tokens"] == 8 * 3 and run["prompt_tokens"] == 8 * 10
+    for n in (8, 24):
+        (run,) = runs["prompt_len"][str(n)]["ember"]
+        assert run["output_tokens"] == 2 * 3 and run["prompt_tokens"] == 2 * n
+    assert record["median"]["prompt_len"]["24"]["ember"]["output_tokens_per_s"] > 0
+    table = capsys.readouterr().out
+    assert "| requests in flight |" in table and "| prompt tokens |" in table
+    assert main(["bench", "scaling", "--model", llama_dir, "--concurrency", "0,4", "--out", str(out)]) == 2
+    assert "--concurrency='0,4'" in capsys.readouterr().err
+    assert main(["bench", "scaling", "--model", llama_dir, "--backends", "llamacpp", "--out", str(out)]) == 2
+    assert "engines that batch" in capsys.readouterr().err
+
+
+def test_serving_at_several_rates_draws_the_curve(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", "serving", "--model", llama_dir, "--dtype", "float32", "--num-requests", "4",
+                 "--output-cap", "3", "--prompt-cap", "20", "--rates", "40,10", "--concurrency", "2", "--repeats", "1",
+                 "--out", str(out), "--threads", "1"]) == 0
+    with open(out / "serving-W1-curve.json") as f:
+        curve = json.load(f)
+    assert curve["mode"] == "serving-curve" and curve["rates"] == [10.0, 40.0]
+    for p, rate in zip(curve["points"], (10, 40)):
+        with open(out / f"rate-{rate}" / "serving-W1.json") as f:
+            one = json.load(f)
+        assert one["rate"] == rate and p["median"]["ember"]["goodput_requests_per_s"] == \
+            one["median"]["ember"]["goodput_requests_per_s"]
+    assert (out / "serving-W1-curve.png").stat().st_size > 1000
+    assert "| 40 | ember |" in capsys.readouterr().out
+    assert main(["bench", "serving", "--model", llama_dir, "--rates", "2,inf", "--out", str(out)]) == 2
+    assert "--rates='2,inf'" in capsys.readouterr().err
+
+
 def test_missing_baseline_environment_is_a_clear_error(llama_dir, tmp_path, capsys):
     code = main(["bench", "throughput", "--model", llama_dir, "--backends", "ember,vllm", "--venvs",
                  str(tmp_path / "none"), "--out", str(tmp_path / "o"), "--num-requests", "1"])
