@@ -103,7 +103,8 @@ def write_chart(curve: dict, path: str) -> bool:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     m = curve["machine"]
-    fig.suptitle(f"{curve['workload']}: {curve['workload_description']}; at most {curve['concurrency']} in flight"
+    fig.suptitle(f"{curve['workload']} ({curve['num_requests']} requests: {curve['workload_description']}); at most "
+                 f"{curve['concurrency']} in flight"
                  f"{' (over HTTP)' if curve.get('http') else ''}", fontsize=9)
     fig.text(0.01, 0.01, f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {os.path.basename(curve['model'])}",
              fontsize=7, color="#555")

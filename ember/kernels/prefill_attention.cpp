@@ -211,8 +211,9 @@ void attend_kv_rows(const uint16_t* qp, c10::BFloat16* op, int64_t hq, int64_t g
   }
 }
 
-// Chunks of up to SHORT_CHUNK tokens (a verify step's drafted span, a short chunk) run as decode does: a work item
-// per KV head lays its keys out (from the first its window needs) and attends all its rows, one parallel region.
+// Chunks of up to SHORT_CHUNK tokens (a verify step's drafted span, a short chunk) run as decode does where the KV
+// heads are enough to feed every thread: a work item per KV head lays its keys out (from the first its window
+// needs) and attends all its rows, one parallel region.
 // Longer ones split the layout and the rows into finer work items, two regions. SmolLM2-135M's verify step (9 / 3
 // heads, 256 keys, 30 layers' pools, 64 MB read between steps, 2 threads, AMD Zen 5, 2026-11-28; the rows grouped
 // by KV head counted too): 5 tokens 0.76 -> 0.55 ms, 9 tokens 0.91 -> 0.77 (a decode step's 0.44); the same bits.
@@ -228,7 +229,7 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t rows_kv = L * g, S32 = (S + KB - 1) / KB * KB;
-  if (L <= SHORT_CHUNK) {
+  if (L <= SHORT_CHUNK && hkv >= at::get_num_threads()) {
     const int64_t first = window > 0 ? ember_fixed::max<int64_t>(0, S - L - window + 1) : 0;
     const int64_t key0 = first / KB * KB;
     at::parallel_for(0, hkv, 1, [&](int64_t begin, int64_t end) {
