@@ -191,9 +191,9 @@ void int8_rows(const c10::BFloat16* x, int64_t K, const int8_t* w, const float* 
 // pairs: 0x4300 | q is the bf16 of 128 + q, exact, so no integer-to-float conversion. The 128 leaves with the
 // offsets: w = (q - 8) * s + zero = (128 + q) * s + (zero - 136 * s). Up to 6 rows a pass (batch invariant; 3
 // otherwise: 3 x 4 group sums + 3 x 4 totals stay in registers); further rows run over the same block while it is
-// in cache. 2 threads, 2026-11-25,
-// against torch's packed op: 3072x576 at 1 row 10 vs 25 us, 64 rows 0.28 vs 0.65 ms, 512 rows 2.2 vs 5.2 ms; it
-// also beat the panel layout the int8 path uses, at every row count up to 2048 (64 rows: 0.28 vs 0.33 ms).
+// in cache. 2 threads, 2026-11-25, against torch's packed op: 3072x576 at 1 row 10 vs 25 us, 64 rows 0.28 vs 0.65
+// ms, 512 rows 2.2 vs 5.2 ms; it also beat the panel layout the int8 path uses, at every row count up to 2048 (64
+// rows: 0.28 vs 0.33 ms).
 struct Int4Consts {
   __m512i ilo, ihi, nib, magic, top;
   Int4Consts() {
@@ -378,10 +378,10 @@ std::vector<float> group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int6
 }
 
 // invariant: int4_span_invariant (the same bits whatever rows are beside it); otherwise int4_span. Every pass
-// unpacks the block again, from L1: laying its unpacked pairs
-// out once in a per-thread copy for the other passes to read (as the kernel did from 12 rows) took 1.9x as long
-// at 12 to 512 rows (2 threads, AMD Zen 5, 2026-11-28, SmolLM2's four int4 shapes; a batch-32 decode step 44-46
-// -> 32-35 ms, a 512-token prefill 338-341 -> 195-214 ms; the same bits).
+// unpacks the block again, from L1: laying its unpacked pairs out once in a per-thread copy for the other passes
+// to read (as the kernel did from 12 rows) took 1.9x as long at 12 to 512 rows (2 threads, AMD Zen 5, 2026-11-28,
+// SmolLM2's four int4 shapes; a batch-32 decode step 44-46 -> 32-35 ms, a 512-token prefill 338-341 -> 195-214 ms;
+// the same bits).
 void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
                int64_t group, c10::BFloat16* y, bool invariant) {
   const int64_t groups = K / group, kw = K / 2, gw = group / 2;
