@@ -1,5 +1,5 @@
-"""``ember bench throughput | latency | serving``: the orchestration. Backends run interleaved (the order rotates
-every repeat, so drift in the machine's speed spreads over all of them); medians over the repeats; ratios are
+"""``ember bench throughput | latency | serving | scaling``: the orchestration. Backends run interleaved (the order
+rotates every repeat, so drift in the machine's speed spreads over all of them); medians over the repeats; ratios are
 ember's figure over the backend's. ``ember bench report`` (current.py) turns the records into docs/results.md's
 tables."""
 
@@ -190,11 +190,12 @@ def run_bench(args: argparse.Namespace) -> dict:
                     "dtypes": dtypes, "threads": args.threads, "repeats": args.repeats, "seed": args.seed,
                     "command": "ember bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None}
     if args.mode == "scaling":
-        from ember.benchmarks.scaling import check_backends, run_scaling
+        from ember.benchmarks.scaling import check_backends, points, run_scaling
 
         check_backends(backends)
+        sweep = points(args, vocab)  # the lists checked before a model is exported or run
         plan = {b: (backend_python(b, args.venvs, pythons), _model_for(b, model)) for b in backends}
-        return run_scaling(args, backends, model, plan, dtypes, options, vocab, record)
+        return run_scaling(args, backends, model, plan, dtypes, options, sweep, record)
     groups = None  # latency: each request's group in the tables (None: by prompt length)
     if args.mode == "latency" and args.prompts == "text":
         requests, groups = _text_requests(tokenizer, args.runs, args.output_len, args.seed)
@@ -304,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
 
         return current.main(args)
     try:
-        if args.mode == "serving" and args.rates:
+        if args.mode == "serving" and args.rates is not None:
             from ember.benchmarks.curve import parse_rates, run_curve
 
             parse_rates(args.rates)  # before the first run

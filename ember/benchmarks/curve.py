@@ -19,12 +19,13 @@ _FIGURES = ("requests_per_s", "goodput_requests_per_s", "output_tokens_per_s", "
 
 
 def parse_rates(text: str) -> list[float]:
+    """``--rates``: finite arrival rates > 0, each once, sorted."""
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         rates = []
-    if not rates or any(not (r > 0) or r == float("inf") for r in rates):
-        raise ValueError(f"--rates={text!r}: expected finite arrival rates > 0, comma separated")
+    if not rates or any(not (r > 0) or r == float("inf") for r in rates) or len(set(rates)) != len(rates):
+        raise ValueError(f"--rates={text!r}: expected finite arrival rates > 0, comma separated, each once")
     return sorted(rates)
 
 
@@ -103,8 +104,8 @@ def write_chart(curve: dict, path: str) -> bool:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     m = curve["machine"]
-    fig.suptitle(f"{curve['workload']} ({curve['num_requests']} requests: {curve['workload_description']}); at most "
-                 f"{curve['concurrency']} in flight"
+    fig.suptitle(f"{curve['workload']}, its first {curve['num_requests']} requests; at most {curve['concurrency']} "
+                 "in flight"
                  f"{' (over HTTP)' if curve.get('http') else ''}", fontsize=9)
     fig.text(0.01, 0.01, f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {os.path.basename(curve['model'])}",
              fontsize=7, color="#555")

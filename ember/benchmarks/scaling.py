@@ -5,7 +5,7 @@ modes run them:
 - concurrency: ``c`` requests in flight at most (the engine's ``max_num_seqs``), max(c, 8) requests of
   ``--prompt-len`` random tokens and ``--output-len`` outputs;
 - prompt length: ``--requests-per-len`` requests of each length, all in flight, ``--output-len`` outputs.
-The record keeps every run; the chart draws both curves (log-2 axes), the table gives the medians with each
+The record keeps every run; the chart draws both curves (log-2 x axes), the table gives the medians with each
 point's speed-up over the previous one, where a curve bends shows first.
 """
 
@@ -17,7 +17,8 @@ import os
 
 log = logging.getLogger("ember.bench")
 
-SCALING_BACKENDS = ("ember", "ember-float", "ember-variant", "vllm")  # engines that batch (max_num_seqs)
+# engines that batch (max_num_seqs)
+SCALING_BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-variant", "vllm")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,12 +41,13 @@ def check_backends(backends: list[str]) -> None:
 
 
 def _ints(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated positive integers, each once."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag}={text!r}: expected positive integers, comma separated") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag}={text!r}: expected positive integers, comma separated")
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise ValueError(f"{flag}={text!r}: expected positive integers, comma separated, each once")
     return values
 
 
@@ -62,18 +64,17 @@ def points(args: argparse.Namespace, vocab: list[int]) -> list[tuple[str, int, l
                     {"max_num_seqs": c}))
     for n in _ints(args.prompt_lens, "--prompt-lens"):
         out.append(("prompt_len", n, fixed_requests(n, args.output_len, args.requests_per_len, vocab, args.seed),
-                    {"max_num_seqs": max(args.requests_per_len, 1)}))
+                    {"max_num_seqs": args.requests_per_len}))
     return out
 
 
 def run_scaling(args: argparse.Namespace, backends: list[str], model: str, plan: dict, dtypes: dict, options: dict,
-                vocab: list[int], record: dict) -> dict:
-    """Every point of both sweeps on every backend, ``args.repeats`` times interleaved; writes the record, chart and
-    table to ``args.out``."""
+                sweep: list[tuple[str, int, list, dict]], record: dict) -> dict:
+    """Every point of ``sweep`` (``points``) on every backend, ``args.repeats`` times interleaved; writes the record,
+    chart and table to ``args.out``."""
     from ember.benchmarks import metrics
     from ember.benchmarks.runner import EMBER_VARIANTS, run_driver
 
-    sweep = points(args, vocab)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     runs: dict[str, dict[str, dict[str, list[dict]]]] = {}
     versions: dict[str, str] = {}

@@ -211,9 +211,10 @@ void attend_kv_rows(const uint16_t* qp, c10::BFloat16* op, int64_t hq, int64_t g
   }
 }
 
-// Chunks of up to SHORT_CHUNK tokens (a verify step's drafted span, a short chunk) run as decode does where the KV
-// heads are enough to feed every thread: a work item per KV head lays its keys out (from the first its window
-// needs) and attends all its rows, one parallel region.
+// Chunks of up to SHORT_CHUNK tokens (a verify step's drafted span, a short chunk) run as decode does where there
+// are at least as many KV heads as threads: a work item per KV head lays its keys out (from the first its window
+// needs) and attends all its rows, one parallel region (3 heads on 2 threads split 2:1 and are still faster, below;
+// other splits are not measured).
 // Longer ones split the layout and the rows into finer work items, two regions. SmolLM2-135M's verify step (9 / 3
 // heads, 256 keys, 30 layers' pools, 64 MB read between steps, 2 threads, AMD Zen 5, 2026-11-28; the rows grouped
 // by KV head counted too): 5 tokens 0.76 -> 0.55 ms, 9 tokens 0.91 -> 0.77 (a decode step's 0.44); the same bits.

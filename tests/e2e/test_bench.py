@@ -137,6 +137,8 @@ def test_scaling_runs_each_point_with_its_concurrency_and_prompt_length(llama_di
     assert "| requests in flight |" in table and "| prompt tokens |" in table
     assert main(["bench", "scaling", "--model", llama_dir, "--concurrency", "0,4", "--out", str(out)]) == 2
     assert "--concurrency='0,4'" in capsys.readouterr().err
+    assert main(["bench", "scaling", "--model", llama_dir, "--prompt-lens", "8,8", "--out", str(out)]) == 2
+    assert "each once" in capsys.readouterr().err
     assert main(["bench", "scaling", "--model", llama_dir, "--backends", "llamacpp", "--out", str(out)]) == 2
     assert "engines that batch" in capsys.readouterr().err
 
@@ -158,6 +160,9 @@ def test_serving_at_several_rates_draws_the_curve(llama_dir, tmp_path, capsys):
     assert "| 40 | ember |" in capsys.readouterr().out
     assert main(["bench", "serving", "--model", llama_dir, "--rates", "2,inf", "--out", str(out)]) == 2
     assert "--rates='2,inf'" in capsys.readouterr().err
+    for rates in ("", "2,2"):
+        assert main(["bench", "serving", "--model", llama_dir, "--rates", rates, "--out", str(out)]) == 2
+        assert f"--rates={rates!r}" in capsys.readouterr().err
 
 
 def test_missing_baseline_environment_is_a_clear_error(llama_dir, tmp_path, capsys):
