@@ -76,15 +76,11 @@ def table(curve: dict) -> str:
 
 def write_chart(curve: dict, path: str) -> bool:
     """Goodput, TTFT p99 and TPOT p99 against the arrival rate; False without matplotlib."""
-    try:
-        import matplotlib
+    from ember.benchmarks.report import _name, pyplot, save_chart
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no chart written (pip install 'ember[bench]')")
+    plt = pyplot()
+    if plt is None:
         return False
-    from ember.benchmarks.report import _name
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     panels = (("goodput_requests_per_s", "goodput, requests/s", None),
@@ -103,13 +99,8 @@ def write_chart(curve: dict, path: str) -> bool:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    m = curve["machine"]
     fig.suptitle(f"{curve['workload']}, its first {curve['num_requests']} requests; at most {curve['concurrency']} "
                  "in flight"
                  f"{' (over HTTP)' if curve.get('http') else ''}", fontsize=9)
-    fig.text(0.01, 0.01, f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {os.path.basename(curve['model'])}",
-             fontsize=7, color="#555")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_chart(plt, fig, curve["machine"], path, f"; {os.path.basename(curve['model'])}")
     return True

@@ -104,8 +104,8 @@ def serving_table(record: dict) -> str:
 TABLES = {"throughput": throughput_table, "latency": latency_table, "serving": serving_table}
 
 
-def write_chart(record: dict, path: str) -> bool:
-    """A bar chart of the headline figure per backend; False (with a warning) when matplotlib is missing."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a warning) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -113,6 +113,23 @@ def write_chart(record: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib is not installed: no chart written (pip install 'ember[bench]')")
+        return None
+    return plt
+
+
+def save_chart(plt, fig, machine: dict, path: str, note: str = "") -> None:
+    """The machine (and ``note``) in small print at the foot, then the PNG at path."""
+    fig.text(0.01, 0.01, f"{machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}{note}", fontsize=7,
+             color="#555")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_chart(record: dict, path: str) -> bool:
+    """A bar chart of the headline figure per backend; False (with a warning) when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return False
     mode, med = record["mode"], record["median"]
     names = [_name(b) for b in med]
@@ -144,9 +161,5 @@ def write_chart(record: dict, path: str) -> bool:
         ax.set_ylabel("ms")
         ax.set_title(f"{names[0]} serving {record['workload']} at {record['rate']} req/s", fontsize=9)
         ax.legend()
-    m = record["machine"]
-    fig.text(0.01, 0.01, f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}", fontsize=7, color="#555")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_chart(plt, fig, record["machine"], path)
     return True

@@ -138,15 +138,11 @@ def table(record: dict) -> str:
 
 def write_chart(record: dict, path: str) -> bool:
     """Output tok/s against concurrency and against prompt length, one line a backend; False without matplotlib."""
-    try:
-        import matplotlib
+    from ember.benchmarks.report import _name, pyplot, save_chart
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no chart written (pip install 'ember[bench]')")
+    plt = pyplot()
+    if plt is None:
         return False
-    from ember.benchmarks.report import _name
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     titles = {"concurrency": (f"requests in flight ({record['prompt_len']}-token prompts)", axes[0]),
@@ -164,10 +160,5 @@ def write_chart(record: dict, path: str) -> bool:
         ax.set_ylabel(f"output tokens/s ({record['output_len']} a request, median)")
         ax.grid(True, alpha=0.3)
         ax.legend()
-    m = record["machine"]
-    fig.text(0.01, 0.01, f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {os.path.basename(record['model'])}",
-             fontsize=7, color="#555")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_chart(plt, fig, record["machine"], path, f"; {os.path.basename(record['model'])}")
     return True
