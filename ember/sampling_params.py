@@ -140,6 +140,11 @@ class SamplingParams:
     # every token id that ends generation; empty: the engine fills in the model's EOS ids (tokenizer and
     # generation config)
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # at most this many tokens inside a thinking block (<think> ... </think>, opened by the prompt or the output):
+    # then its end tag is forced and the answer follows (vLLM's thinking_token_budget); None: no limit
+    thinking_token_budget: int | None = None
+    # the token ids of the model's thinking tags, (start, end); empty: the engine fills in <think> / </think>
+    thinking_tags: tuple[tuple[int, ...], tuple[int, ...]] = field(default=(), repr=False)
     # the output follows a JSON schema, regex, choice or grammar (``StructuredOutputsParams``; a dict of its fields
     # is taken too); compiled by the front end, enforced by masking the logits each step
     structured_outputs: StructuredOutputsParams | None = None
@@ -152,6 +157,7 @@ class SamplingParams:
         self.stop_token_sequences = [list(s) for s in self.stop_token_sequences or []]
         self.bad_words_ids = [list(s) for s in self.bad_words_ids or []]
         self.eos_token_ids = tuple(self.eos_token_ids)
+        self.thinking_tags = tuple(tuple(tag) for tag in self.thinking_tags)
         self.output_kind = OutputKind(self.output_kind)
         if self.top_k == -1:
             self.top_k = 0
@@ -209,6 +215,12 @@ class SamplingParams:
             value = getattr(self, name)
             if any(not s or not all(_token_id(t) for t in s) for s in value):
                 raise _bad(name, value, f"a list of non-empty lists of token ids in [0, {INT64_MAX}]")
+        if self.thinking_token_budget is not None and not _int_in(self.thinking_token_budget, 0):
+            raise _bad("thinking_token_budget", self.thinking_token_budget,
+                       f"None or an integer in [0, {INT64_MAX}] (0: the thinking ends at once)")
+        if self.thinking_tags and (len(self.thinking_tags) != 2 or not all(
+                tag and all(_token_id(t) for t in tag) for tag in self.thinking_tags)):
+            raise _bad("thinking_tags", self.thinking_tags, "() or two non-empty lists of token ids (start, end)")
         if not _int_in(self.no_repeat_ngram_size, 0):
             raise _bad("no_repeat_ngram_size", self.no_repeat_ngram_size,
                        f"an integer in [0, {INT64_MAX}] (0 means off)")

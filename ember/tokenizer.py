@@ -121,6 +121,17 @@ class Tokenizer:
             return self._fast.id_to_token(token_id)
         return self._hf.convert_ids_to_tokens(token_id)
 
+    @property
+    def chat_template(self) -> str:
+        """The chat template's text ("" without one): the server reads which tool-call and reasoning format the
+        model was taught from it."""
+        if self._template is not None:
+            return self._template
+        if not self.has_chat_template:
+            return ""
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else "\n".join((template or {}).values())
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render a conversation to the prompt text with the model's jinja2 chat template: by ember.chat_template
         (transformers' environment) where it covers the call, else by transformers itself."""

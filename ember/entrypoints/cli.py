@@ -13,6 +13,8 @@ from ember.config import INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_MODES
 from ember.entrypoints.parallel_args import add_parallel_args
 from ember.quantization.config import QuantConfig
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
+from ember.server.reasoning import REASONING_CHOICES
+from ember.server.tools import TOOL_PARSER_CHOICES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +67,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins allowed by CORS, or * (default: CORS off)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    t = p.add_argument_group("tools and reasoning")
+    t.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                   help="how replies' tool calls are read: auto (default: the format the chat template teaches), "
+                        "hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS]), or none (tools refused)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is on wherever a parser is known")
+    t.add_argument("--reasoning-parser", default="auto", choices=REASONING_CHOICES,
+                   help="<think> text into reasoning_content: auto (default: where the chat template has </think>), "
+                        "deepseek_r1 / qwen3 (always), none (never)")
     e = p.add_argument_group("scheduling")
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the running batch at most")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")

@@ -128,6 +128,10 @@ class OutputProcessor:
             metrics.num_accepted_draft_tokens += so.num_accepted_draft_tokens
             new_lps: list[PositionLogprobs] = []
             kept = so.new_token_ids  # up to the token that completes a stop string: the rest is not the answer
+            # a stop token (EOS, a stop token id) is in token_ids but not in the text, as in vLLM (it shows when
+            # special tokens are not skipped: a tool-call parser's request)
+            stop_token = len(kept) - 1 if reason is FinishReason.STOP and not isinstance(so.stop_reason, list) \
+                and not params.include_stop_str_in_output else -1
             for j, token in enumerate(so.new_token_ids):
                 ss.num_tokens += 1
                 if metrics.first_token_time is None:
@@ -136,6 +140,8 @@ class OutputProcessor:
                     lp = so.new_logprobs[j]
                     ss.cumulative_logprob += lp.logprob
                     new_lps.append(self._position(token, lp))
+                if j == stop_token:
+                    break
                 stop_str = ss.detokenizer.add(token, check_stop=ss.num_tokens >= params.min_tokens)
                 if stop_str is not None:
                     kept = so.new_token_ids[:j + 1]

@@ -119,9 +119,13 @@ class InputProcessor:
         self._check_fits(len(ids), params, max_num_tokens)
         if not params.eos_token_ids:
             params.eos_token_ids = self.eos_token_ids
+        if params.thinking_token_budget is not None and not params.thinking_tags:
+            params.thinking_tags = tuple(tuple(self.tokenizer.encode(tag, add_special_tokens=False))
+                                         for tag in ("<think>", "</think>"))
         for name, given in (("stop_token_ids", params.stop_token_ids), ("eos_token_ids", params.eos_token_ids),
                             ("stop_token_sequences", [t for s in params.stop_token_sequences for t in s]),
-                            ("bad_words_ids", [t for s in params.bad_words_ids for t in s])):
+                            ("bad_words_ids", [t for s in params.bad_words_ids for t in s]),
+                            ("thinking_tags", [t for s in params.thinking_tags for t in s])):
             bad = [t for t in given if t >= vocab]
             if bad:
                 raise BadRequestError(f"{name} holds {bad[0]}, out of range: token ids must be in [0, {vocab})")

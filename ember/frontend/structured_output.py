@@ -26,13 +26,13 @@ JSON_WHITESPACE = r"[ \t\n\r]{0,20}"
 _CACHED = 64  # compiled grammars kept (least recently used dropped); building one costs ~1 ms, a copy ~5 us
 
 
-def _no_additional_properties(schema: Any) -> Any:
+def no_additional_properties(schema: Any) -> Any:
     """The schema with ``additionalProperties: false`` on every object that does not say otherwise."""
     if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
+        return [no_additional_properties(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    out = {k: no_additional_properties(v) for k, v in schema.items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -53,7 +53,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         if not isinstance(schema, (dict, bool)):
             raise BadRequestError(f"structured_outputs.json={schema!r} is not a JSON schema: a schema is an object")
         if spec.disable_additional_properties:
-            schema = _no_additional_properties(schema)
+            schema = no_additional_properties(schema)
         if spec.disable_any_whitespace:
             layout = {"whitespace_flexible": False}
         else:

@@ -7,7 +7,8 @@
 - min_tokens: EOS and stop_token_ids are masked until that many tokens were generated;
 - no_repeat_ngram_size / bad_words_ids: transformers semantics (NoRepeatNGramLogitsProcessor over prompt and
   output; NoBadWordsLogitsProcessor: a one-token bad word is always banned, a longer one's last token is banned when
-  the sequence ends with the rest of it).
+  the sequence ends with the rest of it);
+- thinking_token_budget: past the budget inside a ``<think>`` block, the block's end tag is forced.
 
 Each sits behind one protocol, ``LogitsProcessor``: it says which rows want it and rewrites their logits. What a
 processor remembers between steps (the penalties' token counts, the n-gram index) lives in the row's ``RowState``,
@@ -27,11 +28,12 @@ from ember.sampling_params import SamplingParams
 class RowState:
     """What a sample's sampling remembers between steps: its seed and the processors' state."""
 
-    __slots__ = ("seed", "ngram", "counts", "counted")
+    __slots__ = ("seed", "ngram", "counts", "counted", "thinking")
 
     def __init__(self, seed: int | None) -> None:
         self.seed = seed  # a seeded sample's draw of output token i depends on (seed, i) only
         self.ngram: NGramIndex | None = None
+        self.thinking: ThinkingScan | None = None
         self.counts: torch.Tensor | None = None  # penalties: [2, V] counts of every token and of output tokens
         self.counted = 0  # tokens of the sample already in counts
 
@@ -162,5 +164,58 @@ class TokenBans:
         return logits
 
 
-# in transformers' order: penalties, then the masks
-DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (Penalties(), TokenBans())
+class ThinkingScan:
+    """Where a sample's open thinking block starts (the index after its start tag; -1: none open), updated with the
+    tokens added since the last step."""
+
+    __slots__ = ("scanned", "start")
+
+    def __init__(self) -> None:
+        self.scanned, self.start = 0, -1
+
+    def update(self, tokens: list[int], start_tag: tuple[int, ...], end_tag: tuple[int, ...]) -> int:
+        for end in range(self.scanned + 1, len(tokens) + 1):  # a tag ending at tokens[end - 1]
+            if _ends(tokens, end, start_tag):
+                self.start = end
+            elif self.start >= 0 and end - len(end_tag) >= self.start and _ends(tokens, end, end_tag):
+                self.start = -1
+        self.scanned = len(tokens)
+        return self.start
+
+
+def _ends(tokens: list[int], end: int, tag: tuple[int, ...]) -> bool:
+    return end >= len(tag) and tuple(tokens[end - len(tag):end]) == tag
+
+
+class ThinkingBudget:
+    """thinking_token_budget: once a sample has spent its budget of output tokens inside a thinking block, the
+    block's end tag is forced, token by token (the rest of the vocabulary masked), and the answer follows."""
+
+    def wants(self, params: SamplingParams) -> bool:
+        return params.thinking_token_budget is not None
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], batch: list[SamplingRow],
+                 states: list[RowState]) -> torch.Tensor:
+        forced: dict[int, int] = {}
+        for i in rows:
+            row, p = batch[i], batch[i].params
+            start_tag, end_tag = p.thinking_tags
+            scan = states[i].thinking = states[i].thinking or ThinkingScan()
+            start = scan.update(row.token_ids, start_tag, end_tag)
+            if start < 0 or len(row.token_ids) - max(start, row.num_prompt_tokens) < p.thinking_token_budget:
+                continue
+            # the end tag's next token: after the longest part of it the output already ends with
+            done = next((k for k in range(len(end_tag) - 1, 0, -1) if _ends(row.token_ids, len(row.token_ids),
+                                                                          end_tag[:k])), 0)
+            forced[i] = end_tag[done]
+        if not forced:
+            return logits
+        idx = torch.tensor(list(forced), device=logits.device)
+        keep = torch.tensor(list(forced.values()), device=logits.device)
+        sub = torch.full((len(forced), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=logits.device)
+        sub[torch.arange(len(forced), device=logits.device), keep] = 0.0  # even where a mask before removed it
+        return logits.index_copy(0, idx, sub)
+
+
+# in transformers' order: penalties, then the masks; the thinking budget last (it may force one token)
+DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (Penalties(), TokenBans(), ThinkingBudget())

@@ -68,7 +68,7 @@ class SamplingRow:
 
     @staticmethod
     def reads_history(params: SamplingParams) -> bool:
-        return params.needs_penalties or params.bans_tokens
+        return params.needs_penalties or params.bans_tokens or params.thinking_token_budget is not None
 
 
 class TokenMaskSource(Protocol):

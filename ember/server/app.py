@@ -26,12 +26,30 @@ from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
 from ember.server import responses as R
 from ember.server.admission import Admission
-from ember.server.errors import APIError, engine_errors, from_engine, from_validation, is_engine_error
+from ember.server.errors import (
+    APIError,
+    engine_errors,
+    from_engine,
+    from_validation,
+    is_engine_error,
+)
 from ember.server.group import RequestGroup
 from ember.server.limits import ApiKeyMiddleware, BodyLimitMiddleware
 from ember.server.metrics import EngineSource, ServerMetrics
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from ember.server.streams import chat_stream, collect, completion_choice, completion_stream
+from ember.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from ember.server.reasoning import resolve as resolve_reasoning
+from ember.server.streams import (
+    chat_stream,
+    collect,
+    completion_choice,
+    completion_stream,
+)
+from ember.server.tools import resolve_parser as resolve_tool_parser
 from ember.server.translate import chat_prompt, chat_request, completion_request
 
 STATIC = Path(__file__).parent / "static"
@@ -53,16 +71,21 @@ class ServerSettings:
     max_queue: int = 256  # engine requests waiting beyond an engine's running seats before 503
     max_request_bytes: int = 4 << 20
     allowed_origins: tuple[str, ...] = ()  # CORS off when empty
+    tool_call_parser: str = "auto"  # "auto": the format the model's chat template teaches; "none": tools refused
+    reasoning_parser: str = "auto"  # "auto": <think> text split out where the template knows it; "none": never
 
 
 class _Engine:
     """A served engine with its own admission bound."""
 
-    __slots__ = ("names", "client", "admission")
+    __slots__ = ("names", "client", "admission", "tool_parser", "thinks")
 
-    def __init__(self, model: ServedModel, max_queue: int) -> None:
+    def __init__(self, model: ServedModel, settings: ServerSettings) -> None:
         self.names, self.client = model.names, model.client
-        self.admission = Admission(model.client.model_info.max_num_seqs + max_queue)
+        self.admission = Admission(model.client.model_info.max_num_seqs + settings.max_queue)
+        template = model.client.tokenizer.chat_template
+        self.tool_parser = resolve_tool_parser(settings.tool_call_parser, template)
+        self.thinks = resolve_reasoning(settings.reasoning_parser, template)
 
     @property
     def name(self) -> str:
@@ -77,7 +100,7 @@ class ServerState:
         if not models or any(not m.names for m in models):
             raise ValueError("serve at least one model, each with at least one name")
         self.settings = settings
-        self.engines = [_Engine(m, settings.max_queue) for m in models]
+        self.engines = [_Engine(m, settings) for m in models]
         self.by_name: dict[str, _Engine] = {}
         self.adapters: dict[str, LoRARequest] = {}  # adapter name -> its request (its engine is in by_name)
         for e, m in zip(self.engines, models):
@@ -267,19 +290,19 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         _check_stream_options(req)
         group = state.group(engine, "chatcmpl")
         with engine_errors("messages"):
-            prompt, params = chat_request(client, req)
+            prompt, params, reply = chat_request(client, req, engine.tool_parser, engine.thinks)
             group.submit([prompt], params, lora)
         top = params.logprobs
         created = int(time.time())
         if req.stream:
             return _EventStream(chat_stream(group, created, model, params.n, top, _usage(req),
-                                            req.prediction is not None), group.close)
+                                            req.prediction is not None, reply), group.close)
         final = await _finals_unless_left(request, group)
         if final is None:
             return Response(status_code=499)  # the client closed the connection: nobody reads an answer
         out = final[0]
         body = {"id": group.request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [R.chat_choice(o, top) for o in out.outputs], "system_fingerprint": None,
+                "choices": [R.chat_choice(o, top, reply) for o in out.outputs], "system_fingerprint": None,
                 "usage": R.usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs),
                                  R.prediction_counts(out, req.prediction is not None))}
         return JSONResponse(body)

@@ -42,7 +42,8 @@ def _settings(args: argparse.Namespace, model: str | None) -> ServerSettings:
                               + (" and <= 65535" if flag == "--port" else ""))
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     return ServerSettings(api_key=args.api_key or envs.api_key(), max_queue=args.max_queue,
-                          max_request_bytes=args.max_request_bytes, allowed_origins=origins)
+                          max_request_bytes=args.max_request_bytes, allowed_origins=origins,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 def lora_modules(specs: list[str] | None) -> tuple[LoRARequest, ...]:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # OpenAI / vLLM fields with no implementation in ember; only null is accepted for them
 UNSUPPORTED = frozenset({
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "logit_bias",
+    "functions", "function_call", "logit_bias",
     "modalities", "audio", "service_tier", "store", "metadata", "reasoning_effort",
     "web_search_options", "suffix", "best_of",
 })
@@ -87,13 +87,67 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+class ToolCall(_Body):
+    """A call in an assistant message of the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    """A message of the conversation: an assistant's may hold tool calls instead of content, a tool message
+    answers one of them by its id."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _parts(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content is required in a {self.role} message (only an assistant message with "
+                             "tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls are only allowed in assistant messages, not in a {self.role} message")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id is required in a tool message" if self.role == "tool" else
+                             f"tool_call_id is only allowed in tool messages, not in a {self.role} message")
+        return self
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema (None: no parameters)
+    strict: bool | None = None  # accepted: with tool_choice required / a named function every call follows it
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class Prediction(_Body):
@@ -113,14 +167,16 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: None = None
-    tool_choice: None = None
-    functions: None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: None = None  # the deprecated forms of tools and tool_choice
     function_call: None = None
-    parallel_tool_calls: None = None
     modalities: None = None
     audio: None = None
     prediction: Prediction | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (enable_thinking, ...)
+    thinking_token_budget: int | None = None  # vLLM's: tokens a <think> block may take before </think> is forced
     reasoning_effort: None = None
     web_search_options: None = None
 

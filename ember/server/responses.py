@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from ember.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from ember.server.reply import ReplyFormat
 
 DONE = "data: [DONE]\n\n"
 
@@ -71,11 +72,14 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
     return out
 
 
-def chat_choice(o: CompletionOutput, top_logprobs: int | None) -> dict[str, Any]:
-    return {"index": o.index, "message": {"role": "assistant", "content": o.text},
+def chat_choice(o: CompletionOutput, top_logprobs: int | None, reply: ReplyFormat = ReplyFormat()) -> dict[str, Any]:
+    """A finished choice: its text read as content, reasoning and tool calls (reply)."""
+    parser = reply.parser()
+    parser.feed(o.text, final=True)
+    return {"index": o.index, "message": parser.message(),
             "logprobs": chat_logprobs(o.token_ids, o.logprobs or [], top_logprobs)
             if top_logprobs is not None else None,
-            "finish_reason": o.finish_reason}
+            "finish_reason": parser.finish_reason(o.finish_reason)}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any], finish_reason: str | None,

@@ -11,6 +11,7 @@ from ember.outputs import CompletionOutput, RequestOutput
 from ember.server import responses as R
 from ember.server.errors import APIError, from_engine, is_engine_error
 from ember.server.group import RequestGroup
+from ember.server.reply import ReplyFormat
 
 
 async def collect(group: RequestGroup) -> list[RequestOutput]:
@@ -52,8 +53,11 @@ def _prompt_positions(prompt_token_ids: list[int], prompt_logprobs: list | None,
 
 
 async def chat_stream(group: RequestGroup, created: int, model: str, n: int, top: int | None,
-                       usage: bool, predicted: bool = False) -> AsyncIterator[str]:
+                      usage: bool, predicted: bool = False, reply: ReplyFormat = ReplyFormat()) -> AsyncIterator[str]:
+    """A chat request's chunks: each choice's text read as content, reasoning and tool-call deltas (reply) as it
+    comes, so every chunk holds only what no later token can change."""
     rid = group.request_id
+    parsers = [reply.parser() for _ in range(n)]
     for i in range(n):  # the role comes first, as OpenAI sends it
         yield R.sse(R.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None,
                                  with_usage=usage))
@@ -65,9 +69,15 @@ async def chat_stream(group: RequestGroup, created: int, model: str, n: int, top
                 completion_tokens += len(o.token_ids)
                 if not o.text and not o.finish_reason and not o.token_ids:
                     continue
+                parser = parsers[o.index]
+                fields = parser.feed(o.text, final=o.finish_reason is not None)
                 lp = R.chat_logprobs(o.token_ids, o.logprobs or [], top) if top is not None else None
-                yield R.sse(R.chat_chunk(rid, created, model, o.index, {"content": o.text} if o.text else {},
-                                         o.finish_reason, lp, usage))
+                if fields or lp is not None or o.finish_reason:
+                    parts = parser.chunks(fields)
+                    for k, part in enumerate(parts):  # logprobs with the first, the finish reason with the last
+                        yield R.sse(R.chat_chunk(rid, created, model, o.index, part,
+                                                 parser.finish_reason(o.finish_reason) if k == len(parts) - 1
+                                                 else None, lp if k == 0 else None, usage))
     except Exception as e:
         yield R.sse(from_engine(e, "messages").body() if is_engine_error(e) else
                     APIError(500, f"internal error: {type(e).__name__}: {e}").body())

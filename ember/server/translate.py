@@ -9,7 +9,9 @@ from __future__ import annotations
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient
 from ember.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
+from ember.server import reasoning, tools
 from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from ember.server.reply import ReplyFormat
 
 # body field -> SamplingParams field, copied when the client sets them
 _COPIED = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -51,20 +53,42 @@ def _structured(req: _Sampling) -> StructuredOutputsParams | None:
     return next(iter(given.values()), None)
 
 
-def chat_request(client: EngineClient, req: ChatCompletionRequest) -> tuple[list[int] | dict, SamplingParams]:
-    """The conversation rendered by the model's chat template (with its prediction, a prompt dict), and the
-    request's sampling parameters."""
+def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: str | None = None,
+                 thinks: bool = False) -> tuple[list[int] | dict, SamplingParams, ReplyFormat]:
+    """The conversation rendered by the model's chat template with the request's tools (with its prediction, a
+    prompt dict), the request's sampling parameters, and how its replies are read. tool_parser: the model's tool
+    call format (None: it has none); thinks: the server splits ``<think>`` text out of this model's replies."""
     if req.top_logprobs is not None and not req.logprobs:
         raise BadRequestError(f"top_logprobs={req.top_logprobs} needs logprobs=true")
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, name)
     params = _params(req, client.default_params(), max_tokens,
                      (req.top_logprobs or 0) if req.logprobs else None)
-    prompt = chat_prompt(client, req.messages)
+    if req.thinking_token_budget is not None:
+        params = params.clone(thinking_token_budget=req.thinking_token_budget)
+    plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser,
+                      lambda marker: _single_token(client, marker))
+    if plan.constraint is not None:
+        if params.structured_outputs is not None:
+            raise BadRequestError(f"tool_choice={tools.shown(req.tool_choice)} and a structured-output field are "
+                                  "both set: a request takes at most one constraint")
+        params = params.clone(structured_outputs=plan.constraint)
+    if plan.parser is not None and req.skip_special_tokens:
+        # call markers are often special tokens (Qwen's <tool_call>, Mistral's [TOOL_CALLS]): the parser must see them
+        params = params.clone(skip_special_tokens=False)
+    prompt = chat_prompt(client, req.messages, template_tools=plan.template_tools,
+                         template_kwargs=req.chat_template_kwargs)
     _check_length(client, name, max_tokens, len(prompt))
+    thinking = thinks and reasoning.opens_thinking(client.tokenizer.decode(prompt[-4:]))
+    reply = ReplyFormat(plan.parser, thinks, thinking, tuple(t.function.name for t in req.tools or ()))
     if req.prediction is not None:
-        return {"prompt_token_ids": prompt, "prediction": req.prediction.text()}, params
-    return prompt, params
+        return {"prompt_token_ids": prompt, "prediction": req.prediction.text()}, params, reply
+    return prompt, params, reply
+
+
+def _single_token(client: EngineClient, text: str) -> int | None:
+    ids = client.tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def _check_length(client: EngineClient, name: str, max_tokens: int | None, prompt_tokens: int | None) -> None:
@@ -79,12 +103,18 @@ def _check_length(client: EngineClient, name: str, max_tokens: int | None, promp
                           f"must be <= max_model_len ({max_len})")
 
 
-def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                template_tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
     if not client.tokenizer.has_chat_template:
         raise BadRequestError("messages cannot be rendered: the model has no chat template (use /v1/completions)")
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    reserved = sorted({"tools", "messages", "add_generation_prompt", "tokenize", "chat_template"}
+                      & set(template_kwargs or ()))
+    if reserved:
+        raise BadRequestError(f"chat_template_kwargs sets {', '.join(reserved)}: the request's own fields set those")
+    kwargs = {**(template_kwargs or {}), **({"tools": template_tools} if template_tools is not None else {})}
     try:
-        return client.chat_prompt(conversation, add_generation_prompt=add_generation_prompt)
+        return client.chat_prompt(tools.template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                  **kwargs)
     except BadRequestError:
         raise
     except Exception as e:  # the template's own complaint (jinja raise_exception: roles out of order, ...)

@@ -266,3 +266,33 @@ def test_unseeded_draws_come_from_the_samplers_own_generator():
     assert a == b and a != c
     torch.manual_seed(1)
     assert after_a == torch.rand(1).item()
+
+
+def test_thinking_budget_forces_the_end_tag_then_decodes_as_transformers(tiny_llm, llama_dir):
+    """A prompt that opens <think>: after thinking_token_budget tokens the end tag's tokens are forced (several
+    tokens in this vocabulary), then greedy decoding goes on; every unforced token equals transformers' greedy
+    token on the same prefix. A prompt without an open block decodes as without a budget."""
+    from conftest import hf_float32, hf_greedy
+
+    from ember import SamplingParams
+
+    tok = tiny_llm.client.tokenizer
+    start, end = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    assert len(end) > 1
+    hf = hf_float32(llama_dir)
+    prompt = [120, 340, 560, 780] + start
+    for budget in (0, 3):
+        out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=budget + len(end) + 4,
+                                                         ignore_eos=True, thinking_token_budget=budget),
+                                use_tqdm=False)[0].outputs[0].token_ids
+        thought = hf_greedy(hf, prompt, budget)
+        after = hf_greedy(hf, prompt + thought + end, 4)
+        assert out == thought + end + after, budget
+    plain = [120, 340, 560, 780]
+    free = tiny_llm.generate([plain], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    limited = tiny_llm.generate([plain], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                        thinking_token_budget=0), use_tqdm=False)[0].outputs[0]
+    assert limited.token_ids == free
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=-1)
