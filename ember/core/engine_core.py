@@ -19,6 +19,7 @@ from ember.core.lora_slots import LoRASlots
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.core.speculator import Speculator
+from ember.errors import ConfigError
 from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, read_shape
@@ -79,12 +80,20 @@ class EngineCore:
         par = resolved.parallel
         cache = resolved.cache
         window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
-        self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                          plan.num_host_blocks, cache.prefix_cache_ttl, window)
+        # an encoder attends over its whole prompt at once and keeps no KV: no chunks, nothing to cache; its blocks
+        # only count what a step may admit
+        encoder = info.encoder_only
+        if encoder and sched.max_num_batched_tokens < sched.max_model_len:
+            raise ConfigError(f"max_num_batched_tokens={sched.max_num_batched_tokens} is out of range for an encoder "
+                              f"({info.architecture}): a prompt runs in one step, so it must be >= max_model_len "
+                              f"({sched.max_model_len})")
+        self.block_manager = BlockManager(plan.num_blocks, cache.block_size,
+                                          cache.enable_prefix_caching and not encoder, plan.num_host_blocks,
+                                          cache.prefix_cache_ttl, window)
         lora = resolved.model.lora
         self.loras = LoRASlots(lora.max_loras) if lora is not None else None
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs,
+                                   sched.enable_chunked_prefill and not encoder, sched.policy, sched.max_num_prefill_seqs,
                                    self.loras)
         # speculative decoding: from the sequences' own tokens when configured; predictions draft either way (not
         # under a StreamingLLM window: a rejected draft's KV would overwrite slots the window still reads)
@@ -105,7 +114,7 @@ class EngineCore:
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
             executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens,
             max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0,
-            kv_block_bytes=info.kv_bytes_per_block)
+            kv_block_bytes=info.kv_bytes_per_block, hidden_size=info.hidden_size, encoder_only=encoder)
 
     def handle(self, command: EngineCommand) -> EngineOutput | UtilityResult | None:
         """Run one command record (``Shutdown`` is the transport's to act on); what goes back to the client: an
