@@ -1,7 +1,9 @@
 """A checkpoint's pooling defaults, read as sentence-transformers reads its folder: ``modules.json`` lists the
 modules (Transformer, then Pooling, then Normalize when the vectors are unit length), the Pooling module's
-``config.json`` says which pooling, ``sentence_bert_config.json`` the longest input. Without those files: an
-encoder pools its first ([CLS]) token, a decoder its last, both normalised (vLLM's defaults for embedding)."""
+``config.json`` says which pooling (``pooling_mode_*`` booleans before sentence-transformers 6, one
+``pooling_mode`` name since), the longest input is ``sentence_bert_config.json``'s max_seq_length (before 6) or the
+tokenizer's model_max_length (6 keeps it there). Without those files: an encoder pools its first ([CLS]) token, a
+decoder its last, both normalised (vLLM's defaults for embedding)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from dataclasses import dataclass
 
 from ember.errors import ConfigError
 
-# sentence-transformers' Pooling modes -> ember's pooling types
+# sentence-transformers' Pooling modes (legacy boolean keys and the names since 6) -> ember's pooling types
 _MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
-_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_NAMES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +34,30 @@ def _read(path: str) -> dict | list | None:
 
 
 def max_seq_length(path: str) -> int | None:
-    """``sentence_bert_config.json``'s max_seq_length, if the folder has one."""
-    conf = _read(os.path.join(path, "sentence_bert_config.json")) if os.path.isdir(path) else None
+    """The longest input of a sentence-transformers folder (None: not such a folder, or it sets none)."""
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "modules.json")):
+        return None
+    conf = _read(os.path.join(path, "sentence_bert_config.json"))
     value = conf.get("max_seq_length") if isinstance(conf, dict) else None
+    if not value:
+        tok = _read(os.path.join(path, "tokenizer_config.json"))
+        value = tok.get("model_max_length") if isinstance(tok, dict) else None
+        value = value if isinstance(value, int) and value < 1 << 24 else None  # transformers' "no limit": 1e30
     return int(value) if value else None
+
+
+def _pooling(file: str) -> str:
+    conf = _read(file) or {}
+    if "pooling_mode" in conf:
+        modes = conf["pooling_mode"]
+        modes = [modes] if isinstance(modes, str) else list(modes)
+    else:
+        modes = [k for k in conf if k.startswith("pooling_mode_") and conf[k]]
+    chosen = [_NAMES.get(m) or _MODES.get(m) for m in modes]
+    if len(chosen) != 1 or chosen[0] is None:
+        raise ConfigError(f"{file}: pooling mode {modes} is not supported: ember pools with one of "
+                          f"{sorted(_NAMES)} (the legacy {sorted(_MODES)})")
+    return chosen[0]
 
 
 def pooler_defaults(path: str, encoder_only: bool) -> PoolerDefaults:
@@ -47,17 +69,7 @@ def pooler_defaults(path: str, encoder_only: bool) -> PoolerDefaults:
     for module in modules:
         kind = str(module.get("type", ""))
         if kind.endswith(".Pooling"):
-            file = os.path.join(path, module.get("path", ""), "config.json")
-            conf = _read(file) or {}
-            bad = [m for m in _UNSUPPORTED if conf.get(m)]
-            if bad:
-                raise ConfigError(f"{file}: {bad[0]}=true is not supported: ember pools with one of "
-                                  f"{sorted(_MODES)}")
-            chosen = [t for m, t in _MODES.items() if conf.get(m)]
-            if len(chosen) != 1:
-                raise ConfigError(f"{file}: pooling modes {chosen or 'none'} are not supported: set exactly one "
-                                  f"of {sorted(_MODES)}")
-            pooling = chosen[0]
+            pooling = _pooling(os.path.join(path, module.get("path", ""), "config.json"))
         elif kind.endswith(".Normalize"):
             normalize = True
     return PoolerDefaults(pooling, normalize, max_seq_length(path))
