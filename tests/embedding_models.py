@@ -34,16 +34,14 @@ def save_st_bert(out: str, pooling: str, normalize: bool, max_seq_length: int = 
     import warnings
 
     from sentence_transformers import SentenceTransformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel, BertTokenizer
 
     raw = os.path.join(out, "raw")
-    os.makedirs(raw, exist_ok=True)
     letters = "abcdefghijklmnopqrstuvwxyz"
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, ".", ",", "!", "?",
              *(f"##{c}" for c in letters), *WORDS]
-    with open(os.path.join(raw, "vocab.txt"), "w") as f:
-        f.write("\n".join(dict.fromkeys(vocab)) + "\n")
-    tok = BertTokenizerFast(vocab_file=os.path.join(raw, "vocab.txt"), do_lower_case=True)
+    tok = BertTokenizer(vocab={w: i for i, w in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+    assert tok("the fox")["input_ids"][1] > 4, "the vocabulary was not read: every word would be [UNK]"
     config = BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=128, hidden_act="gelu", initializer_range=0.2)
     torch.manual_seed(seed)

@@ -33,6 +33,12 @@ def _is_token_ids(x: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
+def encoder_refusal(info: ModelInfo) -> BadRequestError:
+    """What a generation request on an encoder is answered."""
+    return BadRequestError(f"model {info.model} ({info.architecture}) is an encoder: it serves embeddings only "
+                           "(LLM.embed, /v1/embeddings), not text generation")
+
+
 def prompt_list(prompts: Any) -> list[PromptType]:
     """One prompt or a list of them as a list: a string, a list of token ids (one prompt), a vLLM-style dict
     ({"prompt": text} or {"prompt_token_ids": ids}), or a list of those."""
@@ -101,8 +107,7 @@ class InputProcessor:
         if isinstance(params, PoolingParams):
             return self.process_pooling(prompt, params, request_id, lora)
         if self.info.encoder_only:
-            raise BadRequestError(f"model {self.info.model} ({self.info.architecture}) is an encoder: it serves "
-                                  "embeddings only (LLM.embed, /v1/embeddings), not text generation")
+            raise encoder_refusal(self.info)
         if params is not None and not isinstance(params, SamplingParams):
             raise BadRequestError(f"sampling_params of type {type(params).__name__} is not supported: pass a "
                                   "SamplingParams or None")

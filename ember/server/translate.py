@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient
+from ember.frontend.processor import encoder_refusal
 from ember.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 
@@ -80,6 +81,8 @@ def _check_length(client: EngineClient, name: str, max_tokens: int | None, promp
 
 
 def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    if client.model_info.encoder_only:
+        raise encoder_refusal(client.model_info)
     if not client.tokenizer.has_chat_template:
         raise BadRequestError("messages cannot be rendered: the model has no chat template (use /v1/completions)")
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
