@@ -10,5 +10,6 @@ from ember.sampling_params import GuidedDecodingParams, OutputKind, SamplingPara
 from ember.version import __version__
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "OutputKind",
-           "LoRARequest", "RequestOutput", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "CompletionOutput", "Logprob", "EmberError", "BadRequestError",
+           "LoRARequest", "RequestOutput", "PoolingParams", "EmbeddingRequestOutput",
+           "EmbeddingOutput", "CompletionOutput", "Logprob", "EmberError", "BadRequestError",
            "ConfigError", "DoesNotFitError", "EngineDeadError", "__version__"]

@@ -93,8 +93,8 @@ class EngineCore:
         lora = resolved.model.lora
         self.loras = LoRASlots(lora.max_loras) if lora is not None else None
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill and not encoder, sched.policy, sched.max_num_prefill_seqs,
-                                   self.loras)
+                                   sched.enable_chunked_prefill and not encoder, sched.policy,
+                                   sched.max_num_prefill_seqs, self.loras)
         # speculative decoding: from the sequences' own tokens when configured; predictions draft either way (not
         # under a StreamingLLM window: a rejected draft's KV would overwrite slots the window still reads)
         spec = resolved.speculative

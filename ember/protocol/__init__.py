@@ -39,7 +39,8 @@ from ember.protocol.worker import PoolPlan, WorkerInfo
 
 __all__ = ["DRAFT_PLACEHOLDER", "AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "CoreFailed", "CoreMessage",
            "CoreReady", "EngineCommand", "EngineOutput", "EngineRequest", "EngineStats", "FinishReason", "KVWindow",
-           "LoRALoad", "ModelInfo", "NewSequence", "POOLING_TYPES", "PoolPlan", "PoolingParams", "PromptLogprobsRows", "RequestStatus", "SampleOutput",
+           "LoRALoad", "ModelInfo", "NewSequence", "POOLING_TYPES", "PoolPlan", "PoolingParams",
+           "PromptLogprobsRows", "RequestStatus", "SampleOutput",
            "SamplingRow", "SchedulerOutput", "SchedulerStats", "Shutdown", "StepOutputs", "StopSample",
            "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo", "WorkerOutput",
            "WorkerStats"]

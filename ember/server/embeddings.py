@@ -5,6 +5,7 @@ the other routes' requests (``RequestGroup``)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from ember.outputs import EmbeddingRequestOutput
 from ember.protocol import PoolingParams
 from ember.server.errors import APIError, engine_errors
+from ember.server.group import RequestGroup
 from ember.server.protocol import _Body
 
 
@@ -55,9 +57,36 @@ def body(finals: list[EmbeddingRequestOutput], model: str, encoding_format: str)
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+async def _finals(group: RequestGroup) -> list[EmbeddingRequestOutput]:
+    finals: list = [None] * len(group.ids)
+    async for i, out in group.deltas():  # one output a request, once it is finished
+        finals[i] = out
+    return finals
+
+
+async def _finals_unless_left(request: Request, group: RequestGroup) -> list[EmbeddingRequestOutput] | None:
+    """Every input's output, or None when the client leaves first (its requests aborted); the group is closed
+    either way (the chat and completion routes wait the same way)."""
+    work = asyncio.ensure_future(_finals(group))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        group.close()
+    if work in done:
+        return work.result()
+    work.cancel()
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def install(app: FastAPI, state: Any) -> None:
     """Add the route to the app over the server's state (``app.ServerState``)."""
-    from ember.server.app import _finals_unless_left  # app imports this module: its helper is read at install
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
