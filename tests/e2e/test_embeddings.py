@@ -15,11 +15,12 @@ from ember import LLM, BadRequestError, PoolingParams, SamplingParams
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", *texts(9, 3, 60, seed=1)]
 
 
-@pytest.fixture(scope="module", params=[("mean", True), ("cls", False)], ids=["mean-normalize", "cls"])
+@pytest.fixture(scope="module", params=[("mean", True, True), ("cls", False, False)],
+                ids=["mean-normalize", "cls-not-batch-invariant"])
 def bert(request, tmp_path_factory):
-    pooling, normalize = request.param
+    pooling, normalize, invariant = request.param  # batch_invariant=False: oneDNN's GEMMs, GELU fused into them
     folder = save_st_bert(str(tmp_path_factory.mktemp(f"bert-{pooling}")), pooling, normalize)
-    llm = LLM(folder, dtype="float32", max_num_seqs=8)
+    llm = LLM(folder, dtype="float32", max_num_seqs=8, batch_invariant=invariant)
     yield folder, llm
     llm.shutdown()
 
