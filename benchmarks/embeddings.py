@@ -1,6 +1,7 @@
 """Embedding throughput: texts/s at a batch of 32 sentences (10-60 words), ember's ``LLM.embed`` against
 ``SentenceTransformer.encode`` on the same sentence-transformers folder, float32, the same threads, in one process
-with the two interleaved repeat by repeat (so both see the same machine load); medians and their ratio. Also the
+with the two interleaved repeat by repeat (so both see the same machine load; the order rotates, with a pause
+before each run); medians and their ratio. Also the
 smallest cosine between each one's vectors and sentence-transformers'. ember runs twice: its default
 (``batch_invariant=True``: its fixed-order GEMM) and ``batch_invariant=False`` (oneDNN's GEMMs, GELU fused).
 
@@ -135,8 +136,9 @@ def main() -> None:
         cos["vllm"] = min_cos(torch.tensor(vllm.vectors))
         runs.append(("vllm", vllm.run))
     times: dict[str, list[float]] = {name: [] for name, _ in runs}
-    for _ in range(args.repeats):
-        for name, fn in runs:
+    for r in range(args.repeats):
+        for name, fn in runs[r % len(runs):] + runs[:r % len(runs)]:  # each takes each place in turn
+            time.sleep(0.3)  # the previous one's idle threads (vLLM's OpenMP ones spin) settle first
             t = time.perf_counter()
             took = fn()
             times[name].append(took if isinstance(took, float) else time.perf_counter() - t)
