@@ -140,7 +140,7 @@ class BertModel(Layer):
         """Hugging Face names (a ``bert.`` prefix, as task heads save it, is dropped; the pooler and any task head
         are not read); every tensor the encoder holds must come."""
         h = self.config.hidden_size
-        loaded: set[str] = set()
+        loaded: set[str] = set()  # the checkpoint names read
         for name, value in weights:
             name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight") \
                 .replace("LayerNorm.beta", "LayerNorm.bias")
@@ -155,21 +155,20 @@ class BertModel(Layer):
                 rows = value.shape[0]
                 load_float(param.data[offset * h:offset * h + rows] if offset is not None else param.data, value,
                            name)
-            loaded.add(f"{id(module)}.{attr}.{offset}")
-        missing = self._expected() - loaded
+            loaded.add(name)
+        missing = sorted(self._expected() - loaded)
         if missing:
-            raise ValueError(f"{len(missing)} encoder tensors were not in the checkpoint (e.g. the embeddings or a "
-                             "layer's attention): is it a BertModel checkpoint?")
+            raise ValueError(f"{missing[0]} is not in the checkpoint ({len(missing)} encoder tensors missing): is it a "
+                             "BertModel checkpoint?")
 
     def _expected(self) -> set[str]:
-        keys = {f"{id(p)}..None" for p in (self.word_embeddings, self.position_embeddings,
-                                           self.token_type_embeddings)}
-        keys |= {f"{id(self.embed_norm)}.{a}.None" for a in ("weight", "bias")}
-        for layer in self.layers:
-            keys |= {f"{id(layer.qkv)}.{a}.{i}" for a in ("weight", "bias") for i in range(3)}
-            keys |= {f"{id(m)}.{a}.None" for m in (layer.attn_out, layer.attn_norm, layer.up, layer.down,
-                                                   layer.out_norm) for a in ("weight", "bias")}
-        return keys
+        """Every checkpoint name the encoder must read."""
+        names = {f"embeddings.{t}_embeddings.weight" for t in ("word", "position", "token_type")}
+        names |= {f"embeddings.LayerNorm.{a}" for a in ("weight", "bias")}
+        parts = [*self._QKV, *self._IN_LAYER]
+        names |= {f"encoder.layer.{i}.{p}.{a}" for i in range(len(self.layers)) for p in parts
+                  for a in ("weight", "bias")}
+        return names
 
     _LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
     _IN_LAYER = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
