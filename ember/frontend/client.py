@@ -24,7 +24,7 @@ from ember.frontend.processor import InputProcessor, PromptType
 from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
 from ember.model_loader import load_tokenizer, read_shape
-from ember.model_loader.pooler import pooler_defaults
+from ember.model_loader.pooler import folder_pooler, with_model_defaults
 from ember.protocol import ModelInfo, PoolingParams
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message, Tokenizer
@@ -51,6 +51,7 @@ class EngineClient:
         if _serves_rank_0(resolved):
             raise ValueError(f"EngineClient: rank {resolved.parallel.rank} of a launched group has no engine of its "
                              "own; start_client(config) serves rank 0's engine there")
+        folder = folder_pooler(resolved.model.path)  # a sentence-transformers folder's pooling, checked first
         tok = load_tokenizer(resolved.model)
         self.tokenizer: Tokenizer = tok.tokenizer
         self.generation_config = tok.generation_config
@@ -63,7 +64,7 @@ class EngineClient:
         self.model_info: ModelInfo = self._loop.model_info
         defaults = SamplingParams.from_generation_config(tok.generation_config)
         self.adapters = Adapters(self.model_info, lambda: read_shape(resolved.model.path))
-        self.pooler = pooler_defaults(resolved.model.path, self.model_info.encoder_only)  # embeddings' defaults
+        self.pooler = with_model_defaults(folder, self.model_info.encoder_only)  # the folder's, else vLLM's
         self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults, grammars,
                                       self.adapters, self.pooler)
         self.eos_token_ids: tuple[int, ...] = tok.eos_token_ids  # the model's EOS ids, filled into requests

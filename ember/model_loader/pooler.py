@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ember.errors import ConfigError
 
@@ -20,7 +20,7 @@ _NAMES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
 
 @dataclass(frozen=True, slots=True)
 class PoolerDefaults:
-    pooling: str  # one of protocol.POOLING_TYPES
+    pooling: str | None  # one of protocol.POOLING_TYPES (None only from ``folder_pooler``: not set by the folder)
     normalize: bool
     max_seq_length: int | None = None  # sentence-transformers' input limit (None: the model's positions)
 
@@ -61,11 +61,24 @@ def _pooling(file: str) -> str:
 
 
 def pooler_defaults(path: str, encoder_only: bool) -> PoolerDefaults:
+    """The folder's defaults (``folder_pooler``) completed with vLLM's for the kind of model."""
+    return with_model_defaults(folder_pooler(path), encoder_only)
+
+
+def with_model_defaults(found: PoolerDefaults | None, encoder_only: bool) -> PoolerDefaults:
+    kind = "cls" if encoder_only else "last"
+    if found is None:
+        return PoolerDefaults(kind, True, None)
+    return found if found.pooling is not None else replace(found, pooling=kind)
+
+
+def folder_pooler(path: str) -> PoolerDefaults | None:
+    """The defaults a sentence-transformers folder sets (pooling None: it has no Pooling module); None: not such a
+    folder. An unsupported pooling mode raises ConfigError, so a client reads this before starting its engine."""
     modules = _read(os.path.join(path, "modules.json")) if os.path.isdir(path) else None
     if not isinstance(modules, list):
-        return PoolerDefaults("cls" if encoder_only else "last", True, None)
-    pooling = "cls" if encoder_only else "last"
-    normalize = False
+        return None
+    pooling, normalize = None, False
     for module in modules:
         kind = str(module.get("type", ""))
         if kind.endswith(".Pooling"):

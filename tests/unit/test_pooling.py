@@ -102,3 +102,10 @@ def test_base64_is_little_endian_float32():
     raw = base64.b64decode(text)
     assert raw == struct.pack("<3f", *vec)
     assert encode(vec, "float") == vec
+
+
+def test_folder_without_pooling_module_takes_the_models_default(tmp_path):
+    path = _folder(tmp_path, None, True)
+    for encoder, kind in ((True, "cls"), (False, "last")):
+        d = pooler_defaults(path, encoder_only=encoder)
+        assert (d.pooling, d.normalize) == (kind, True)
