@@ -22,7 +22,7 @@ from ember.core.speculator import Speculator
 from ember.errors import ConfigError
 from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
-from ember.model_loader import check_parallel, read_shape
+from ember.model_loader import check_parallel, is_encoder, read_shape
 from ember.protocol import (
     AbortRequest,
     AddRequests,
@@ -43,6 +43,13 @@ from ember.protocol import (
 )
 
 
+def check_encoder_budget(sched: SchedulerConfig, what: str) -> None:
+    """An encoder runs each prompt in one step: the step's budget must hold the longest."""
+    if sched.max_num_batched_tokens < sched.max_model_len:
+        raise ConfigError(f"max_num_batched_tokens={sched.max_num_batched_tokens} is out of range for {what}: a "
+                          f"prompt runs in one step, so it must be >= max_model_len ({sched.max_model_len})")
+
+
 class EngineCore:
     # what a client may call by name between steps (``EngineLoop.utility``), with plain arguments
     UTILITIES = frozenset({"add_lora", "remove_lora", "rank_reports", "stats"})
@@ -60,6 +67,8 @@ class EngineCore:
         """Settle the limits and check the split from the checkpoint's config (a bad max_model_len or split fails
         before any weight loads or process starts), then start the executor's ranks and the core over them."""
         sched = config.scheduler(read_shape(resolved.model.path).max_position)
+        if is_encoder(resolved.model.path):
+            check_encoder_budget(sched, "an encoder")
         par = resolved.parallel
         check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
         executor = make_executor(resolved)
@@ -83,10 +92,8 @@ class EngineCore:
         # an encoder attends over its whole prompt at once and keeps no KV: no chunks, nothing to cache; its blocks
         # only count what a step may admit
         encoder = info.encoder_only
-        if encoder and sched.max_num_batched_tokens < sched.max_model_len:
-            raise ConfigError(f"max_num_batched_tokens={sched.max_num_batched_tokens} is out of range for an encoder "
-                              f"({info.architecture}): a prompt runs in one step, so it must be >= max_model_len "
-                              f"({sched.max_model_len})")
+        if encoder:
+            check_encoder_budget(sched, info.architecture)
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size,
                                           cache.enable_prefix_caching and not encoder, plan.num_host_blocks,
                                           cache.prefix_cache_ttl, window)

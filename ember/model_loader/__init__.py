@@ -156,6 +156,16 @@ def read_shape(path: str) -> ModelShape:
     return replace(shape, max_position=min(shape.max_position, limit)) if limit else shape
 
 
+def is_encoder(path: str) -> bool:
+    """The checkpoint is an encoder (embeddings only, each prompt in one step), from its config alone; an unknown
+    architecture is not (loading it names the supported ones)."""
+    try:
+        _, cls = resolve_architecture(getattr(model_config(open_checkpoint(path)), "architectures", None))
+    except ValueError:
+        return False
+    return bool(getattr(cls, "encoder_only", False))
+
+
 def load_tokenizer(config: ModelConfig) -> TokenizerInfo:
     """The tokenizer (from a tokenizer given apart: a folder, a .gguf or an .asmodel), the generation defaults and
     the EOS ids of the tokenizer, the generation config and the model config together."""

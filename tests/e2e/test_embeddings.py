@@ -151,3 +151,11 @@ def test_all_minilm_l6_v2_matches_sentence_transformers():
         assert (llm.client.pooler.pooling, llm.client.pooler.normalize) == ("mean", True)
         got = _vectors(llm.embed(inputs))
     assert min(cosines(got, ref)) >= 0.9999
+
+
+def test_encoder_step_budget_below_max_model_len_is_refused_at_start(bert):
+    from ember import ConfigError
+
+    folder, _ = bert
+    with pytest.raises(ConfigError, match=r"^max_num_batched_tokens=50 is out of range for an encoder.*>= max_model_len"):
+        LLM(folder, dtype="float32", max_num_batched_tokens=50)
