@@ -93,3 +93,27 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_device_cached_tokens = delta.num_device_cached_tokens
         self.num_host_cached_tokens = delta.num_host_cached_tokens
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: the pooled vector (float32 values; empty when the request ended without one)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput: one prompt's embedding. It comes once, finished; finish_reason "stop", or
+    "abort" / "interrupted" with an empty embedding."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    finish_reason: str = "stop"
+    metrics: RequestMetrics | None = None

@@ -58,7 +58,7 @@ class StepWriter:
                 out.draft_token_ids[handle] = list(draft)
                 mark[2] = 1
                 sampled.extend([seq] * n)
-            elif seq.num_computed_tokens + n == len(tokens):
+            elif seq.num_computed_tokens + n == len(tokens) and not seq.request.pools:
                 sampled.append(seq)
         return out, sampled
 
@@ -69,4 +69,5 @@ class StepWriter:
         k = req.params.prompt_logprobs if seq.index == 0 and req.wants_prompt_logprobs else None
         return NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
                            list(seq.block_table), req.params, req.seed_of(seq),
-                           loras.slot_of(lora_id) if loras is not None and lora_id else -1, k)
+                           loras.slot_of(lora_id) if loras is not None and lora_id else -1, k,
+                           req.record.pooling)

@@ -48,6 +48,10 @@ class Decoding:
                 out.prompt_logprobs, out.prompt_logprobs_start = chunk, start
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     req.prompt_logprobs_done = out.prompt_logprobs_done = True
+            pooled = result.pooled.get(seq.seq_id) if result.pooled else None
+            if pooled is not None:  # a pooling request's last prompt token was computed: it is done
+                out.pooled = pooled
+                self.one_sample.finish(seq, FinishReason.STOP, None, out)
         row = 0
         while row < len(sampled):  # a sequence verifying a draft of k tokens has k + 1 rows
             seq = sampled[row]

@@ -19,9 +19,10 @@ from ember.core.lora_slots import LoRASlots
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.core.speculator import Speculator
+from ember.errors import ConfigError
 from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
-from ember.model_loader import check_parallel, read_shape
+from ember.model_loader import check_parallel, is_encoder, read_shape
 from ember.protocol import (
     AbortRequest,
     AddRequests,
@@ -42,6 +43,13 @@ from ember.protocol import (
 )
 
 
+def check_encoder_budget(sched: SchedulerConfig, what: str) -> None:
+    """An encoder runs each prompt in one step: the step's budget must hold the longest."""
+    if sched.max_num_batched_tokens < sched.max_model_len:
+        raise ConfigError(f"max_num_batched_tokens={sched.max_num_batched_tokens} is out of range for {what}: a "
+                          f"prompt runs in one step, so it must be >= max_model_len ({sched.max_model_len})")
+
+
 class EngineCore:
     # what a client may call by name between steps (``EngineLoop.utility``), with plain arguments
     UTILITIES = frozenset({"add_lora", "remove_lora", "rank_reports", "stats"})
@@ -59,6 +67,8 @@ class EngineCore:
         """Settle the limits and check the split from the checkpoint's config (a bad max_model_len or split fails
         before any weight loads or process starts), then start the executor's ranks and the core over them."""
         sched = config.scheduler(read_shape(resolved.model.path).max_position)
+        if is_encoder(resolved.model.path):
+            check_encoder_budget(sched, "an encoder")
         par = resolved.parallel
         check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
         executor = make_executor(resolved)
@@ -79,13 +89,19 @@ class EngineCore:
         par = resolved.parallel
         cache = resolved.cache
         window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
-        self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                          plan.num_host_blocks, cache.prefix_cache_ttl, window)
+        # an encoder attends over its whole prompt at once and keeps no KV: no chunks, nothing to cache; its blocks
+        # only count what a step may admit
+        encoder = info.encoder_only
+        if encoder:
+            check_encoder_budget(sched, info.architecture)
+        self.block_manager = BlockManager(plan.num_blocks, cache.block_size,
+                                          cache.enable_prefix_caching and not encoder, plan.num_host_blocks,
+                                          cache.prefix_cache_ttl, window)
         lora = resolved.model.lora
         self.loras = LoRASlots(lora.max_loras) if lora is not None else None
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill, sched.policy, sched.max_num_prefill_seqs,
-                                   self.loras)
+                                   sched.enable_chunked_prefill and not encoder, sched.policy,
+                                   sched.max_num_prefill_seqs, self.loras)
         # speculative decoding: from the sequences' own tokens when configured; predictions draft either way (not
         # under a StreamingLLM window: a rejected draft's KV would overwrite slots the window still reads)
         spec = resolved.speculative
@@ -105,7 +121,7 @@ class EngineCore:
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
             executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens,
             max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0,
-            kv_block_bytes=info.kv_bytes_per_block)
+            kv_block_bytes=info.kv_bytes_per_block, hidden_size=info.hidden_size, encoder_only=encoder)
 
     def handle(self, command: EngineCommand) -> EngineOutput | UtilityResult | None:
         """Run one command record (``Shutdown`` is the transport's to act on); what goes back to the client: an

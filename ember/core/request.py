@@ -115,6 +115,11 @@ class CoreRequest:
         return self.record.prompt_token_ids
 
     @property
+    def pools(self) -> bool:
+        """A pooling request: prefilled only, finished with its pooled vector; it samples nothing."""
+        return self.record.pooling is not None
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
 

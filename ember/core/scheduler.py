@@ -163,8 +163,10 @@ class Scheduler:
                 self.waiting.popleft()
                 self._interrupt(seq, batch)
                 continue
-            # prompt blocks already in the prefix cache; prompt logprobs need every prompt position computed
-            hit = self.bm.lookup(seq) if not seq.request.wants_prompt_logprobs else None
+            # prompt blocks already in the prefix cache; prompt logprobs and pooling (a mean reads every
+            # position's hidden state) need every prompt position computed
+            req = seq.request
+            hit = self.bm.lookup(seq) if not req.wants_prompt_logprobs and not req.pools else None
             start = seq.num_computed_tokens + (hit.num_blocks * self.bm.block_size if hit else 0)
             n = self._chunk(seq, budget, start)
             if n == 0 or seats + seq.seats() > self.max_num_seqs or not self._may_prefill(batch):

@@ -10,9 +10,9 @@ from ember.config import EngineConfig
 from ember.frontend.client import start_client
 from ember.frontend.processor import PromptType
 from ember.lora.request import LoRARequest
-from ember.outputs import RequestOutput
-from ember.protocol import ModelInfo
-from ember.sampling_params import SamplingParams
+from ember.outputs import EmbeddingRequestOutput, RequestOutput
+from ember.protocol import ModelInfo, PoolingParams
+from ember.sampling_params import OutputKind, SamplingParams
 
 
 class AsyncLLM:
@@ -39,6 +39,19 @@ class AsyncLLM:
                 yield out
         finally:  # a consumer that leaves early aborts the request now, not when the stream is collected
             await outputs.aclose()
+
+    async def embed(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                    request_id: str | None = None) -> EmbeddingRequestOutput:
+        """One prompt's embedding (``LLM.embed``'s rules), computed in the engine's steps next to any generation;
+        a caller cancelled while it waits aborts the request."""
+        outputs = self.client.stream(prompt, pooling_params or PoolingParams(), request_id, kind=OutputKind.DELTA,
+                                     asynchronous=True).__aiter__()
+        try:
+            async for out in outputs:
+                return out
+        finally:
+            await outputs.aclose()
+        raise RuntimeError("the embedding's stream ended without an output")
 
     async def abort(self, request_id: str) -> None:
         self.client.abort(request_id)

@@ -14,8 +14,8 @@ from ember.errors import BadRequestError
 from ember.frontend.client import start_client
 from ember.frontend.processor import PromptType, prompt_list
 from ember.lora.request import LoRARequest
-from ember.outputs import RequestOutput
-from ember.protocol import ModelInfo
+from ember.outputs import EmbeddingRequestOutput, RequestOutput
+from ember.protocol import ModelInfo, PoolingParams
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message
 
@@ -73,6 +73,41 @@ class LLM:
                     done += 1
                     bar.update(1)
                     bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} out tok/s")
+        except BaseException:
+            for rid in ids:
+                self.client.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [outputs[rid] for rid in ids]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = False, *,
+              pooling: str | None = None, normalize: bool | None = None, dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding a prompt, in input order (vLLM's ``LLM.embed``): the prompt's hidden states pooled
+        (``pooling``: "last", "mean" or "cls"; None: the model's default, from its sentence-transformers files),
+        truncated to ``dimensions`` and L2-normalised when ``normalize`` (None: the model's default). The requests
+        share the engine's steps with any generation in flight. pooling_params: one for every prompt or one per
+        prompt, in place of the keyword arguments."""
+        prompts = prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(pooling, normalize, dimensions, truncate_prompt_tokens)
+        elif (pooling, normalize, dimensions, truncate_prompt_tokens) != (None, None, None, None):
+            raise BadRequestError("pass pooling_params or the keyword arguments (pooling, normalize, dimensions, "
+                                  "truncate_prompt_tokens), not both")
+        params = _per_prompt(pooling_params, len(prompts), "pooling_params", PoolingParams)
+        results: queue.Queue = queue.Queue()
+        ids = self.client.submit(prompts, params, results.put)
+        outputs: dict[str, EmbeddingRequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Embedding", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(outputs) < len(ids):
+                item = results.get()
+                if isinstance(item, BaseException):
+                    raise item
+                outputs[item.request_id] = item
+                bar.update(1)
         except BaseException:
             for rid in ids:
                 self.client.abort(rid)

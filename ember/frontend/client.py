@@ -24,7 +24,8 @@ from ember.frontend.processor import InputProcessor, PromptType
 from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
 from ember.model_loader import load_tokenizer, read_shape
-from ember.protocol import ModelInfo
+from ember.model_loader.pooler import folder_pooler, with_model_defaults
+from ember.protocol import ModelInfo, PoolingParams
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message, Tokenizer
 
@@ -50,6 +51,7 @@ class EngineClient:
         if _serves_rank_0(resolved):
             raise ValueError(f"EngineClient: rank {resolved.parallel.rank} of a launched group has no engine of its "
                              "own; start_client(config) serves rank 0's engine there")
+        folder = folder_pooler(resolved.model.path)  # a sentence-transformers folder's pooling, checked first
         tok = load_tokenizer(resolved.model)
         self.tokenizer: Tokenizer = tok.tokenizer
         self.generation_config = tok.generation_config
@@ -62,8 +64,9 @@ class EngineClient:
         self.model_info: ModelInfo = self._loop.model_info
         defaults = SamplingParams.from_generation_config(tok.generation_config)
         self.adapters = Adapters(self.model_info, lambda: read_shape(resolved.model.path))
+        self.pooler = with_model_defaults(folder, self.model_info.encoder_only)  # the folder's, else vLLM's
         self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults, grammars,
-                                      self.adapters)
+                                      self.adapters, self.pooler)
         self.eos_token_ids: tuple[int, ...] = tok.eos_token_ids  # the model's EOS ids, filled into requests
 
     def default_params(self) -> SamplingParams:
@@ -78,12 +81,13 @@ class EngineClient:
         # the template already holds any BOS token; encode without adding special tokens again
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def submit(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | None], sink: OutputSink,
-               request_ids: Sequence[str | None] | None = None,
+    def submit(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | PoolingParams | None],
+               sink: OutputSink, request_ids: Sequence[str | None] | None = None,
                loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Validate every request (raising before any is queued), then queue them together; their outputs go to
         sink as RequestOutput deltas (an exception if the engine stops). Returns the request ids. loras: the
-        adapter of each request (None: the base model)."""
+        adapter of each request (None: the base model). A request with PoolingParams is an embedding: prefilled
+        only, in the same steps as the others, answered by one EmbeddingRequestOutput."""
         request_ids = request_ids or [None] * len(prompts)
         loras = loras or [None] * len(prompts)
         states, records = [], []
@@ -91,7 +95,7 @@ class EngineClient:
             text, record = self._inputs.process(prompt, sp, rid, lora)
             core = fan_out(record)  # n > 1: one core request a sample
             states.append(RequestState(record.request_id, text, record.prompt_token_ids, record.params, sink,
-                                       [c.request_id for c in core]))
+                                       [c.request_id for c in core], record.pooling is not None))
             records.extend(core)
         self._outputs.register(states)
         try:

@@ -15,12 +15,20 @@ from collections.abc import Callable
 
 from ember.errors import BadRequestError
 from ember.frontend.detokenizer import IncrementalDetokenizer
-from ember.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from ember.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from ember.protocol import EngineOutput, FinishReason, TokenLogprobs
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 
-OutputSink = Callable[[RequestOutput | BaseException], None]
+OutputSink = Callable[[RequestOutput | EmbeddingRequestOutput | BaseException], None]
 
 
 class SampleState:
@@ -36,11 +44,12 @@ class SampleState:
 class RequestState:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "sink", "metrics", "samples",
                  "prompt_logprobs", "pending_prompt_logprobs", "num_cached_tokens", "num_host_cached_tokens",
-                 "core_ids")
+                 "core_ids", "pools")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 sink: OutputSink, core_ids: list[str] | None = None) -> None:
+                 sink: OutputSink, core_ids: list[str] | None = None, pools: bool = False) -> None:
         self.request_id = request_id
+        self.pools = pools  # a pooling request: one EmbeddingRequestOutput when it ends
         self.core_ids = core_ids or [request_id]  # the core's requests: sample i of n > 1 is core_ids[i]
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -104,6 +113,9 @@ class OutputProcessor:
 
     def _one(self, st: RequestState, out: EngineOutput, stops: list[tuple[str, int]], first: int) -> None:
         """One core request's output; its sample j is the request's sample first + j."""
+        if st.pools:
+            self._pooled(st, out)
+            return
         params, metrics = st.params, st.metrics
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = out.first_scheduled_time
@@ -171,6 +183,17 @@ class OutputProcessor:
         completions.sort(key=lambda c: c.index)
         st.sink(RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, done, prompt_lp, metrics,
                               cached, cached - host, host))
+
+    def _pooled(self, st: RequestState, out: EngineOutput) -> None:
+        """A pooling request ends in one output: its vector, or (aborted, interrupted) an empty one."""
+        reason = next((s.finish_reason for s in out.samples if s.finish_reason is not None), None)
+        if out.pooled is None and reason is None:
+            return
+        st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or out.first_scheduled_time
+        st.metrics.finished_time = time.time()
+        self.forget([st.request_id])
+        st.sink(EmbeddingRequestOutput(st.request_id, st.prompt_token_ids, EmbeddingOutput(out.pooled or []), True,
+                                       (reason or FinishReason.STOP).value, st.metrics))
 
     def _detokenizer(self, st: RequestState) -> IncrementalDetokenizer:
         p = st.params

@@ -15,7 +15,8 @@ from ember.errors import BadRequestError, DoesNotFitError
 from ember.frontend.adapters import Adapters
 from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
-from ember.protocol import EngineRequest, ModelInfo
+from ember.model_loader.pooler import PoolerDefaults
+from ember.protocol import POOLING_TYPES, EngineRequest, ModelInfo, PoolingParams
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
 
@@ -30,6 +31,12 @@ def _is_token_ids(x: Any) -> bool:
     """A sequence of ints (bools excluded), not a string."""
     return isinstance(x, Seq) and not isinstance(x, str) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def encoder_refusal(info: ModelInfo) -> BadRequestError:
+    """What a generation request on an encoder is answered."""
+    return BadRequestError(f"model {info.model} ({info.architecture}) is an encoder: it serves embeddings only "
+                           "(LLM.embed, /v1/embeddings), not text generation")
 
 
 def prompt_list(prompts: Any) -> list[PromptType]:
@@ -51,8 +58,9 @@ def prompt_list(prompts: Any) -> list[PromptType]:
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo, eos_token_ids: tuple[int, ...],
                  default_params: SamplingParams, grammars: Grammars | None = None,
-                 adapters: Adapters | None = None) -> None:
+                 adapters: Adapters | None = None, pooler: PoolerDefaults | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pooler = pooler or PoolerDefaults("cls" if info.encoder_only else "last", True)
         self.grammars = grammars
         self.adapters = adapters
         self.info = info
@@ -94,7 +102,12 @@ class InputProcessor:
 
     def process(self, prompt: Any, params: SamplingParams | None, request_id: str | None = None,
                 lora: LoRARequest | None = None) -> tuple[str | None, EngineRequest]:
-        """(prompt text or None, the request record); raises BadRequestError / DoesNotFitError."""
+        """(prompt text or None, the request record); raises BadRequestError / DoesNotFitError. PoolingParams make
+        a pooling (embedding) request (``process_pooling``)."""
+        if isinstance(params, PoolingParams):
+            return self.process_pooling(prompt, params, request_id, lora)
+        if self.info.encoder_only:
+            raise encoder_refusal(self.info)
         if params is not None and not isinstance(params, SamplingParams):
             raise BadRequestError(f"sampling_params of type {type(params).__name__} is not supported: pass a "
                                   "SamplingParams or None")
@@ -129,12 +142,7 @@ class InputProcessor:
             bad = [t for t in given if t >= vocab]
             if bad:
                 raise BadRequestError(f"{name} holds {bad[0]}, out of range: token ids must be in [0, {vocab})")
-        if request_id is None:
-            rid = str(next(self._counter))
-        elif isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
-            rid = str(request_id)
-        else:
-            raise BadRequestError(f"request_id={request_id!r} is not supported: pass a string, an int or None")
+        rid = self._request_id(request_id)
         salt = None
         if lora is not None:
             if self.adapters is None:
@@ -148,6 +156,60 @@ class InputProcessor:
             grammar = self.grammars.compile(params.structured_outputs)
         return text, EngineRequest(rid, ids, params, max_num_tokens, salt, grammar, lora,
                                    prediction_token_ids=prediction)
+
+    def _request_id(self, request_id: Any) -> str:
+        if request_id is None:
+            return str(next(self._counter))
+        if isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
+            return str(request_id)
+        raise BadRequestError(f"request_id={request_id!r} is not supported: pass a string, an int or None")
+
+    def pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """params with the model's defaults filled in, every field checked."""
+        d, hidden = self.pooler, self.info.hidden_size
+        pooling = d.pooling if params.pooling is None else params.pooling
+        if pooling not in POOLING_TYPES:
+            raise BadRequestError(f"pooling={pooling!r} is not supported: use one of {list(POOLING_TYPES)}")
+        normalize = d.normalize if params.normalize is None else params.normalize
+        if not isinstance(normalize, bool):
+            raise BadRequestError(f"normalize={normalize!r} is not supported: pass true, false or null")
+        dims = params.dimensions
+        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= hidden):
+            raise BadRequestError(f"dimensions={dims!r} is out of range: it must be an integer in [1, {hidden}] "
+                                  "(the model's hidden size)")
+        k = params.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
+            raise BadRequestError(f"truncate_prompt_tokens={k!r} is out of range: it must be >= 1, or -1 "
+                                  f"(max_model_len, {self.info.max_model_len})")
+        return PoolingParams(pooling, normalize, dims, self.info.max_model_len if k == -1 else k)
+
+    def process_pooling(self, prompt: Any, params: PoolingParams, request_id: str | None = None,
+                        lora: LoRARequest | None = None) -> tuple[str | None, EngineRequest]:
+        """A pooling request: prefilled only, its pooled hidden state returned when its last prompt token is
+        computed. Raises BadRequestError / DoesNotFitError before anything is queued."""
+        if lora is not None:
+            raise BadRequestError("lora_request is not supported for embeddings: pass None")
+        params = self.pooling_params(params)
+        text, ids = self.tokenize(prompt)
+        info, vocab = self.info, self.info.vocab_size
+        if not ids:
+            raise BadRequestError("input is empty: an input needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"input token id {bad[0]} is out of range: token ids must be in [0, {vocab})")
+        k = params.truncate_prompt_tokens
+        if k is not None and len(ids) > k:
+            # an encoder's text keeps its first tokens and its closing special token, as sentence-transformers
+            # truncates; token ids and decoders keep their last k tokens, as vLLM does
+            ids = ids[:k - 1] + ids[-1:] if info.encoder_only and text is not None and k > 1 else ids[-k:]
+        if len(ids) > info.max_model_len:
+            raise BadRequestError(f"input has {len(ids)} tokens: it must be <= max_model_len ({info.max_model_len})"
+                                  "; or pass truncate_prompt_tokens")
+        if blocks_for(len(ids), info.block_size) > info.num_kv_blocks:
+            raise DoesNotFitError(f"input has {len(ids)} tokens: it can never fit the KV pool of "
+                                  f"{info.num_kv_blocks * info.block_size} tokens")
+        return text, EngineRequest(self._request_id(request_id), ids, SamplingParams(max_tokens=1), len(ids),
+                                   pooling=params)
 
     def _prediction(self, prompt: Any) -> tuple[Any, list[int] | None]:
         """The prompt without its prediction, and the prediction's token ids (None: no prediction)."""

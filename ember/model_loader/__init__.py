@@ -21,6 +21,7 @@ from ember.model_loader.checkpoint import Checkpoint, model_config, needs_calibr
 from ember.model_loader.finalize import finalize
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint, read_all
+from ember.model_loader.pooler import max_seq_length
 from ember.model_loader.trtllm import TRTLLMCheckpoint
 from ember.models import resolve_architecture
 from ember.quantization import QUANT_ALGORITHMS, QuantConfig
@@ -148,8 +149,21 @@ def check_parallel(config: ModelConfig, tp: int, pp: int, ranks_here: int | None
 
 
 def read_shape(path: str) -> ModelShape:
-    """The model's shape from its checkpoint's config alone, without reading any weight."""
-    return ModelShape.of(model_config(open_checkpoint(path)))
+    """The model's shape from its checkpoint's config alone, without reading any weight. A sentence-transformers
+    folder's max_seq_length caps its positions (the inputs it was trained for), as vLLM caps max_model_len."""
+    shape = ModelShape.of(model_config(open_checkpoint(path)))
+    limit = max_seq_length(path)
+    return replace(shape, max_position=min(shape.max_position, limit)) if limit else shape
+
+
+def is_encoder(path: str) -> bool:
+    """The checkpoint is an encoder (embeddings only, each prompt in one step), from its config alone; an unknown
+    architecture is not (loading it names the supported ones)."""
+    try:
+        _, cls = resolve_architecture(getattr(model_config(open_checkpoint(path)), "architectures", None))
+    except ValueError:
+        return False
+    return bool(getattr(cls, "encoder_only", False))
 
 
 def load_tokenizer(config: ModelConfig) -> TokenizerInfo:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from ember.models.bert import BertModel
 from ember.models.gemma import GemmaForCausalLM
 from ember.models.llama import LlamaForCausalLM
 from ember.models.moe import MoEForCausalLM
 from ember.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
+    "BertModel": BertModel,  # an encoder: embeddings only
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

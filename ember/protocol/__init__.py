@@ -30,6 +30,7 @@ from ember.protocol.commands import (
 )
 from ember.protocol.info import ModelInfo
 from ember.protocol.outputs import EngineOutput, SampleOutput, TokenLogprobs
+from ember.protocol.pooling import POOLING_TYPES, PoolingParams
 from ember.protocol.requests import EngineRequest
 from ember.protocol.stats import EngineStats, SchedulerStats, WorkerStats
 from ember.protocol.status import FinishReason, RequestStatus
@@ -38,7 +39,8 @@ from ember.protocol.worker import PoolPlan, WorkerInfo
 
 __all__ = ["DRAFT_PLACEHOLDER", "AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "CoreFailed", "CoreMessage",
            "CoreReady", "EngineCommand", "EngineOutput", "EngineRequest", "EngineStats", "FinishReason", "KVWindow",
-           "LoRALoad", "ModelInfo", "NewSequence", "PoolPlan", "PromptLogprobsRows", "RequestStatus", "SampleOutput",
+           "LoRALoad", "ModelInfo", "NewSequence", "POOLING_TYPES", "PoolPlan", "PoolingParams",
+           "PromptLogprobsRows", "RequestStatus", "SampleOutput",
            "SamplingRow", "SchedulerOutput", "SchedulerStats", "Shutdown", "StepOutputs", "StopSample",
            "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo", "WorkerOutput",
            "WorkerStats"]

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from ember.protocol.outputs import TokenLogprobs
+from ember.protocol.pooling import PoolingParams
 from ember.sampling_params import SamplingParams
 
 
@@ -95,6 +96,7 @@ class NewSequence:
     seed: int | None  # the sample's own seed (params.seed + its index); None: the sampler's own generator
     lora_slot: int = -1  # the adapter's slot, -1 for the base model
     prompt_logprobs: int | None = None  # k: score the prompt tokens it computes (the top k of each too)
+    pooling: PoolingParams | None = None  # a pooling request: pool its prompt's hidden states, sample nothing
 
 
 DRAFT_PLACEHOLDER = -1  # a draft token the worker's draft model fills in the step (``SchedulerOutput.draft_token_ids``)
@@ -136,3 +138,5 @@ class WorkerOutput:
     beams: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     # a draft model's drafts: handle -> the tokens it drafted where the core sent placeholders (-1) to fill
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # pooling requests whose last prompt token this step computed: handle -> the pooled vector (float32 values)
+    pooled: dict[int, list[float]] = field(default_factory=dict)

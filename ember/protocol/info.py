@@ -28,3 +28,5 @@ class ModelInfo:
     max_loras: int = 0  # adapters resident at once (0: LoRA off)
     max_lora_rank: int = 0
     kv_block_bytes: int = 0  # one block of the KV pool on rank 0 (its stage's layers, its KV heads)
+    hidden_size: int = 0  # the width of a pooled vector (the largest ``dimensions`` an embedding may ask)
+    encoder_only: bool = False  # an encoder (BERT): it serves embeddings only

@@ -43,6 +43,7 @@ class EngineOutput:
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (both tiers), once known
     num_host_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (float32 values), in the step it finished
 
     def sample(self, index: int) -> SampleOutput:
         for s in self.samples:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ember.lora.request import LoRARequest
+from ember.protocol.pooling import PoolingParams
 from ember.sampling_params import SamplingParams
 
 
@@ -22,3 +23,6 @@ class EngineRequest:
     prefix_group: str | None = None
     # OpenAI's predicted outputs: text the answer is expected to repeat, tokenized; drafts come from it first
     prediction_token_ids: list[int] | None = None
+    # a pooling (embedding) request: prefilled only, its pooled hidden state returned when the last prompt token is
+    # computed; no token is sampled (params is then unused). Every field filled by the front end
+    pooling: PoolingParams | None = None

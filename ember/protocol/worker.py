@@ -21,6 +21,8 @@ class WorkerInfo:
     # a step verifying k drafted tokens against a decode step at batch 1, k = 0 .. the longest draft, timed at
     # start-up (worker.verify_cost); None: not measured (no speculative_config, several ranks, CUDA)
     verify_costs: tuple[float, ...] | None = None
+    hidden_size: int = 0  # the width of a pooled vector
+    encoder_only: bool = False  # an encoder (BERT): bidirectional, no KV kept, pooling requests only
 
 
 @dataclass(frozen=True, slots=True)

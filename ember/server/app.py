@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ember.frontend.client import EngineClient
 from ember.lora.request import LoRARequest
 from ember.outputs import RequestOutput
+from ember.server import embeddings
 from ember.server import responses as R
 from ember.server.admission import Admission
 from ember.server.errors import (
@@ -154,6 +155,7 @@ def build_app(models: Sequence[ServedModel], settings: ServerSettings) -> FastAP
     app.state.ember = state
     _install_errors(app, state)
     _install_routes(app, state)
+    embeddings.install(app, state)
     # outermost last: CORS answers preflights before the key check; the key is checked before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Sequence
 from ember.frontend.client import EngineClient
 from ember.frontend.inbox import Inbox
 from ember.lora.request import LoRARequest
-from ember.outputs import RequestOutput
+from ember.outputs import EmbeddingRequestOutput, RequestOutput
+from ember.protocol import PoolingParams
 from ember.sampling_params import SamplingParams
 from ember.server.admission import Admission
 from ember.server.errors import APIError
@@ -34,7 +35,7 @@ class RequestGroup:
         self._inbox = Inbox(asyncio.get_running_loop())
         self._admitted = 0
 
-    def submit(self, prompts: Sequence[str | list[int] | dict], params: SamplingParams,
+    def submit(self, prompts: Sequence[str | list[int] | dict], params: SamplingParams | PoolingParams,
                lora: LoRARequest | None = None) -> None:
         """Admit (503 when full) and submit every prompt (with the adapter ``lora`` when the request named one); a
         bad one raises before any is queued."""
@@ -57,7 +58,7 @@ class RequestGroup:
         for rid in ids:
             self.timing[rid] = RequestTiming(start, 0)
 
-    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput | EmbeddingRequestOutput]]:
         """(prompt index, delta) until every request finished; an engine failure is raised."""
         index = {rid: i for i, rid in enumerate(self.ids)}
         while self.open:
@@ -70,13 +71,14 @@ class RequestGroup:
                 t = self.timing[rid]
                 if t.prompt_tokens == 0:
                     t.prompt_tokens = len(item.prompt_token_ids)
-                new = sum(len(o.token_ids) for o in item.outputs)
+                new = sum(len(o.token_ids) for o in item.outputs) if isinstance(item, RequestOutput) else 0
                 if new and t.first_token is None:
                     t.first_token = time.monotonic()
                 t.generated += new
                 if item.finished:
                     self.open.discard(rid)
-                    reason = next((o.finish_reason for o in item.outputs if o.finish_reason), None) or "stop"
+                    reason = item.finish_reason if isinstance(item, EmbeddingRequestOutput) else next(
+                        (o.finish_reason for o in item.outputs if o.finish_reason), None) or "stop"
                     self.metrics.request_done(self.model_name, t, reason, time.monotonic())
                 yield index[rid], item
 

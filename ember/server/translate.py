@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient
+from ember.frontend.processor import encoder_refusal
 from ember.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 from ember.server import reasoning, tools
 from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
@@ -105,6 +106,8 @@ def _check_length(client: EngineClient, name: str, max_tokens: int | None, promp
 
 def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 template_tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    if client.model_info.encoder_only:
+        raise encoder_refusal(client.model_info)
     if not client.tokenizer.has_chat_template:
         raise BadRequestError("messages cannot be rendered: the model has no chat template (use /v1/completions)")
     reserved = sorted({"tools", "messages", "add_generation_prompt", "tokenize", "chat_template"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ember.protocol import KVWindow, NewSequence, PromptLogprobsRows, SamplingRow, SchedulerOutput
+from ember.protocol import KVWindow, NewSequence, PoolingParams, PromptLogprobsRows, SamplingRow, SchedulerOutput
 from ember.sampling_params import SamplingParams
 
 
@@ -24,6 +24,7 @@ class HeldSequence:
     prompt_logprobs: int | None
     row: int  # its row of the runner's block-table tensor
     reads_history: bool  # its sampling row carries the token history (penalties, bans)
+    pooling: PoolingParams | None = None  # a pooling request: its rows are pooled, never sampled
 
 
 @dataclass(slots=True)
@@ -34,6 +35,19 @@ class PrefillRows:
     table_row: int  # its row of the block-table tensor
     num_blocks: int  # blocks its table has
     draft: bool = False  # a decoding row verifying a draft (its last token, then the draft)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingRows:
+    """A pooling sequence's chunk in this step: flat rows start..start+length-1 hold its prompt positions
+    position..position+length-1; ``last``: the chunk ends the prompt, so the pooled vector is due."""
+
+    handle: int
+    start: int
+    length: int
+    position: int
+    last: bool
+    params: PoolingParams
 
 
 @dataclass(slots=True)
@@ -50,6 +64,7 @@ class StepRows:
     sample_rows: list[int] = field(default_factory=list)  # the flat row whose logits each sampled token uses
     sampling: list[SamplingRow] = field(default_factory=list)  # aligned with sample_rows
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
+    pooling: list[PoolingRows] = field(default_factory=list)
     lora_slots: list[int] | None = None  # LoRA: each row's adapter slot (-1: base); None: no row has an adapter
 
     @property
@@ -87,7 +102,7 @@ class InputBatch:
         p = new.params
         self.seqs[new.handle] = HeldSequence(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                                              list(new.block_ids), p, new.seed, new.lora_slot, new.prompt_logprobs,
-                                             row, SamplingRow.reads_history(p))
+                                             row, SamplingRow.reads_history(p), new.pooling)
         self.table_writes.append((row, 0, new.block_ids))
 
     def update(self, out: SchedulerOutput) -> None:
@@ -147,7 +162,9 @@ class InputBatch:
                 rows.prefills.append(PrefillRows(start, n, c + n, held.row, len(table)))
             if adapted:
                 rows.lora_slots.extend([held.lora_slot] * n)
-            if c + n == len(tokens):
+            if held.pooling is not None:
+                rows.pooling.append(PoolingRows(handle, start, n, c, c + n == len(tokens), held.pooling))
+            elif c + n == len(tokens):
                 rows.sample_rows.append(start + n - 1)
                 rows.sampling.append(SamplingRow(handle, held.params, held.seed, len(tokens) - held.num_prompt_tokens,
                                                  tokens if held.reads_history else None, held.num_prompt_tokens))

@@ -25,6 +25,7 @@ from ember.model_loader import LoadedModel
 from ember.protocol import DRAFT_PLACEHOLDER, KVWindow, LoRALoad, SchedulerOutput, WorkerOutput
 from ember.worker.drafter import Drafter
 from ember.worker.input_batch import InputBatch, StepRows
+from ember.worker.pooler import Pooler
 
 
 def micro_batches(num_tokens: int, parts: int) -> list[tuple[int, int]]:
@@ -49,6 +50,7 @@ class ModelRunner:
         self.states: dict[int, RowState] = {}  # sample handle -> its sampling state, until it finishes
         self.graphs: Any = None  # CUDA: the decode step's graphs (``cuda_graph.DecodeGraphs``), set at start-up
         self.drafter: Drafter | None = None  # speculative decoding's draft model (the worker sets it)
+        self.pooler = Pooler()  # pooling requests' chunks pooled so far
 
     # --- the persistent block table ---
     def _write_tables(self) -> None:
@@ -78,6 +80,8 @@ class ModelRunner:
         """The sampled tokens on the sampling rank; None on every other rank."""
         for handle in out.finished:
             self.states.pop(handle, None)
+        if self.pooler.partial:
+            self.pooler.forget([*out.finished, *out.preempted])
         if self.drafter is not None:  # the draft KV of sequences that went (or came back new) is no longer theirs
             self.drafter.forget([*out.finished, *out.preempted, *(new.handle for new in out.new)])
         for load in out.lora_loads:
@@ -104,7 +108,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[pl.start:pl.start + len(pl.targets)])
             if logits is not None:
                 prompt_lps[pl.handle] = rank_logprobs(logits.log_softmax(dim=-1), pl.targets, pl.k)
-        return WorkerOutput(tokens, lps, prompt_lps, beams, drafted) if self.parallel.is_sampler else None
+        if not self.parallel.is_sampler:
+            return None
+        pooled = self.pooler(hidden, rows.pooling) if rows.pooling else {}
+        return WorkerOutput(tokens, lps, prompt_lps, beams, drafted, pooled)
 
     def _draft(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """The draft model's tokens for the drafts the core sent as placeholders (handle -> tokens)."""

@@ -137,6 +137,14 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
     return PoolPlan(num_blocks, num_host, bs, act_bytes, budget.source, peak), kv_cache, host_cache
 
 
+def encoder_plan(cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
+    """An encoder's plan: no pool (it keeps no KV); its blocks are only the scheduler's count of what a step
+    admits, as many as every seat at max_model_len needs."""
+    bs = cache.block_size
+    num_blocks = -(-sched.max_model_len // bs) * sched.max_num_seqs
+    return PoolPlan(num_blocks, 0, bs, 0, "encoder: no KV cache", 0)
+
+
 MEASURING_PROMPT = 256  # tokens a dummy prompt where every layer's prefill memory is linear in its tokens
 
 

@@ -64,18 +64,20 @@ class Worker:
         self.device = torch.device(model_config.device)
         self.block_size = cache.block_size
         self.layers = self.model.attention_layers()
+        # an encoder (BERT) attends over each prompt on its own and keeps no KV: no paged layers, no pool
+        self.encoder_only = bool(getattr(self.model, "encoder_only", False))
         self.kv_format = fmt = startup.kv_format(self.loaded, cache.kv_cache_dtype)
         for layer in self.layers:
             layer.kv_format = fmt
-        first = self.layers[0]
-        self._kv_shape = (len(self.layers), cache.block_size, first.num_kv_heads, fmt.entry)
+        self._kv_shape = (len(self.layers), cache.block_size, self.layers[0].num_kv_heads if self.layers else 0,
+                          fmt.entry)
         kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
         self.lora = model_config.lora
         self.enforce_eager = model_config.enforce_eager
         if self.lora is not None:
             self.model.enable_lora(self.lora.max_loras, self.lora.max_rank, self.device)
-        self.attention_backend = bind_attention_backend(self.layers, self.device, fmt, cache.block_size,
-                                                        batch_invariant=model_config.batch_invariant)
+        self.attention_backend = None if self.encoder_only else bind_attention_backend(
+            self.layers, self.device, fmt, cache.block_size, batch_invariant=model_config.batch_invariant)
         self.kv_cache = torch.empty(0)
         self.host_cache: torch.Tensor | None = None
         self.plan: PoolPlan | None = None
@@ -103,7 +105,8 @@ class Worker:
                           quantization=loaded.quant.describe() if loaded.quant else None,
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
                                                                         self.cache_config.kv_cache_dtype),
-                          draft_cost=self.draft_cost, verify_costs=self.verify_costs)
+                          draft_cost=self.draft_cost, verify_costs=self.verify_costs,
+                          hidden_size=loaded.shape.hidden_size, encoder_only=self.encoder_only)
 
     def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""
@@ -112,6 +115,9 @@ class Worker:
             raise ConfigError(f"speculative_config.model supports {drafter.loaded.shape.max_position} positions, "
                               f"fewer than max_model_len={sched.max_model_len}: lower max_model_len or draft with a "
                               "model as long as the target")
+        if self.encoder_only:
+            self.plan = startup.encoder_plan(self.cache_config, sched)
+            return self.plan
         self.plan, self.kv_cache, self.host_cache = startup.start(self, self.cache_config, sched)
         if drafter is not None:  # a draft token's cost against a target step, measured here and now
             drafter.max_tokens = sched.max_num_batched_tokens  # its catch-up passes: a step's budget at most
@@ -194,7 +200,8 @@ class Worker:
         now, peak = memory_now(self.device)
         plan, drafter = self.plan, self.runner.drafter
         return WorkerStats(kv_budget_source=plan.budget_source if plan else "",
-                           attention_backend=self.attention_backend.name, memory_in_use_bytes=now,
+                           attention_backend=self.attention_backend.name if self.attention_backend else "sdpa",
+                           memory_in_use_bytes=now,
                            serving_peak_bytes=peak, warmup_peak_bytes=plan.warmup_peak_bytes if plan else 0,
                            activation_bytes=plan.activation_bytes if plan else 0,
                            kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size()

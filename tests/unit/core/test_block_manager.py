@@ -18,7 +18,7 @@ from ember.protocol import BlockCopy, CopyKind, FinishReason, RequestStatus
 
 def _seq(prompt: list[int], max_num_tokens: int | None = None) -> Sequence:
     req = SimpleNamespace(prompt_token_ids=list(prompt), request_id="r", num_cached_tokens=None,
-                          num_host_cached_tokens=0, wants_prompt_logprobs=False)
+                          num_host_cached_tokens=0, wants_prompt_logprobs=False, pools=False)
     return Sequence(req, 0, list(prompt), max_num_tokens=max_num_tokens)
 
 
