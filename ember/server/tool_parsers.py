@@ -1,7 +1,8 @@
 """Tool calls out of a model's text, in the formats of the families ember serves.
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5 / Qwen3, Hermes); a
-  reply that is nothing but such objects without the tags, naming the request's tools, as small models write them;
+  reply that starts with such objects without the tags (bare or in a ```json fence) naming the request's tools,
+  as small models write them;
 - ``llama3_json``: the reply is ``{"name": ..., "parameters": {...}}`` objects joined by ``;`` (optionally after
   ``<|python_tag|>``), as Llama 3.1-3.3's templates ask;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": ..., "arguments": {...}}``.
@@ -226,9 +227,23 @@ def parse(kind: str, text: str, final: bool, names: tuple[str, ...] = ()) -> Par
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 
 
+_FENCE = "```"
+
+
 def _hermes(text: str, final: bool, names: tuple[str, ...]) -> Parsed:
     reply, pos = _Reply(final), 0
     i = _skip_ws(text, 0)
+    if names and text.startswith(_FENCE, i):  # a fenced block of bare calls: ```json {...} ```
+        k = i + len(_FENCE)
+        if not final and "json".startswith(text[k:]):
+            return Parsed("")  # the language tag's first characters
+        j = _skip_ws(text, k + (4 if text.startswith("json", k) else 0))
+        if j >= len(text) and not final:
+            return Parsed("")
+        if j < len(text) and text[j] == "{":
+            return _object_run(text, j, None, None, reply, text, names, fenced=True)
+    elif names and not final and (_FENCE + "json").startswith(text[i:]) and text[i:]:
+        return Parsed("")  # the fence's first characters
     if names and i < len(text) and text[i] == "{":
         return _object_run(text, i, None, None, reply, text, names)
     while True:
@@ -298,10 +313,10 @@ def _mistral(text: str, final: bool) -> Parsed:
 
 
 def _object_run(text: str, i: int, sep: str | None, close: str | None, reply: _Reply, whole: str,
-                names: tuple[str, ...] = ()) -> Parsed:
-    """Call objects from text[i] joined by sep (None: whitespace) until close, if given; what follows is content.
-    whole: the run's text, content if it breaks before its first call has a name (or, names given, a name not
-    among them)."""
+                names: tuple[str, ...] = (), fenced: bool = False) -> Parsed:
+    """Call objects from text[i] joined by sep (None: whitespace) until close, if given; what follows is content
+    (fenced: after the closing fence). whole: the run's text, content if it breaks before its first call has a
+    name (or, names given, a name not among them)."""
     while i < len(text):
         if text[i] != "{":
             if close is not None and text[i] == close:
@@ -332,5 +347,11 @@ def _object_run(text: str, i: int, sep: str | None, close: str | None, reply: _R
                 i += 1
             break
         i = _skip_ws(text, j + 1)
+    if fenced and reply.has_calls:
+        i = _skip_ws(text, i)
+        if text.startswith(_FENCE, i):
+            i += len(_FENCE)
+        elif not reply.final and _FENCE.startswith(text[i:]):
+            return reply.done()  # the closing fence's first characters
     reply.content(text[i:])
     return reply.done()

@@ -51,6 +51,9 @@ BARE = [
      [("get_weather", '{"city": "Oslo"}'), ("get_weather", "{}")]),
     ('{"name": "John", "arguments": {"age": 3}}', '{"name": "John", "arguments": {"age": 3}}', []),
     ('{"name": "get_weather", "arguments": {}} then text', "then text", [("get_weather", "{}")]),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```', "", [("get_weather", '{"city": "Oslo"}')]),
+    ('```json\n{"name": "other", "arguments": {}}\n```', '```json\n{"name": "other", "arguments": {}}\n```', []),
+    ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
 ]
 
 
@@ -215,6 +218,7 @@ def test_conversation_with_calls_renders_arguments_as_objects():
 
 
 _PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>", "{", "}", "[", "]",
+           "```", "json", "`",
            '"name"', '"arguments"', '"parameters"', ":", ",", ";", '"f"', '"g"', '"', "\\", "x", "1", " ", "\n"]
 
 
