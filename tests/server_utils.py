@@ -22,6 +22,33 @@ TEST_ENGINE_ARGS = ("--max-num-seqs", "16", "--max-model-len", "1024", "--max-nu
                     "float32")
 
 
+# a Hermes-style chat template (tools in the system turn, <tool_call> blocks, tool results as <tool_response>;
+# enable_thinking opens a <think> block), written for the tests: the tool-call and reasoning formats of Qwen's
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{%- for tool in tools %}\n"
+    "{{ tool | tojson }}{%- endfor %}\n</tools>\nAnswer a call as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n"
+    "</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking %}<think>\n{%- endif %}{%- endif %}"
+    "{#- replies may think first: <think>...</think> #}")
+
+
+def hermes_model(tokenizer_dir: str, out: str) -> str:
+    """A random-initialised tiny Llama (1,024 positions) with HERMES_TEMPLATE as its chat template."""
+    from conftest import make_tiny_model
+
+    make_tiny_model("llama", out, tokenizer_dir, max_position=1024)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:  # transformers' file for the template
+        f.write(HERMES_TEMPLATE)
+    return out
+
+
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen

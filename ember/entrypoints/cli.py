@@ -67,6 +67,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins allowed by CORS, or * (default: CORS off)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    g.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="/v1/responses kept for previous_response_id and retrieval, least recently used dropped "
+                        "(default 1000; 0: none kept)")
+    g.add_argument("--max-stored-response-bytes", type=int, default=64 << 20,
+                   help="the stored responses' JSON in bytes at most (default 64 MiB)")
     t = p.add_argument_group("tools and reasoning")
     t.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
                    help="how replies' tool calls are read: auto (default: the format the chat template teaches), "

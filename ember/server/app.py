@@ -11,45 +11,30 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.frontend.client import EngineClient
 from ember.lora.request import LoRARequest
-from ember.outputs import RequestOutput
-from ember.server import embeddings
+from ember.server import embeddings, responses_api
 from ember.server import responses as R
 from ember.server.admission import Admission
-from ember.server.errors import (
-    APIError,
-    engine_errors,
-    from_engine,
-    from_validation,
-    is_engine_error,
-)
+from ember.server.errors import APIError, engine_errors, from_engine, from_validation, is_engine_error
 from ember.server.group import RequestGroup
+from ember.server.http_io import EventStream, unless_left
 from ember.server.limits import ApiKeyMiddleware, BodyLimitMiddleware
 from ember.server.metrics import EngineSource, ServerMetrics
-from ember.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ember.server.reasoning import resolve as resolve_reasoning
-from ember.server.streams import (
-    chat_stream,
-    collect,
-    completion_choice,
-    completion_stream,
-)
+from ember.server.response_store import ResponseStore
+from ember.server.streams import chat_stream, collect, completion_choice, completion_stream
 from ember.server.tools import resolve_parser as resolve_tool_parser
 from ember.server.translate import chat_prompt, chat_request, completion_request
 
@@ -71,6 +56,8 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int = 256  # engine requests waiting beyond an engine's running seats before 503
     max_request_bytes: int = 4 << 20
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id and retrieval (LRU) ...
+    max_stored_response_bytes: int = 64 << 20  # ... and their JSON in bytes at most
     allowed_origins: tuple[str, ...] = ()  # CORS off when empty
     tool_call_parser: str = "auto"  # "auto": the format the model's chat template teaches; "none": tools refused
     reasoning_parser: str = "auto"  # "auto": <think> text split out where the template knows it; "none": never
@@ -113,6 +100,7 @@ class ServerState:
         self.metrics = ServerMetrics([EngineSource(e.name, e.client.stats, _admitted(e.admission))
                                       for e in self.engines])
         self.in_flight: dict[str, RequestGroup] = {}
+        self.responses = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes)
 
     @property
     def names(self) -> list[str]:
@@ -156,6 +144,7 @@ def build_app(models: Sequence[ServedModel], settings: ServerSettings) -> FastAP
     _install_errors(app, state)
     _install_routes(app, state)
     embeddings.install(app, state)
+    responses_api.install(app, state)
     # outermost last: CORS answers preflights before the key check; the key is checked before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
@@ -190,43 +179,6 @@ def _install_errors(app: FastAPI, state: ServerState) -> None:
         if is_engine_error(e):
             return _error_response(from_engine(e, "prompt"))
         return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _finals_unless_left(request: Request, group: RequestGroup) -> list[RequestOutput] | None:
-    """Every request's final output, or None (the work cancelled) when the client leaves first; the group is
-    closed either way."""
-    work = asyncio.ensure_future(collect(group))
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        group.close()
-    if work in done:
-        return work.result()
-    work.cancel()
-    return None
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that runs ``on_close`` however it ends, even when its body was never started."""
-
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
@@ -297,9 +249,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         top = params.logprobs
         created = int(time.time())
         if req.stream:
-            return _EventStream(chat_stream(group, created, model, params.n, top, _usage(req),
+            return EventStream(chat_stream(group, created, model, params.n, top, _usage(req),
                                             req.prediction is not None, reply), group.close)
-        final = await _finals_unless_left(request, group)
+        final = await unless_left(request, group, collect(group))
         if final is None:
             return Response(status_code=499)  # the client closed the connection: nobody reads an answer
         out = final[0]
@@ -320,9 +272,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             group.submit(prompts, params, lora)
         created = int(time.time())
         if req.stream:
-            return _EventStream(completion_stream(group, created, model, params.n, req.logprobs, req.echo,
+            return EventStream(completion_stream(group, created, model, params.n, req.logprobs, req.echo,
                                                   _usage(req), client), group.close)
-        finals = await _finals_unless_left(request, group)
+        finals = await unless_left(request, group, collect(group))
         if finals is None:
             return Response(status_code=499)
         choices, prompt_tokens, completion_tokens = [], 0, 0

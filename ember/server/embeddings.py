@@ -5,7 +5,6 @@ the other routes' requests (``RequestGroup``)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any, Literal
 
@@ -17,6 +16,7 @@ from ember.outputs import EmbeddingRequestOutput
 from ember.protocol import PoolingParams
 from ember.server.errors import APIError, engine_errors
 from ember.server.group import RequestGroup
+from ember.server.http_io import unless_left
 from ember.server.protocol import _Body
 
 
@@ -64,27 +64,6 @@ async def _finals(group: RequestGroup) -> list[EmbeddingRequestOutput]:
     return finals
 
 
-async def _finals_unless_left(request: Request, group: RequestGroup) -> list[EmbeddingRequestOutput] | None:
-    """Every input's output, or None when the client leaves first (its requests aborted); the group is closed
-    either way (the chat and completion routes wait the same way)."""
-    work = asyncio.ensure_future(_finals(group))
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        group.close()
-    if work in done:
-        return work.result()
-    work.cancel()
-    return None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def install(app: FastAPI, state: Any) -> None:
     """Add the route to the app over the server's state (``app.ServerState``)."""
 
@@ -99,7 +78,7 @@ def install(app: FastAPI, state: Any) -> None:
         group = state.group(engine, "embd")
         with engine_errors("input"):
             group.submit(prompts, params)
-        finals = await _finals_unless_left(request, group)
+        finals = await unless_left(request, group, _finals(group))
         if finals is None:
             return Response(status_code=499)  # the client closed the connection: nobody reads an answer
         ended = [o.finish_reason for o in finals if o.finish_reason != "stop"]

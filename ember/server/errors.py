@@ -63,12 +63,17 @@ def engine_errors(prompt_field: str) -> Iterator[None]:
         raise from_engine(e, prompt_field) from None
 
 
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def from_validation(errors: list[dict[str, Any]]) -> APIError:
-    """pydantic's first complaint about a body as a 400 that names the field (dotted path)."""
+    """pydantic's complaint about a body as a 400 that names the field (dotted path): the deepest one, since a
+    value that fits no member of a union gets one complaint per member and the deepest says what is wrong with the
+    one it nearly was; the members' type names are left out of the path."""
     if not errors:
         return APIError(400, "the request body is not valid")
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and str(p) not in _TYPE_NAMES and "[" not in str(p)]
     field = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":

@@ -36,14 +36,18 @@ def _names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
 
 def _settings(args: argparse.Namespace, model: str | None) -> ServerSettings:
     for flag, value, low in (("--port", args.port, 1), ("--max-queue", args.max_queue, 0),
-                             ("--max-request-bytes", args.max_request_bytes, 1)):
+                             ("--max-request-bytes", args.max_request_bytes, 1),
+                             ("--max-stored-responses", args.max_stored_responses, 0),
+                             ("--max-stored-response-bytes", args.max_stored_response_bytes, 0)):
         if value < low or (flag == "--port" and value > 65535):
             raise ConfigError(f"{flag}={value} is out of range: it must be >= {low}"
                               + (" and <= 65535" if flag == "--port" else ""))
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     return ServerSettings(api_key=args.api_key or envs.api_key(), max_queue=args.max_queue,
                           max_request_bytes=args.max_request_bytes, allowed_origins=origins,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          max_stored_responses=args.max_stored_responses,
+                          max_stored_response_bytes=args.max_stored_response_bytes)
 
 
 def lora_modules(specs: list[str] | None) -> tuple[LoRARequest, ...]:

@@ -18,6 +18,9 @@ UNSUPPORTED = frozenset({
     "functions", "function_call", "logit_bias",
     "modalities", "audio", "service_tier", "store", "metadata", "reasoning_effort",
     "web_search_options", "suffix", "best_of",
+    # the Responses API's (responses_protocol.py)
+    "reasoning", "prompt", "conversation", "prompt_cache_key", "safety_identifier", "max_tool_calls",
+    "top_logprobs",
 })
 
 

@@ -49,6 +49,11 @@ class ReplyParser:
         self._args: list[str] = []
 
     @property
+    def thought(self) -> str:
+        """The reasoning said so far."""
+        return self._reasoning
+
+    @property
     def passthrough(self) -> bool:
         return self.tools is None and not self.reasoning
 

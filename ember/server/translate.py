@@ -69,8 +69,8 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
         params = params.clone(thinking_token_budget=req.thinking_token_budget)
     plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser,
                       lambda marker: _single_token(client, marker))
-    if plan.constraint is not None:
-        if params.structured_outputs is not None:
+    if plan.constraint is not None:  # a call is the whole reply: a text format (response_format) has no text to shape
+        if params.structured_outputs is not None and req.response_format is None:
             raise BadRequestError(f"tool_choice={tools.shown(req.tool_choice)} and a structured-output field are "
                                   "both set: a request takes at most one constraint")
         params = params.clone(structured_outputs=plan.constraint)

@@ -1,8 +1,8 @@
 """Tool calling and reasoning through ``ember serve``, by the real clients people use: the openai client, LangChain's
 ``ChatOpenAI.bind_tools`` and an openai-agents SDK agent.
 
-The model is a random-initialised tiny Llama whose tokenizer carries a Hermes-style chat template (tools in the
-system turn, ``<tool_call>`` blocks, tool results; ``enable_thinking`` opens a ``<think>`` block). A random model
+The model is a random-initialised tiny Llama whose tokenizer carries a Hermes-style chat template
+(``server_utils.hermes_model``). A random model
 never chooses a tool by itself, so the calls here come from ``tool_choice`` "required" or a named function: every
 one must parse and follow its function's JSON schema (checked with jsonschema).
 """
@@ -11,28 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from typing import Literal
 
 import jsonschema
 import openai
 import pytest
-from conftest import make_tiny_model
-from server_utils import TEST_ENGINE_ARGS, post, running_server
-
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{%- for tool in tools %}\n"
-    "{{ tool | tojson }}{%- endfor %}\n</tools>\nAnswer a call as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n"
-    "</tool_call><|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{%- for c in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
-    "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking %}<think>\n{%- endif %}{%- endif %}"
-    "{#- replies may think first: <think>...</think> #}")
+from server_utils import TEST_ENGINE_ARGS, hermes_model, post, running_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
@@ -49,10 +33,7 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo for the next 3 d
 
 @pytest.fixture(scope="module")
 def tool_model(tokenizer_dir, tmp_path_factory) -> str:
-    out = make_tiny_model("llama", str(tmp_path_factory.mktemp("tool-model")), tokenizer_dir, max_position=1024)
-    with open(os.path.join(out, "chat_template.jinja"), "w") as f:  # transformers' file for the template
-        f.write(TEMPLATE)
-    return out
+    return hermes_model(tokenizer_dir, str(tmp_path_factory.mktemp("tool-model")))
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +125,7 @@ def test_tool_errors_name_the_field(server):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice.function.name='nope' is not one of"),
         ({"tools": TOOLS + TOOLS[:1]}, "is given twice"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "a request takes at most one constraint"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "a request takes at most one constraint"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
           "tool_choice": "required"}, "cannot be compiled"),
         ({"tool_choice": "sometimes"}, "tool_choice"),

@@ -1,0 +1,125 @@
+"""The Responses API's request body (``POST /v1/responses``) as strict pydantic models, like ``protocol.py``: wrong
+types, NaN and unknown fields are refused naming the field; OpenAI fields ember does not implement are declared
+``None`` so that they are refused by name unless sent as null.
+
+Input items are the shapes the openai client sends, including the ones it echoes back from an earlier response
+(output messages with ids, statuses and annotations; function calls and their outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from ember.server.protocol import _Body
+
+class InputText(_Body):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Body):
+    """Text of an earlier answer, sent back as input."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict] | None = None
+    logprobs: list[dict] | None = None
+
+
+class Message(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_type(value: Any) -> str:
+    """An item's ``type`` (a message may leave it out, as OpenAI's easy input messages do)."""
+    return (value.get("type") if isinstance(value, dict) else getattr(value, "type", None)) or "message"
+
+
+InputItem = Annotated[Annotated[Message, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutput, Tag("function_call_output")], Discriminator(_item_type)]
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Body):
+    """``text.format``: text, a JSON object, or JSON following a schema (ember's structured output)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; a model's length is its own
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    stream_options: dict | None = None
+    include: list[str] | None = None  # extra output fields: none are offered (an empty list is what clients send)
+    # declared only to be refused by name when not null
+    reasoning: None = None
+    prompt: None = None
+    conversation: None = None
+    service_tier: None = None
+    prompt_cache_key: None = None
+    safety_identifier: None = None
+    max_tool_calls: None = None
+    top_logprobs: None = None
