@@ -205,7 +205,8 @@ class ResponseEvents:
 
 def _usage(out: RequestOutput, reasoning_tokens: int) -> dict[str, Any]:
     prompt, completion = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt + completion}
 
