@@ -3,7 +3,7 @@
 A stored response keeps its body (what ``GET /v1/responses/{id}`` answers) and the conversation that produced it,
 as chat messages (its instructions excluded, as OpenAI does), so that a next turn naming it in
 ``previous_response_id`` renders the same prompt tokens and the prefix cache serves them. A background response
-also keeps its engine requests, so that a cancel can abort them (which frees their KV blocks).
+also keeps its run, so that a cancel can abort its engine requests (which frees their KV blocks).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class StoredResponse:
     body: dict[str, Any]  # the Response object, updated while a background response runs
     conversation: list[dict[str, Any]]  # chat messages: the history, this turn's input, this turn's output
     input_items: list[dict[str, Any]] = field(default_factory=list)  # this turn's input items, as given
-    cancel: Any = None  # a background response's way to abort its engine requests (None once it ended)
+    run: Any = None  # a background response at work: its ``BackgroundRun`` (None once it ended)
 
     def size(self) -> int:
         return len(json.dumps([self.body, self.conversation, self.input_items], default=str))

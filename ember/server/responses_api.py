@@ -191,15 +191,21 @@ class ResponseEvents:
                                          output_index=self.body["output"].index(item), delta=delta))
         return events
 
-    def finish(self, reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        """Close the open item and settle the response: completed, incomplete (max_output_tokens) or cancelled."""
+    def finish(self, reason: str | None, usage: dict[str, Any], cancelled: bool = False) -> list[dict[str, Any]]:
+        """Close the open item and settle the response: completed, incomplete (max_output_tokens), cancelled (an
+        abort its cancel or delete asked for) or failed (any other abort: the server shutting down)."""
         cut = reason == "length"
         events = self._close("incomplete" if cut else "completed")
-        status = {"length": "incomplete", "abort": "cancelled"}.get(reason or "", "completed")
+        status = {"length": "incomplete", "abort": "cancelled" if cancelled else "failed"}.get(reason or "",
+                                                                                              "completed")
         self.body.update(status=status, usage=usage,
                          incomplete_details={"reason": "max_output_tokens"} if cut else None)
+        if status == "failed":
+            self.body["error"] = {"code": "server_error", "message": "the request was aborted before it ended (the "
+                                                                     "server is shutting down)"}
         if status != "cancelled":
-            events.append(self.lifecycle("response.incomplete" if cut else "response.completed"))
+            kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(status, "response.completed")
+            events.append(self.lifecycle(kind))
         return events
 
 
@@ -244,10 +250,10 @@ class _Turn:
             events += self.events.feed(self.parser.feed(o.text, final=o.finish_reason is not None))
         return events
 
-    def finish(self, final: RequestOutput) -> list[dict[str, Any]]:
+    def finish(self, final: RequestOutput, cancelled: bool = False) -> list[dict[str, Any]]:
         thought = self.parser.thought
         tokens = len(self.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
-        return self.events.finish(final.outputs[0].finish_reason, _usage(final, tokens))
+        return self.events.finish(final.outputs[0].finish_reason, _usage(final, tokens), cancelled)
 
     def stored(self) -> StoredResponse:
         """The conversation after this turn: its messages, then the reply as an assistant message (the
@@ -300,9 +306,9 @@ def install(app: FastAPI, state: Any) -> None:
         if req.background:
             turn.events.body["status"] = "queued"
             stored = turn.stored()
-            stored.cancel = group.abort
+            stored.run = BackgroundRun(group)
             store.put(rid, stored)
-            asyncio.ensure_future(_background(turn, group, store))
+            stored.run.task = asyncio.ensure_future(_background(turn, stored.run, store))
             return JSONResponse(turn.events.body)
         finals = await unless_left(request, group, collect(group))
         if finals is None:
@@ -321,9 +327,9 @@ def install(app: FastAPI, state: Any) -> None:
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> dict:
         stored = _stored(store, response_id)
-        if stored.cancel is not None:
-            stored.cancel()
-        store.delete(response_id)
+        store.delete(response_id)  # first: a run that ends now does not store it again
+        if stored.run is not None:
+            stored.run.cancel()
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
@@ -332,11 +338,11 @@ def install(app: FastAPI, state: Any) -> None:
         if not stored.body.get("background"):
             raise APIError(400, f"response {response_id!r} was not created with background=true: only a background "
                                 "response can be cancelled", param="response_id")
-        if stored.cancel is not None:  # still running: abort its engine request (its KV blocks are freed)
-            stored.cancel()
-            stored.cancel = None
-            stored.body["status"] = "cancelled"
-        return stored.body
+        run = stored.run
+        if run is not None:  # still at work: abort its engine request (its KV blocks are freed), await its end
+            run.cancel()
+            await asyncio.wait({run.task}, timeout=30)
+        return (store.get(response_id) or stored).body
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str) -> dict:
@@ -374,22 +380,43 @@ async def _stream(turn: _Turn, group: Any, store: ResponseStore | None) -> Async
                                                    "message": error["message"]})
         yield _sse(events.lifecycle("response.failed"))
         return
-    for event in turn.finish(final):
-        yield _sse(event)
-    if store is not None:
+    last = turn.finish(final)
+    if store is not None:  # stored before the last events go out: a retrieve right after the stream finds it
         store.put(events.body["id"], turn.stored())
+    for event in last:
+        yield _sse(event)
 
 
-async def _background(turn: _Turn, group: Any, store: ResponseStore) -> None:
-    """Run a background response to its end, keeping its stored body current; a cancel aborts its request."""
+class BackgroundRun:
+    """A background response at work: its engine requests, the task reading them, whether a cancel asked."""
+
+    __slots__ = ("group", "task", "cancelled")
+
+    def __init__(self, group: Any) -> None:
+        self.group, self.task, self.cancelled = group, None, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.group.abort()
+
+
+async def _background(turn: _Turn, run: BackgroundRun, store: ResponseStore) -> None:
+    """Run a background response to its end, its stored body current as the deltas come (a retrieve shows the
+    text so far); stored again at the end with its new size, unless it was deleted meanwhile."""
     rid = turn.events.body["id"]
     turn.events.body["status"] = "in_progress"
+    final: RequestOutput | None = None
     try:
-        finals = await collect(group)
-        turn.feed(finals[0])
-        turn.finish(finals[0])
+        async for _, delta in run.group.deltas():
+            turn.feed(delta)
+            if final is None:
+                final = delta
+            else:
+                final.merge(delta)
+        turn.finish(final, run.cancelled)
     except Exception as e:  # the engine stopped: the response failed
         turn.events.body.update(status="failed", error={"code": "server_error", "message": str(e)})
     finally:
-        group.close()
-    store.put(rid, turn.stored())  # its new size; a cancelled one ended with "abort": status cancelled
+        run.group.close()
+    if store.get(rid) is not None:
+        store.put(rid, turn.stored())

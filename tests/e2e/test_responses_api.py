@@ -140,6 +140,11 @@ def test_background_runs_to_the_end_and_cancel_frees_its_blocks(server, api, mod
         time.sleep(0.1)
     assert metric_sum(_get(server.url + "/metrics"), "ember_kv_cache_usage_perc") == 0
     assert api.responses.retrieve(long.id).status == "cancelled"
+    gone = api.responses.create(model=model, input="Delete me at work", background=True, max_output_tokens=900)
+    api.responses.delete(gone.id)
+    time.sleep(1.5)  # its run ends (aborted) and must not store it again
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(gone.id)
 
 
 def _get(url: str) -> str:

@@ -71,3 +71,14 @@ def test_input_items_become_a_chat_conversation():
         {"role": "assistant", "content": "It is sunny."}]
     chat = to_chat(req, [{"role": "user", "content": "earlier"}])
     assert [m.role for m in chat.messages] == ["system", "user", "developer", "user", "assistant", "tool", "assistant"]
+
+
+def test_an_abort_is_cancelled_only_when_a_cancel_asked():
+    body = ResponsesRequest.model_validate({"input": "hi", "background": True})
+    for cancelled, status in ((True, "cancelled"), (False, "failed")):
+        em = ResponseEvents(_skeleton("resp_1", body, "m", "in_progress"))
+        events = em.feed({"content": "par"}) + em.finish("abort", USAGE, cancelled)
+        assert Response.model_validate(em.body).status == status
+        assert [EVENT.validate_python(e).type for e in events][-1] == (
+            "response.output_item.done" if cancelled else "response.failed")
+    assert Response.model_validate(em.body).error.code == "server_error"
