@@ -170,8 +170,8 @@ class ThinkingScan:
 
     __slots__ = ("scanned", "start")
 
-    def __init__(self) -> None:
-        self.scanned, self.start = 0, -1
+    def __init__(self, first: int = 0) -> None:
+        self.scanned, self.start = first, -1  # tags ending before token ``first`` are not looked at
 
     def update(self, tokens: list[int], start_tag: tuple[int, ...], end_tag: tuple[int, ...]) -> int:
         for end in range(self.scanned + 1, len(tokens) + 1):  # a tag ending at tokens[end - 1]
@@ -200,7 +200,10 @@ class ThinkingBudget:
         for i in rows:
             row, p = batch[i], batch[i].params
             start_tag, end_tag = p.thinking_tags
-            scan = states[i].thinking = states[i].thinking or ThinkingScan()
+            # a block opens in the output or at the end of the prompt (the generation prompt's tag and a few
+            # whitespace tokens after it), never in the conversation before it
+            scan = states[i].thinking = states[i].thinking or ThinkingScan(
+                max(0, row.num_prompt_tokens - len(start_tag) - len(end_tag) - 4))
             start = scan.update(row.token_ids, start_tag, end_tag)
             if start < 0 or len(row.token_ids) - max(start, row.num_prompt_tokens) < p.thinking_token_budget:
                 continue

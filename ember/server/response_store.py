@@ -46,17 +46,20 @@ class ResponseStore:
         return entry[0]
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        """Store (or re-store after an update, with its new size); the oldest go until the bounds hold. A response
-        larger than the whole byte bound is not kept."""
+        """Store (or re-store after an update, with its new size); the least recently used go until the bounds
+        hold. A response larger than the whole byte bound is not kept (a running one is, until it ends)."""
         self.delete(response_id)
         size = stored.size()
-        if size > self.max_bytes or self.max_responses == 0:
+        if (size > self.max_bytes or self.max_responses == 0) and stored.run is None:
             return
         self._items[response_id] = (stored, size)
         self.bytes += size
-        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
-            _, (_, dropped) = self._items.popitem(last=False)
-            self.bytes -= dropped
+        # the oldest go first, but never a background response at work (its cancel must find it): the bounds may
+        # be passed while only running ones are left, until they end
+        for old in [k for k, (s, _) in self._items.items() if s.run is None]:
+            if len(self._items) <= self.max_responses and self.bytes <= self.max_bytes:
+                break
+            self.delete(old)
 
     def delete(self, response_id: str) -> bool:
         entry = self._items.pop(response_id, None)

@@ -97,7 +97,8 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
 
 # chat field names in messages -> the Responses body's names
 _FIELDS = (("max_completion_tokens", "max_output_tokens"), ("tool_choice.function.name", "tool_choice.name"),
-           ("response_format", "text.format"), ("messages", "input"), (".function.name", ".name"))
+           ("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+           ("messages", "input"), (".function.name", ".name"))
 
 
 def _renamed(e: BadRequestError) -> BadRequestError:
@@ -124,7 +125,7 @@ class ResponseEvents:
         return self.event(kind, response=json.loads(json.dumps(self.body)))
 
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self._close()
+        events = self.close()
         self.item = item
         self.body["output"].append(item)
         events.append(self.event("response.output_item.added", output_index=len(self.body["output"]) - 1,
@@ -136,7 +137,7 @@ class ResponseEvents:
             item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         return events
 
-    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
         item, self.item = self.item, None
         if item is None:
             return []
@@ -159,8 +160,10 @@ class ResponseEvents:
         return events
 
     def feed(self, fields: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events of one chat delta (reasoning_content, content, tool_calls)."""
-        events: list[dict[str, Any]] = []
+        """The events of one chat delta in the text's order: arguments of calls already open (nothing can precede
+        them), reasoning, content, then new calls."""
+        calls = fields.get("tool_calls", ())
+        events = self._calls([c for c in calls if "id" not in c and c["index"] in self.calls])
         if fields.get("reasoning_content"):
             if self.item is None or self.item["type"] != "reasoning":
                 events += self._open({"id": _id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
@@ -177,7 +180,11 @@ class ResponseEvents:
             events.append(self.event("response.output_text.delta", item_id=self.item["id"],
                                      output_index=len(self.body["output"]) - 1, content_index=0,
                                      delta=fields["content"], logprobs=[]))
-        for call in fields.get("tool_calls", ()):
+        return events + self._calls([c for c in calls if "id" in c or c["index"] not in self.calls])
+
+    def _calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for call in calls:
             if "id" in call:
                 self.calls[call["index"]] = item = {"id": _id("fc"), "type": "function_call",
                                                     "call_id": call["id"], "name": call["function"]["name"],
@@ -195,7 +202,7 @@ class ResponseEvents:
         """Close the open item and settle the response: completed, incomplete (max_output_tokens), cancelled (an
         abort its cancel or delete asked for) or failed (any other abort: the server shutting down)."""
         cut = reason == "length"
-        events = self._close("incomplete" if cut else "completed")
+        events = self.close("incomplete" if cut else "completed")
         status = {"length": "incomplete", "abort": "cancelled" if cancelled else "failed"}.get(reason or "",
                                                                                               "completed")
         self.body.update(status=status, usage=usage,
@@ -327,9 +334,9 @@ def install(app: FastAPI, state: Any) -> None:
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> dict:
         stored = _stored(store, response_id)
-        store.delete(response_id)  # first: a run that ends now does not store it again
-        if stored.run is not None:
-            stored.run.cancel()
+        store.delete(response_id)
+        if stored.run is not None:  # a run at work stops, and does not store it again when it ends
+            stored.run.cancel(delete=True)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
@@ -376,6 +383,8 @@ async def _stream(turn: _Turn, group: Any, store: ResponseStore | None) -> Async
     except Exception as e:
         error = (from_engine(e, "input") if is_engine_error(e) else
                  APIError(500, f"internal error: {type(e).__name__}: {e}")).body()["error"]
+        for event in events.close("incomplete"):
+            yield _sse(event)
         events.body.update(status="failed", error={"code": error.get("code") or "server_error",
                                                    "message": error["message"]})
         yield _sse(events.lifecycle("response.failed"))
@@ -390,13 +399,13 @@ async def _stream(turn: _Turn, group: Any, store: ResponseStore | None) -> Async
 class BackgroundRun:
     """A background response at work: its engine requests, the task reading them, whether a cancel asked."""
 
-    __slots__ = ("group", "task", "cancelled")
+    __slots__ = ("group", "task", "cancelled", "deleted")
 
     def __init__(self, group: Any) -> None:
-        self.group, self.task, self.cancelled = group, None, False
+        self.group, self.task, self.cancelled, self.deleted = group, None, False, False
 
-    def cancel(self) -> None:
-        self.cancelled = True
+    def cancel(self, delete: bool = False) -> None:
+        self.cancelled, self.deleted = True, self.deleted or delete
         self.group.abort()
 
 
@@ -418,5 +427,5 @@ async def _background(turn: _Turn, run: BackgroundRun, store: ResponseStore) -> 
         turn.events.body.update(status="failed", error={"code": "server_error", "message": str(e)})
     finally:
         run.group.close()
-    if store.get(rid) is not None:
+    if not run.deleted:
         store.put(rid, turn.stored())

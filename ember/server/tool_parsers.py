@@ -135,7 +135,7 @@ def _scan_members(s: str, i: int, out: _Object) -> None:
         key_end = _string_end(s, i)
         if key_end is None:
             return
-        key = json.loads(s[i:key_end])
+        key = _loads(s, i, key_end)
         i = _skip_ws(s, key_end)
         if i >= len(s):
             return
@@ -150,7 +150,7 @@ def _scan_members(s: str, i: int, out: _Object) -> None:
         if end is None:
             return
         if key == "name":
-            name = json.loads(s[i:end])
+            name = _loads(s, i, end)
             if not isinstance(name, str) or out.name is not None:
                 raise _Malformed(i)
             out.name = name
@@ -163,6 +163,14 @@ def _scan_members(s: str, i: int, out: _Object) -> None:
             i += 1
         elif s[i] != "}":
             raise _Malformed(i)
+
+
+def _loads(s: str, i: int, end: int) -> object:
+    """A JSON string's value; a bad escape or a raw control character breaks the call object there."""
+    try:
+        return json.loads(s[i:end])
+    except ValueError:
+        raise _Malformed(i) from None
 
 
 def held(text: str, marker: str) -> int:
@@ -196,8 +204,8 @@ class _Reply:
         self.items.append((name, arguments))
 
     def done(self) -> Parsed:
-        """Whitespace next to a call is dropped; before the end, trailing whitespace is held back (content only if
-        more content follows)."""
+        """Whitespace next to a call is dropped (the text on either side of a call joined by one newline); before
+        the end, trailing whitespace is held back (content only if more content follows)."""
         content, calls = [], []
         for i, item in enumerate(self.items):
             if isinstance(item, tuple):
@@ -208,7 +216,7 @@ class _Reply:
             if i + 1 < len(self.items) or not self.final:
                 item = item.rstrip(_WS)
             content.append(item)
-        return Parsed("".join(content), tuple(calls))
+        return Parsed("\n".join(c for c in content if c), tuple(calls))
 
 
 def parse(kind: str, text: str, final: bool, names: tuple[str, ...] = ()) -> Parsed:
@@ -258,22 +266,35 @@ def _hermes(text: str, final: bool, names: tuple[str, ...]) -> Parsed:
 
 
 def _hermes_block(text: str, start: int, body: int, reply: _Reply) -> int | None:
-    """One block: its call (or its text as content); the index after it, None when the text ends inside it."""
+    """One block: its call (or its text as content); the index after it, None when the text ends inside it. The
+    closing tag is expected right after the object; without it the block ends with the object and what follows
+    is content or the next block."""
     i = _skip_ws(text, body)
     obj = _scan_object(text, i) if i < len(text) and text[i] == "{" else _Object(bad=i if i < len(text) else None)
     end = None
-    if obj.settled:  # the block ends at the closing tag after the object (or anywhere, once the JSON broke)
-        j = _skip_ws(text, obj.end) if obj.bad is None else None
-        if j is not None and text.startswith(_HERMES_END, j):
+    if obj.bad is not None:  # broken JSON: the block runs to its closing tag or the next block
+        end = _next_block(text, obj.bad)
+        if end is None and reply.final:
+            end = len(text)
+    elif obj.end is not None:
+        j = _skip_ws(text, obj.end)
+        if text.startswith(_HERMES_END, j):
             end = j + len(_HERMES_END)
-        elif j is None or not _HERMES_END.startswith(text[j:]):
-            k = text.find(_HERMES_END, obj.end if obj.bad is None else obj.bad)
-            end = k + len(_HERMES_END) if k >= 0 else None
+        elif reply.final or not _HERMES_END.startswith(text[j:]):
+            end = obj.end
     if obj.name is not None:
         reply.call(obj.name, obj.arguments(text))
     elif end is not None or reply.final:
         reply.content(text[start:end])
     return end
+
+
+def _next_block(text: str, i: int) -> int | None:
+    """Where a broken block ends: after its closing tag, or at the next block's start, whichever comes first."""
+    close, again = text.find(_HERMES_END, i), text.find(_HERMES_START, i)
+    if close >= 0 and (again < 0 or close < again):
+        return close + len(_HERMES_END)
+    return again if again >= 0 else None
 
 
 _PYTHON_TAG = "<|python_tag|>"

@@ -80,6 +80,8 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
     prompt = chat_prompt(client, req.messages, template_tools=plan.template_tools,
                          template_kwargs=req.chat_template_kwargs)
     _check_length(client, name, max_tokens, len(prompt))
+    # a constrained reply (a required call, a format) is the answer from its first token: no thinking to split
+    thinks = thinks and params.structured_outputs is None
     thinking = thinks and reasoning.opens_thinking(client.tokenizer.decode(prompt[-4:]))
     reply = ReplyFormat(plan.parser, thinks, thinking, tuple(t.function.name for t in req.tools or ()))
     if req.prediction is not None:
@@ -104,16 +106,22 @@ def _check_length(client: EngineClient, name: str, max_tokens: int | None, promp
                           f"must be <= max_model_len ({max_len})")
 
 
+# template variables a client may not set: the request's own fields and the renderer's options
+_RESERVED = frozenset({"tools", "messages", "add_generation_prompt", "tokenize", "chat_template", "documents",
+                       "continue_final_message", "template", "special_tokens", "self", "conversation"})
+
+
 def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 template_tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
     if client.model_info.encoder_only:
         raise encoder_refusal(client.model_info)
     if not client.tokenizer.has_chat_template:
         raise BadRequestError("messages cannot be rendered: the model has no chat template (use /v1/completions)")
-    reserved = sorted({"tools", "messages", "add_generation_prompt", "tokenize", "chat_template"}
-                      & set(template_kwargs or ()))
+    reserved = sorted(k for k in template_kwargs or () if k in _RESERVED or k.endswith("_token")
+                      or k.startswith("return_"))
     if reserved:
-        raise BadRequestError(f"chat_template_kwargs sets {', '.join(reserved)}: the request's own fields set those")
+        raise BadRequestError(f"chat_template_kwargs sets {', '.join(reserved)}: these are the request's own fields, "
+                              "the tokenizer's tokens or the renderer's options")
     kwargs = {**(template_kwargs or {}), **({"tools": template_tools} if template_tools is not None else {})}
     try:
         return client.chat_prompt(tools.template_messages(messages), add_generation_prompt=add_generation_prompt,

@@ -131,6 +131,8 @@ def test_tool_errors_name_the_field(server):
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions is not supported"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs sets tools"),
+        ({"chat_template_kwargs": {"bos_token": "x", "continue_final_message": True}},
+         "chat_template_kwargs sets bos_token, continue_final_message"),
     ]
     for extra, why in cases:
         answer = _post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **extra})

@@ -82,3 +82,25 @@ def test_an_abort_is_cancelled_only_when_a_cancel_asked():
         assert [EVENT.validate_python(e).type for e in events][-1] == (
             "response.output_item.done" if cancelled else "response.failed")
     assert Response.model_validate(em.body).error.code == "server_error"
+
+
+def test_an_open_calls_arguments_come_before_the_content_after_it():
+    """One delta may end a call and carry the content after it: the call's arguments go first, so the call item
+    is closed whole and the message after it opens as the text has them."""
+    start = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                             "function": {"name": "w", "arguments": '{"a": '}}]}
+    rest = {"content": "Done.", "tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}
+    parsed, final = _events({}, [start, rest], "stop")
+    done = [e for e in parsed if e.type == "response.function_call_arguments.done"]
+    assert [o.type for o in final.output] == ["function_call", "message"] and done[0].arguments == '{"a": 1}'
+    assert final.output[0].arguments == '{"a": 1}' and final.output_text == "Done."
+
+
+def test_a_background_response_at_work_is_never_dropped():
+    from ember.server.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(max_responses=2, max_bytes=10_000)
+    store.put("running", StoredResponse({"id": "running"}, [], run=object()))
+    for i in range(4):
+        store.put(f"r{i}", StoredResponse({"id": f"r{i}"}, []))
+    assert store.get("running") is not None and store.get("r3") is not None and len(store) == 2

@@ -218,7 +218,7 @@ def test_conversation_with_calls_renders_arguments_as_objects():
 
 
 _PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>", "{", "}", "[", "]",
-           "```", "json", "`",
+           "```", "json", "`", "nope", "\\q",
            '"name"', '"arguments"', '"parameters"', ":", ",", ";", '"f"', '"g"', '"', "\\", "x", "1", " ", "\n"]
 
 
@@ -239,3 +239,20 @@ def test_any_text_parses_prefix_stable_and_split_invariant(pieces, kind, think, 
     whole = ReplyParser(kind, think, names=("f",))
     expected = _streamed(whole, [text])
     assert _streamed(ReplyParser(kind, think, names=("f",)), parts) == expected
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('<tool_call>{"name": nope}</tool_call>', '<tool_call>{"name": nope}</tool_call>', []),
+    ('<tool_call>{"name": "a\\qb"}</tool_call> x', '<tool_call>{"name": "a\\qb"}</tool_call> x', []),
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n<tool_call>\n{"name": "g", "arguments": {"x": 1}}\n</tool_call>',
+     "", [("f", "{}"), ("g", '{"x": 1}')]),
+    ('<tool_call>{"name": "f", "arguments": {}}\nI called f.', "I called f.", [("f", "{}")]),
+    ('Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone.', "Let me check.\nDone.",
+     [("f", "{}")]),
+])
+def test_odd_hermes_replies(text, content, calls):
+    """Broken JSON is content, never an exception; a block left open ends at the next block or with its object;
+    the text on either side of a call is joined by a newline. Every split says the same."""
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1, 3):
+            assert _streamed(ReplyParser("hermes", False), [text[:i], text[i:j], text[j:]]) == ("", content, calls)
