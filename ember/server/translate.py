@@ -81,6 +81,10 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
                          template_kwargs=req.chat_template_kwargs)
     _check_length(client, name, max_tokens, len(prompt))
     # a constrained reply (a required call, a format) is the answer from its first token: no thinking to split
+    if params.structured_outputs is not None and params.thinking_token_budget is not None:
+        raise BadRequestError(f"thinking_token_budget={params.thinking_token_budget} with a constrained reply "
+                              "(tool_choice required or named, a response format): the reply has no thinking to "
+                              "limit")
     thinks = thinks and params.structured_outputs is None
     thinking = thinks and reasoning.opens_thinking(client.tokenizer.decode(prompt[-4:]))
     reply = ReplyFormat(plan.parser, thinks, thinking, tuple(t.function.name for t in req.tools or ()))

@@ -131,6 +131,7 @@ def test_tool_errors_name_the_field(server):
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions is not supported"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs sets tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "thinking_token_budget": 4}, "no thinking to limit"),
         ({"chat_template_kwargs": {"bos_token": "x", "continue_final_message": True}},
          "chat_template_kwargs sets bos_token, continue_final_message"),
     ]
