@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import BadRequestError
-from ember.frontend.structured_output import no_additional_properties
+from ember.frontend.structured_output import JSON_WHITESPACE, no_additional_properties
 from ember.sampling_params import StructuredOutputsParams
 from ember.server.tool_parsers import PARSERS
 
@@ -56,10 +56,11 @@ class ToolPlan:
 
 
 def plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, parser: str | None,
-         token_of: Callable[[str], int | None] = lambda _: None) -> ToolPlan:
+         token_of: Callable[[str], int | None] = lambda _: None, answer: dict | None = None) -> ToolPlan:
     """tools, tool_choice, parallel_tool_calls of a chat body (pydantic models or None) -> the plan; a choice
     that cannot be served is refused naming the field. token_of: the id of a marker the vocabulary holds as one
-    token (None: the marker is plain text)."""
+    token (None: the marker is plain text). answer: the JSON schema of a response format: with tool_choice auto
+    the reply is calls or that JSON (a grammar of both); with a required or named call, the call."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise BadRequestError(f"tool_choice={shown(tool_choice)} needs tools: the request has none")
@@ -80,7 +81,10 @@ def plan(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, parse
         raise BadRequestError("tools cannot be used with this model: its chat template shows no tool-call format ember "
                               "knows; start the server with --tool-call-parser (one of " + ", ".join(PARSERS) + ")")
     if choice == "auto":
-        return ToolPlan(rendered, parser, None)
+        if answer is None:
+            return ToolPlan(rendered, parser, None)
+        grammar = call_grammar(parser, functions, parallel is not False, token_of, answer)
+        return ToolPlan(rendered, parser, StructuredOutputsParams(grammar=grammar))
     if choice == "required":
         chosen = functions
     else:
@@ -98,9 +102,10 @@ def shown(choice: Any) -> str:
 
 
 def call_grammar(parser: str, functions: list[Any], many: bool,
-                 token_of: Callable[[str], int | None] = lambda _: None) -> str:
+                 token_of: Callable[[str], int | None] = lambda _: None, answer: dict | None = None) -> str:
     """A Lark grammar (llguidance's dialect) for one call (or, many, one or more) of the given functions in the
-    parser's format. A marker the vocabulary holds as one token (Qwen's ``<tool_call>``, Mistral's control token
+    parser's format; answer: a JSON schema the reply may follow instead (tool_choice auto with a response
+    format). A marker the vocabulary holds as one token (Qwen's ``<tool_call>``, Mistral's control token
     ``[TOOL_CALLS]``) is that token, as the model writes it."""
     key = "parameters" if parser == "llama3_json" else "arguments"
     options = [{"type": "object", "properties": {"name": {"const": f.name}, key: _parameters(f)},
@@ -120,6 +125,10 @@ def call_grammar(parser: str, functions: list[Any], many: bool,
     else:
         calls = 'call_json (", " call_json)*' if many else "call_json"
         lines.insert(0, f'start: {marker("[TOOL_CALLS]")} "[" {calls} "]"')
+    if answer is not None:  # the calls' rule becomes one choice of two
+        lines[0] = lines[0].replace("start:", "calls:", 1)
+        layout = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
+        lines[:0] = ["start: calls | answer", f"answer: %json {json.dumps({'x-guidance': layout, **answer})}"]
     return "\n".join(lines)
 
 

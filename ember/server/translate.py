@@ -6,6 +6,8 @@ checks are ``SamplingParams``' own, so the HTTP API refuses exactly what the Pyt
 
 from __future__ import annotations
 
+import json
+
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient
 from ember.frontend.processor import encoder_refusal
@@ -68,8 +70,9 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
     if req.thinking_token_budget is not None:
         params = params.clone(thinking_token_budget=req.thinking_token_budget)
     plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser,
-                      lambda marker: _single_token(client, marker))
-    if plan.constraint is not None:  # a call is the whole reply: a text format (response_format) has no text to shape
+                      lambda marker: _single_token(client, marker), _answer_schema(req, params))
+    # a call is the whole reply (a response format has no text to shape), or with auto the grammar holds both
+    if plan.constraint is not None:
         if params.structured_outputs is not None and req.response_format is None:
             raise BadRequestError(f"tool_choice={tools.shown(req.tool_choice)} and a structured-output field are "
                                   "both set: a request takes at most one constraint")
@@ -91,6 +94,22 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
     if req.prediction is not None:
         return {"prompt_token_ids": prompt, "prediction": req.prediction.text()}, params, reply
     return prompt, params, reply
+
+
+def _answer_schema(req: ChatCompletionRequest, params: SamplingParams) -> dict | None:
+    """The JSON schema of the request's response_format (None: none, or not a JSON one)."""
+    spec = params.structured_outputs
+    if req.response_format is None or spec is None:
+        return None
+    if spec.json_object:
+        return {"type": "object"}
+    schema = spec.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise BadRequestError(f"response_format.json_schema.schema is not valid JSON: {schema[:80]!r}") from None
+    return schema if isinstance(schema, dict) else None
 
 
 def _single_token(client: EngineClient, text: str) -> int | None:

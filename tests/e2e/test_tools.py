@@ -79,6 +79,28 @@ def test_required_and_named_calls_are_valid_and_follow_their_schemas(api):
     assert finished >= 20
 
 
+def test_auto_with_a_response_format_answers_with_calls_or_that_json(api):
+    """tool_choice auto with a JSON schema format: every finished reply is valid calls or a valid answer."""
+    model = api.models.list().data[0].id
+    answer = {"type": "object", "properties": {"weather": {"enum": ["sunny", "snowy"]}}, "required": ["weather"],
+              "additionalProperties": False}
+    kinds = set()
+    for seed in range(4):
+        r = api.chat.completions.create(model=model, messages=ASK, tools=TOOLS, n=4, seed=seed, temperature=1.0,
+                                        max_tokens=120, parallel_tool_calls=False, response_format={
+                                            "type": "json_schema", "json_schema": {"name": "a", "schema": answer}})
+        for c in r.choices:
+            if c.finish_reason == "length":
+                continue
+            if c.message.tool_calls:
+                _check_calls(c.message.tool_calls)
+                kinds.add("call")
+            else:
+                jsonschema.validate(json.loads(c.message.content), answer)
+                kinds.add("answer")
+    assert kinds  # at least one finished reply, each of them valid
+
+
 def test_streamed_calls_follow_openais_shape_and_equal_the_whole_answer(api):
     body = dict(model=api.models.list().data[0].id, messages=ASK, tools=TOOLS, tool_choice="required",
                 temperature=0.0, max_tokens=200, parallel_tool_calls=False)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ember.errors import BadRequestError
 from ember.server import reasoning
 from ember.server.reply import ReplyParser
-from ember.server.tool_parsers import parse
+from ember.server.tool_parsers import Parsed, parse
 from ember.server.tools import call_grammar, plan, resolve_parser, template_messages, template_parser
 
 WEATHER = '{"city": "Paris", "days": [1, 2]}'
@@ -256,3 +256,17 @@ def test_odd_hermes_replies(text, content, calls):
     for i in range(len(text) + 1):
         for j in range(i, len(text) + 1, 3):
             assert _streamed(ReplyParser("hermes", False), [text[:i], text[i:j], text[j:]]) == ("", content, calls)
+
+
+def test_auto_with_a_response_format_is_calls_or_the_json_answer(vocabulary):
+    functions = [NS(name="get_weather", parameters=WEATHER_SCHEMA)]
+    answer = {"type": "object", "properties": {"response": {"enum": ["sunny", "snowy"]}}, "required": ["response"]}
+    grammar = call_grammar("hermes", functions, True, answer=answer)
+    assert _accepts(vocabulary, grammar, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                                         '\n</tool_call>')
+    assert _accepts(vocabulary, grammar, '{"response": "snowy"}')
+    assert not _accepts(vocabulary, grammar, '{"response": "rainy"}')
+    assert not _accepts(vocabulary, grammar, "Plain text.")
+    assert parse("hermes", '{"response": "snowy"}', True, ("get_weather",)) == Parsed('{"response": "snowy"}')
+    auto = plan([_tool("get_weather", WEATHER_SCHEMA)], "auto", None, "hermes", answer=answer)
+    assert auto.constraint.grammar.startswith("start: calls | answer")
