@@ -16,6 +16,9 @@ from ember.server import reasoning as _reasoning
 from ember.server.tool_parsers import parse
 
 
+_STARTS = "<{[`"  # the first characters of every marker, call object and fence the parsers look for
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -39,7 +42,8 @@ class ReplyParser:
     tool parser (None: no tools, all content); ``reasoning``: split ``<think>`` text out; ``thinking``: the prompt
     opened it."""
 
-    __slots__ = ("tools", "reasoning", "thinking", "names", "text", "_reasoning", "_content", "calls", "_args")
+    __slots__ = ("tools", "reasoning", "thinking", "names", "text", "_reasoning", "_content", "calls", "_args",
+                 "_plain")
 
     def __init__(self, tools: str | None, reasoning: bool, thinking: bool = False, names: tuple[str, ...] = ()) -> None:
         self.tools, self.reasoning, self.thinking, self.names = tools, reasoning, thinking, names
@@ -47,6 +51,9 @@ class ReplyParser:
         self._reasoning = self._content = ""  # what was said so far
         self.calls: list[dict[str, Any]] = []  # OpenAI's tool_calls of the message, arguments as said so far
         self._args: list[str] = []
+        # no character that starts a marker, a call object or a fence has come yet (and the prompt opened no
+        # thinking): the parse is the text itself, less trailing whitespace until the end, so it is not rerun
+        self._plain = not thinking
 
     @property
     def thought(self) -> str:
@@ -62,6 +69,11 @@ class ReplyParser:
         self.text += piece
         if self.passthrough:
             return {"content": piece} if piece else {}
+        if self._plain and not any(c in piece for c in _STARTS):
+            content = self.text if final else self.text.rstrip(" \t\r\n")
+            new, self._content = content[len(self._content):], content
+            return {"content": new} if new else {}
+        self._plain = False
         return self._update(final) if piece or final else {}
 
     def finish_reason(self, reason: str | None) -> str | None:
