@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -58,28 +58,40 @@ class LLM:
         ids = self.client.submit(prompts, params, results.put, loras=loras)
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        start, generated, done = time.perf_counter(), 0, 0
+        start, generated = time.perf_counter(), 0
+
+        def take(item: RequestOutput) -> bool:
+            nonlocal generated
+            generated += sum(len(o.token_ids) for o in item.outputs)
+            if item.request_id in outputs:
+                outputs[item.request_id].merge(item)
+            else:
+                outputs[item.request_id] = item
+            if item.finished:
+                bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} out tok/s")
+            return item.finished
+
+        self._wait(ids, results, bar, take)
+        return [outputs[rid] for rid in ids]
+
+    def _wait(self, ids: list[str], results: queue.Queue, bar: Any, take: Callable[[Any], bool]) -> None:
+        """Until every request of ids has finished: take(item) keeps an output and says whether its request ended;
+        an error from the engine (or an interrupt) aborts them all."""
+        done = 0
         try:
             while done < len(ids):
                 item = results.get()
                 if isinstance(item, BaseException):
                     raise item
-                generated += sum(len(o.token_ids) for o in item.outputs)
-                if item.request_id in outputs:
-                    outputs[item.request_id].merge(item)
-                else:
-                    outputs[item.request_id] = item
-                if item.finished:
+                if take(item):
                     done += 1
                     bar.update(1)
-                    bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} out tok/s")
         except BaseException:
             for rid in ids:
                 self.client.abort(rid)
             raise
         finally:
             bar.close()
-        return [outputs[rid] for rid in ids]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = False, *,
@@ -101,19 +113,12 @@ class LLM:
         ids = self.client.submit(prompts, params, results.put)
         outputs: dict[str, EmbeddingRequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Embedding", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        try:
-            while len(outputs) < len(ids):
-                item = results.get()
-                if isinstance(item, BaseException):
-                    raise item
-                outputs[item.request_id] = item
-                bar.update(1)
-        except BaseException:
-            for rid in ids:
-                self.client.abort(rid)
-            raise
-        finally:
-            bar.close()
+
+        def take(item: EmbeddingRequestOutput) -> bool:  # one output a request, once it has ended
+            outputs[item.request_id] = item
+            return True
+
+        self._wait(ids, results, bar, take)
         return [outputs[rid] for rid in ids]
 
     def chat(self, messages: list[Message] | list[list[Message]],

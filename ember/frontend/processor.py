@@ -115,11 +115,7 @@ class InputProcessor:
         prompt, prediction = self._prediction(prompt)
         text, ids = self.tokenize(prompt)
         info, vocab = self.info, self.info.vocab_size
-        if not ids:
-            raise BadRequestError("prompt is empty: a prompt needs at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequestError(f"prompt token id {bad[0]} is out of range: token ids must be in [0, {vocab})")
+        self._check_ids(ids, "prompt", "a prompt")
         if len(ids) + max(1, params.min_tokens) > info.max_model_len:
             raise BadRequestError(f"prompt has {len(ids)} tokens: prompt length plus min_tokens (at least 1 new "
                                   f"token) must be <= max_model_len ({info.max_model_len})")
@@ -183,6 +179,15 @@ class InputProcessor:
                                   f"(max_model_len, {self.info.max_model_len})")
         return PoolingParams(pooling, normalize, dims, self.info.max_model_len if k == -1 else k)
 
+    def _check_ids(self, ids: list[int], field: str, one: str) -> None:
+        """A tokenized prompt holds at least one token, each in the vocabulary (field: its name; one: "a prompt")."""
+        if not ids:
+            raise BadRequestError(f"{field} is empty: {one} needs at least one token")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"{field} token id {bad[0]} is out of range: token ids must be in [0, {vocab})")
+
     def process_pooling(self, prompt: Any, params: PoolingParams, request_id: str | None = None,
                         lora: LoRARequest | None = None) -> tuple[str | None, EngineRequest]:
         """A pooling request: prefilled only, its pooled hidden state returned when its last prompt token is
@@ -191,12 +196,8 @@ class InputProcessor:
             raise BadRequestError("lora_request is not supported for embeddings: pass None")
         params = self.pooling_params(params)
         text, ids = self.tokenize(prompt)
-        info, vocab = self.info, self.info.vocab_size
-        if not ids:
-            raise BadRequestError("input is empty: an input needs at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequestError(f"input token id {bad[0]} is out of range: token ids must be in [0, {vocab})")
+        info = self.info
+        self._check_ids(ids, "input", "an input")
         k = params.truncate_prompt_tokens
         if k is not None and len(ids) > k:
             # an encoder's text keeps its first tokens and its closing special token, as sentence-transformers
