@@ -155,3 +155,17 @@ def peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], n
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
     return [hf_greedy(model, p, n) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    """The openai client on the module's ``server`` fixture (a running ``ember serve``)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(api) -> str:
+    """The first name the module's server answers to."""
+    return api.models.list().data[0].id

@@ -30,16 +30,6 @@ def server(tokenizer_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def api(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(api) -> str:
-    return api.models.list().data[0].id
-
-
 def test_text_equals_the_chat_endpoints_greedy_answer(api, model):
     r = api.responses.create(model=model, input="Hello there", instructions="Be brief.", max_output_tokens=12,
                              temperature=0)

@@ -33,16 +33,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def api(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(api) -> str:
-    return api.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def llm():
     from ember import LLM
 

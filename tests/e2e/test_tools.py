@@ -42,11 +42,6 @@ def server(tool_model):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def api(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def _post(server, path: str, body: dict):
     return asyncio.run(post(server.url, path, body))
 
