@@ -12,6 +12,7 @@ events built. A stored conversation renders to the same prompt tokens next turn,
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 import uuid
@@ -122,14 +123,14 @@ class ResponseEvents:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     def lifecycle(self, kind: str) -> dict[str, Any]:
-        return self.event(kind, response=json.loads(json.dumps(self.body)))
+        return self.event(kind, response=copy.deepcopy(self.body))
 
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self.close()
         self.item = item
         self.body["output"].append(item)
         events.append(self.event("response.output_item.added", output_index=len(self.body["output"]) - 1,
-                                 item=json.loads(json.dumps(item))))
+                                 item=copy.deepcopy(item)))
         if item["type"] == "message":
             events.append(self.event("response.content_part.added", item_id=item["id"],
                                      output_index=len(self.body["output"]) - 1, content_index=0,
@@ -156,7 +157,7 @@ class ResponseEvents:
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
                                      arguments=item["arguments"]))
         item["status"] = status
-        events.append(self.event("response.output_item.done", output_index=index, item=json.loads(json.dumps(item))))
+        events.append(self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
         return events
 
     def feed(self, fields: dict[str, Any]) -> list[dict[str, Any]]:
