@@ -97,6 +97,11 @@ class EngineConfig:
     # speculative decoding (vLLM's name and keys): a dict such as {"method": "ngram", "num_speculative_tokens": 4}
     # or a SpeculativeConfig; None: one token a step (docs/speculative.md)
     speculative_config: dict | SpeculativeConfig | None = None
+    # vision-language models (vLLM's names): images a prompt may hold ({"image": n}; None: 8), and where images may
+    # come from besides the request itself: files under one folder, URLs of these hosts (None: neither)
+    limit_mm_per_prompt: dict | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | tuple[str, ...] | None = None
     # TensorRT-LLM's names of attention_window and sink_tokens, still taken (with a DeprecationWarning); the
     # TensorRT-LLM facade translates its own configs
     max_attention_window_size: InitVar[int | None] = None
@@ -116,6 +121,7 @@ class EngineConfig:
         if getattr(self.speculative_config, "method", None) == "draft_model" and self.pipeline_parallel_size > 1:
             raise ConfigError("speculative_config method='draft_model' runs whole on every tensor-parallel rank, "
                               "not split in stages: pipeline_parallel_size must be 1 (method='ngram' works split)")
+        self._check_media()
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError(f"model={self.model!r} is not a path: pass a Hugging Face folder, a .gguf file, an "
                               ".asmodel file or None (the default model)")
@@ -216,6 +222,27 @@ class EngineConfig:
                               "where rank 0 listens); torchrun sets them, mpirun and srun scripts must export them")
         return ParallelConfig(tp, pp, backend, launched[0], launched[2])
 
+
+    def _check_media(self) -> None:
+        limit = self.limit_mm_per_prompt
+        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"} or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limit.values())):
+            raise ConfigError(f"limit_mm_per_prompt={limit!r} is not supported: pass a dict like {{'image': 4}} "
+                              "(an integer >= 0) or None")
+        path = self.allowed_local_media_path
+        if path is not None and not (isinstance(path, (str, os.PathLike)) and os.path.isdir(path)):
+            raise ConfigError(f"allowed_local_media_path={path!r} is not a folder: pass an existing folder or None")
+        domains = self.allowed_media_domains
+        if domains is not None and (isinstance(domains, str) or not all(isinstance(d, str) and d for d in domains)):
+            raise ConfigError(f"allowed_media_domains={domains!r} is not supported: pass a list of host names or "
+                              "None")
+
+    @property
+    def images_per_prompt(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGES_PER_PROMPT)
+
+
+DEFAULT_IMAGES_PER_PROMPT = 8
 
 # each field's range, checked first (``checks.check``); the checks above relate fields or read files
 RULES = {

@@ -102,6 +102,11 @@ class LoRAConfig:
     max_rank: int
 
 
+def text_config(hf_config: Any) -> Any:
+    """The decoder's config: a vision-language model's ``text_config``, else the config itself."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """What every layer derives from a checkpoint's config: attention heads, KV heads, head size, depth."""
@@ -117,6 +122,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, hf_config: Any) -> "ModelShape":
+        hf_config = text_config(hf_config)
         heads = hf_config.num_attention_heads
         return cls(hf_config.num_hidden_layers, hf_config.hidden_size, heads,
                    getattr(hf_config, "num_key_value_heads", None) or heads,

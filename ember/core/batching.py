@@ -24,7 +24,8 @@ class StepWriter:
         verifying a draft of k tokens samples k + 1 rows and stands in k + 1 consecutive entries).
         ``finished``: handles the workers may drop with their sampling state. A preempted sequence is dropped too
         (its blocks are gone) and sent in full when it resumes."""
-        out = SchedulerOutput(copies=batch.copies, finished=finished)
+        out = SchedulerOutput(copies=batch.copies, finished=finished, encode=batch.encode,
+                              encoder_free=batch.encoder_free)
         sent = self.sent
         for handle in finished:
             sent.pop(handle, None)
@@ -70,4 +71,4 @@ class StepWriter:
         return NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
                            list(seq.block_table), req.params, req.seed_of(seq),
                            loras.slot_of(lora_id) if loras is not None and lora_id else -1, k,
-                           req.record.pooling)
+                           req.record.pooling, tuple(m.placeholder for m in req.record.mm_inputs))

@@ -154,15 +154,25 @@ class BlockManager:
     def _hash(self, parent: int | None, tokens: tuple[int, ...], extra: object = None) -> int:
         return hash((parent, tokens, extra))
 
+    def _extra(self, seq: Sequence, i: int) -> object:
+        """Block i's extra key: the sequence's salt, and the content hashes of the images whose placeholders it
+        holds (equal placeholder tokens with another image must miss)."""
+        items = seq.request.record.mm_inputs
+        if not items:
+            return seq.cache_salt
+        lo, hi = i * self.block_size, (i + 1) * self.block_size
+        images = tuple(m.hash for m in items if m.placeholder.overlaps(lo, hi))
+        return (seq.cache_salt, images) if images else seq.cache_salt
+
     def lookup(self, seq: Sequence) -> PrefixHit:
         """Cached blocks that hold seq's leading full blocks; at least one token is always left to compute."""
         hit = PrefixHit()
         if not (self.enable_prefix_caching or seq.caches_prefix) or seq.num_computed_tokens or seq.block_table:
             return hit
-        bs, parent, extra = self.block_size, None, seq.cache_salt
+        bs, parent = self.block_size, None
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = self._hash(parent, tokens, extra)
+            h = self._hash(parent, tokens, self._extra(seq, i))
             block = self.cached.get(h)
             if block is not None and self.block_tokens[block] == tokens:
                 hit.blocks.append(("device", block, h))
@@ -231,7 +241,7 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = self.block_hash.get(block)
             if h is None:
-                h = self._hash(parent, tokens, seq.cache_salt)
+                h = self._hash(parent, tokens, self._extra(seq, i))
                 if h not in self.cached:  # an equal block computed twice: keep the first, this one stays private
                     self.cached[h] = block
                     self.block_hash[block] = h

@@ -14,6 +14,7 @@ from ember.config import EngineConfig, ResolvedConfig, SchedulerConfig, Speculat
 from ember.core.batching import StepWriter
 from ember.core.block_manager import BlockManager
 from ember.core.decoding import Decoding
+from ember.core.encoder_cache import EncoderCache
 from ember.core.guided import GrammarSource, Guides
 from ember.core.lora_slots import LoRASlots
 from ember.core.request import CoreRequest
@@ -99,9 +100,13 @@ class EngineCore:
                                           cache.prefix_cache_ttl, window)
         lora = resolved.model.lora
         self.loras = LoRASlots(lora.max_loras) if lora is not None else None
+        # a vision-language model: a step encodes at most a step's worth of image tokens; the workers keep the
+        # encodings of twice that for repeated images
+        self.encoder_cache = EncoderCache(sched.max_num_batched_tokens, 2 * sched.max_num_batched_tokens) \
+            if info.image_token_id is not None else None
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill and not encoder, sched.policy,
-                                   sched.max_num_prefill_seqs, self.loras)
+                                   sched.max_num_prefill_seqs, self.loras, self.encoder_cache)
         # speculative decoding: from the sequences' own tokens when configured; predictions draft either way (not
         # under a StreamingLLM window: a rejected draft's KV would overwrite slots the window still reads)
         spec = resolved.speculative
@@ -121,7 +126,8 @@ class EngineCore:
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
             executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens,
             max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0,
-            kv_block_bytes=info.kv_bytes_per_block, hidden_size=info.hidden_size, encoder_only=encoder)
+            kv_block_bytes=info.kv_bytes_per_block, hidden_size=info.hidden_size, encoder_only=encoder,
+            image_token_id=info.image_token_id)
 
     def handle(self, command: EngineCommand) -> EngineOutput | UtilityResult | None:
         """Run one command record (``Shutdown`` is the transport's to act on); what goes back to the client: an
@@ -251,6 +257,7 @@ class EngineCore:
             guided_mask_wait_seconds=guides.wait_seconds,
             lora_slots=tuple(self.loras.resident) if self.loras else None,
             lora_swaps=self.loras.swaps if self.loras else None,
+            images_encoded=self.encoder_cache.encoded if self.encoder_cache else None,
             **self._spec_stats()), self.executor.collective_rpc("stats")[0])
 
     def _spec_stats(self) -> dict[str, Any]:

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 
 from ember.config import SCHEDULING_POLICIES
 from ember.core.block_manager import BlockManager
+from ember.core.encoder_cache import EncoderCache
 from ember.core.lora_slots import LoRASlots
 from ember.core.request import Sequence
 from ember.errors import ConfigError
-from ember.protocol import BlockCopy, FinishReason, RequestStatus
+from ember.protocol import BlockCopy, FinishReason, MultiModalInput, RequestStatus
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     interrupted: list[Sequence] = field(default_factory=list)  # given up: the after-step work ends them
     copies: list[BlockCopy] = field(default_factory=list)  # KV block copies to run first
+    encode: list[MultiModalInput] = field(default_factory=list)  # images the workers encode first
+    encoder_free: list[str] = field(default_factory=list)  # encodings they drop
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -47,7 +50,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True, policy: str = "max_utilization",
-                 max_num_prefill_seqs: int | None = None, loras: LoRASlots | None = None) -> None:
+                 max_num_prefill_seqs: int | None = None, loras: LoRASlots | None = None,
+                 encoder: EncoderCache | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy={policy!r} is not supported: use one of "
                               f"{', '.join(SCHEDULING_POLICIES)}")
@@ -58,6 +62,7 @@ class Scheduler:
         self.policy = policy
         self.max_num_prefill_seqs = max_num_prefill_seqs  # None: no limit beyond the token budget and the seats
         self.loras = loras  # LoRA: the adapter slots; a prompt waits while its adapter cannot get one
+        self.encoder = encoder  # vision-language models: the step's encoder budget and the workers' encodings
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -99,6 +104,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if self.encoder is not None:
+            self.encoder.begin_step()
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding + prefilling:
@@ -126,6 +133,7 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING:
                 continue
             self.bm.allocate(seq, seq.num_computed_tokens + n)
+            self._encode(seq, seq.num_computed_tokens, n)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
@@ -137,6 +145,8 @@ class Scheduler:
                 self._unblock(batch, budget)
         self._add_drafts(batch, budget)
         batch.copies = self.bm.take_copies()
+        if self.encoder is not None:
+            batch.encode, batch.encoder_free = self.encoder.encode, self.encoder.free
         return batch
 
     def _unblock(self, batch: ScheduledBatch, budget: int) -> None:
@@ -194,6 +204,7 @@ class Scheduler:
                 seq.request.num_cached_tokens = 0
             self.bm.allocate(seq, start + n)
             self.bm.commit(seq, start + n)  # a later request of this step may take these blocks
+            self._encode(seq, start, n)
             if lora_id:
                 self.loras.take(seq.request.record.lora, in_use)
             seq.status = RequestStatus.RUNNING
@@ -244,9 +255,17 @@ class Scheduler:
         left = seq.num_tokens - computed
         if self.bm.window is not None:
             left = min(left, self.bm.window.chunk_limit(computed))
-        if left <= budget:
-            return left
-        return budget if self.chunked_prefill else 0
+        n = left if left <= budget else budget if self.chunked_prefill else 0
+        items = seq.request.record.mm_inputs
+        if n and items and self.encoder is not None:  # no more images than the step's encoder budget
+            n = self.encoder.fit(items, computed, n)
+            if n < left and not self.chunked_prefill:
+                return 0
+        return n
+
+    def _encode(self, seq: Sequence, start: int, n: int) -> None:
+        if self.encoder is not None and seq.request.record.mm_inputs:
+            self.encoder.schedule(seq.request.record.mm_inputs, start, n)
 
     def _preempt(self, seq: Sequence, at: int = 0) -> None:
         """Free seq's blocks and queue it at position `at` (0: the front), to be recomputed."""

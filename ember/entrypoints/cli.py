@@ -72,6 +72,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default 1000; 0: none kept)")
     g.add_argument("--max-stored-response-bytes", type=int, default=64 << 20,
                    help="the stored responses' JSON in bytes at most (default 64 MiB)")
+    m = p.add_argument_group("images (vision-language models)")
+    m.add_argument("--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON",
+                   help='images a prompt may hold, as JSON: \'{"image": 4}\' (default 8)')
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image_url parts may name files (file:// URLs) under DIR (default: no files)")
+    m.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image_url parts may be http(s) URLs of these hosts, fetched by the server (default: none; "
+                        "data: URIs always work)")
     t = p.add_argument_group("tools and reasoning")
     t.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
                    help="how replies' tool calls are read: auto (default: the format the chat template teaches), "

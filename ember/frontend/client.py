@@ -17,6 +17,8 @@ from ember.core.loop import EngineLoop
 from ember.executor import serve_launched
 from ember.frontend.adapters import Adapters
 from ember.frontend.core_process import CoreProcess, use_core_process
+from ember.frontend.media import MediaPolicy
+from ember.frontend.multimodal import ImageInputs, image_parts
 from ember.frontend.output_processor import OutputProcessor, OutputSink, RequestState
 from ember.frontend.output_stream import OutputStream
 from ember.frontend.parallel_sampling import fan_out
@@ -65,8 +67,16 @@ class EngineClient:
         defaults = SamplingParams.from_generation_config(tok.generation_config)
         self.adapters = Adapters(self.model_info, lambda: read_shape(resolved.model.path))
         self.pooler = with_model_defaults(folder, self.model_info.encoder_only)  # the folder's, else vLLM's
+        images = None
+        if self.model_info.image_token_id is not None:
+            policy = MediaPolicy(allowed_local_media_path=config.allowed_local_media_path,
+                                 allowed_media_domains=tuple(config.allowed_media_domains)
+                                 if config.allowed_media_domains is not None else None)
+            images = ImageInputs(resolved.model.path, self.model_info.image_token_id, config.images_per_prompt, policy,
+                                 self.model_info.hidden_size)
+        self.images: ImageInputs | None = images  # a vision-language model's image handling; None: text only
         self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults, grammars,
-                                      self.adapters, self.pooler)
+                                      self.adapters, self.pooler, images)
         self.eos_token_ids: tuple[int, ...] = tok.eos_token_ids  # the model's EOS ids, filled into requests
 
     def default_params(self) -> SamplingParams:
@@ -74,12 +84,16 @@ class EngineClient:
         return self._inputs.default_params.clone()
 
     def chat_prompt(self, conversation: list[Message], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
+                    **template_kwargs: Any) -> list[int] | dict[str, Any]:
+        """Token ids of a conversation rendered with the model's chat template; with image parts (OpenAI's
+        ``image_url``, or ``image`` / ``image_pil`` holding a PIL image), a prompt dict of those ids and the images,
+        which the input processor places where the template wrote the image tokens."""
+        conversation, images = image_parts(conversation, self.images, self.model_info.model)
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
         # the template already holds any BOS token; encode without adding special tokens again
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
 
     def submit(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | PoolingParams | None],
                sink: OutputSink, request_ids: Sequence[str | None] | None = None,

@@ -13,6 +13,7 @@ from ember.core.block_manager import blocks_for, request_blocks
 from ember.protocol import KVWindow
 from ember.errors import BadRequestError, DoesNotFitError
 from ember.frontend.adapters import Adapters
+from ember.frontend.multimodal import ImageInputs
 from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
 from ember.model_loader.pooler import PoolerDefaults
@@ -24,6 +25,8 @@ PromptType = str | Seq[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt, text-only
 # ember's addition to a prompt dict: OpenAI's predicted output, as text or token ids (docs/speculative.md)
 _PREDICTION_KEYS = ("prediction", "prediction_token_ids")
+# vLLM's: {"image": an image or a list of them} or {"image_embeds": the encoder's output for each}
+_MM_KEY, _MM_KINDS = "multi_modal_data", ("image", "image_embeds")
 MAX_PREDICTION_TOKENS = 32768  # a prediction longer than this is refused (it is indexed in the engine core)
 
 
@@ -58,8 +61,11 @@ def prompt_list(prompts: Any) -> list[PromptType]:
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo, eos_token_ids: tuple[int, ...],
                  default_params: SamplingParams, grammars: Grammars | None = None,
-                 adapters: Adapters | None = None, pooler: PoolerDefaults | None = None) -> None:
+                 adapters: Adapters | None = None, pooler: PoolerDefaults | None = None,
+                 images: ImageInputs | None = None) -> None:
+        """images: a vision-language model's image handling (None: the model takes text only)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.pooler = pooler or PoolerDefaults("cls" if info.encoder_only else "last", True)
         self.grammars = grammars
         self.adapters = adapters
@@ -85,8 +91,8 @@ class InputProcessor:
         """vLLM's TextPrompt / TokensPrompt: exactly one of the two keys; others (multi_modal_data...) refused."""
         other = [k for k in prompt if k not in _PROMPT_KEYS]
         if other:
-            raise BadRequestError(f"prompt[{other[0]!r}] is not supported: ember serves text-only models; a prompt "
-                                  f"dict holds one of {list(_PROMPT_KEYS)}")
+            raise BadRequestError(f"prompt[{other[0]!r}] is not supported: a prompt dict holds "
+                                  f"one of {list(_PROMPT_KEYS)}, and optionally 'multi_modal_data'")
         if len(prompt) != 1:
             raise BadRequestError(f"prompt dict with keys {list(prompt)} is not supported: give exactly one of "
                                   f"{list(_PROMPT_KEYS)}")
@@ -113,9 +119,15 @@ class InputProcessor:
                                   "SamplingParams or None")
         params = (params or self.default_params).clone()
         prompt, prediction = self._prediction(prompt)
+        prompt, images = self._images(prompt)
         text, ids = self.tokenize(prompt)
         info, vocab = self.info, self.info.vocab_size
         self._check_ids(ids, "prompt", "a prompt")
+        mm = ()
+        if self.images is not None and (images or self.images.image_token_id in ids):
+            kind = images[0] if images else "image"
+            place = self.images.place_embeds if kind == "image_embeds" else self.images.place
+            ids, mm = place(ids, images[1] if images else [], f"prompt[{_MM_KEY!r}][{kind!r}]")
         if len(ids) + max(1, params.min_tokens) > info.max_model_len:
             raise BadRequestError(f"prompt has {len(ids)} tokens: prompt length plus min_tokens (at least 1 new "
                                   f"token) must be <= max_model_len ({info.max_model_len})")
@@ -151,7 +163,7 @@ class InputProcessor:
                 raise BadRequestError("structured_outputs is not supported by this engine client")
             grammar = self.grammars.compile(params.structured_outputs)
         return text, EngineRequest(rid, ids, params, max_num_tokens, salt, grammar, lora,
-                                   prediction_token_ids=prediction)
+                                   prediction_token_ids=prediction, mm_inputs=mm)
 
     def _request_id(self, request_id: Any) -> str:
         if request_id is None:
@@ -211,6 +223,28 @@ class InputProcessor:
                                   f"{info.num_kv_blocks * info.block_size} tokens")
         return text, EngineRequest(self._request_id(request_id), ids, SamplingParams(max_tokens=1), len(ids),
                                    pooling=params)
+
+    def _images(self, prompt: Any) -> tuple[Any, tuple[str, list[Any]] | None]:
+        """The prompt without its ``multi_modal_data``, and its kind ("image" or "image_embeds") with the images
+        loaded and checked."""
+        if not isinstance(prompt, Mapping) or _MM_KEY not in prompt:
+            return prompt, None
+        rest = {k: v for k, v in prompt.items() if k != _MM_KEY}
+        data = prompt[_MM_KEY]
+        if self.images is None:
+            raise BadRequestError(f"prompt[{_MM_KEY!r}] is not supported: model {self.info.model} "
+                                  f"({self.info.architecture}) takes text only")
+        if not isinstance(data, Mapping) or not data:
+            raise BadRequestError(f"prompt[{_MM_KEY!r}] is not supported: pass a dict like {{'image': image}}")
+        other = [k for k in data if k not in _MM_KINDS]
+        if other:
+            raise BadRequestError(f"prompt[{_MM_KEY!r}][{other[0]!r}] is not supported: use one of {list(_MM_KINDS)}")
+        if len(data) > 1:
+            raise BadRequestError(f"prompt[{_MM_KEY!r}] has both {list(_MM_KINDS)}: give images or their embeddings")
+        if "image_embeds" in data:
+            return rest, ("image_embeds", self.images.embeds_of(data["image_embeds"],
+                                                                f"prompt[{_MM_KEY!r}]['image_embeds']"))
+        return rest, ("image", self.images.images_of(data["image"], f"prompt[{_MM_KEY!r}]['image']"))
 
     def _prediction(self, prompt: Any) -> tuple[Any, list[int] | None]:
         """The prompt without its prediction, and the prediction's token ids (None: no prediction)."""

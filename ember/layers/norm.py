@@ -7,6 +7,7 @@ ember's kernel instead of about nine eager ops.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels import kernels_for
@@ -53,3 +54,16 @@ class OffsetRMSNorm(RMSNorm):
             raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model needs "
                              f"{tuple(self.weight.shape)}")
         self.weight.data.copy_((1.0 + tensor.float()).to(self.weight.dtype))
+
+
+class LayerNorm(Layer):
+    """Layer normalisation with weight and bias (the encoders': BERT, the CLIP vision tower)."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

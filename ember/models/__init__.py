@@ -5,6 +5,7 @@ from __future__ import annotations
 from ember.models.bert import BertModel
 from ember.models.gemma import GemmaForCausalLM
 from ember.models.llama import LlamaForCausalLM
+from ember.models.llava import LlavaForConditionalGeneration
 from ember.models.moe import MoEForCausalLM
 from ember.models.phi3 import Phi3ForCausalLM
 
@@ -13,6 +14,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # a vision tower before a Llama-family decoder
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "OlmoeForCausalLM": MoEForCausalLM,

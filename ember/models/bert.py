@@ -21,22 +21,12 @@ from ember.distributed import ParallelContext
 from ember.layers.attention import AttentionMetadata
 from ember.layers.base import Layer
 from ember.layers.linear import Linear, load_float
+from ember.layers.norm import LayerNorm
 from ember.quantization import QuantConfig
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 _ONEDNN_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's GELU post-op
-
-
-class LayerNorm(Layer):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class EncoderLayer(Layer):

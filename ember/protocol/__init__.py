@@ -29,6 +29,7 @@ from ember.protocol.commands import (
                                      UtilityResult,
 )
 from ember.protocol.info import ModelInfo
+from ember.protocol.multimodal import MultiModalInput, Placeholder
 from ember.protocol.outputs import EngineOutput, SampleOutput, TokenLogprobs
 from ember.protocol.pooling import POOLING_TYPES, PoolingParams
 from ember.protocol.requests import EngineRequest
@@ -39,8 +40,8 @@ from ember.protocol.worker import PoolPlan, WorkerInfo
 
 __all__ = ["DRAFT_PLACEHOLDER", "AbortRequest", "AddRequests", "BlockCopy", "CopyKind", "CoreFailed", "CoreMessage",
            "CoreReady", "EngineCommand", "EngineOutput", "EngineRequest", "EngineStats", "FinishReason", "KVWindow",
-           "LoRALoad", "ModelInfo", "NewSequence", "POOLING_TYPES", "PoolPlan", "PoolingParams",
-           "PromptLogprobsRows", "RequestStatus", "SampleOutput",
+           "LoRALoad", "ModelInfo", "MultiModalInput", "NewSequence", "Placeholder", "POOLING_TYPES", "PoolPlan",
+           "PoolingParams", "PromptLogprobsRows", "RequestStatus", "SampleOutput",
            "SamplingRow", "SchedulerOutput", "SchedulerStats", "Shutdown", "StepOutputs", "StopSample",
            "TokenLogprobs", "TokenMaskSource", "UtilityCall", "UtilityResult", "WorkerInfo", "WorkerOutput",
            "WorkerStats"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from ember.protocol.multimodal import MultiModalInput, Placeholder
 from ember.protocol.outputs import TokenLogprobs
 from ember.protocol.pooling import PoolingParams
 from ember.sampling_params import SamplingParams
@@ -97,6 +98,7 @@ class NewSequence:
     lora_slot: int = -1  # the adapter's slot, -1 for the base model
     prompt_logprobs: int | None = None  # k: score the prompt tokens it computes (the top k of each too)
     pooling: PoolingParams | None = None  # a pooling request: pool its prompt's hidden states, sample nothing
+    placeholders: tuple[Placeholder, ...] = ()  # its prompt's image positions: they take the encoder's embeddings
 
 
 DRAFT_PLACEHOLDER = -1  # a draft token the worker's draft model fills in the step (``SchedulerOutput.draft_token_ids``)
@@ -127,6 +129,10 @@ class SchedulerOutput:
     copies: list[BlockCopy] = field(default_factory=list)  # KV block copies, run first
     lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters to read into their slots before the step
     token_masks: TokenMaskSource | None = None  # structured output: the guided sampling rows' allowed tokens
+    # vision-language models: images to encode before the forward (into the encoder cache, by hash), and cached
+    # encodings to drop first; the core's ``EncoderCache`` mirrors what each worker holds
+    encode: list[MultiModalInput] = field(default_factory=list)
+    encoder_free: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -30,3 +30,4 @@ class ModelInfo:
     kv_block_bytes: int = 0  # one block of the KV pool on rank 0 (its stage's layers, its KV heads)
     hidden_size: int = 0  # the width of a pooled vector (the largest ``dimensions`` an embedding may ask)
     encoder_only: bool = False  # an encoder (BERT): it serves embeddings only
+    image_token_id: int | None = None  # a vision-language model's image placeholder token; None: text only

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ember.lora.request import LoRARequest
+from ember.protocol.multimodal import MultiModalInput
 from ember.protocol.pooling import PoolingParams
 from ember.sampling_params import SamplingParams
 
@@ -26,3 +27,6 @@ class EngineRequest:
     # a pooling (embedding) request: prefilled only, its pooled hidden state returned when the last prompt token is
     # computed; no token is sampled (params is then unused). Every field filled by the front end
     pooling: PoolingParams | None = None
+    # images in the prompt (a vision-language model), in prompt order; their placeholder tokens are in
+    # prompt_token_ids, their content hashes key the prefix cache of the blocks they cover
+    mm_inputs: tuple[MultiModalInput, ...] = ()

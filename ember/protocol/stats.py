@@ -38,6 +38,7 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int | None = None
     spec_decode_num_accepted_tokens: int | None = None
     spec_decode_accepted_per_position: tuple[int, ...] | None = None
+    images_encoded: int | None = None  # a vision-language model's images encoded (a cached one is not again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,8 @@ class EngineStats:
             del out["lora_slots"], out["lora_swaps"]
         else:
             out["lora_slots"] = list(out["lora_slots"])
+        if out["images_encoded"] is None:
+            del out["images_encoded"]
         if out["spec_decode_num_drafts"] is None:
             for key in [k for k in out if k.startswith("spec_decode_")]:
                 del out[key]

@@ -23,6 +23,7 @@ class WorkerInfo:
     verify_costs: tuple[float, ...] | None = None
     hidden_size: int = 0  # the width of a pooled vector
     encoder_only: bool = False  # an encoder (BERT): bidirectional, no KV kept, pooling requests only
+    image_token_id: int | None = None  # a vision-language model's image placeholder token; None: text only
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,6 +223,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         with engine_errors("messages" if req.messages is not None else "prompt"):
             if req.messages is not None:
                 ids = chat_prompt(client, req.messages, req.add_generation_prompt)
+                if isinstance(ids, dict):  # with images: counted as the model sees them, each image's tokens placed
+                    ids = client.images.place(ids["prompt_token_ids"], ids["multi_modal_data"]["image"],
+                                              "messages")[0]
             else:
                 ids = client.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": client.model_info.max_model_len, "tokens": ids}

@@ -82,7 +82,9 @@ def serve(args: argparse.Namespace) -> int:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_prefill_seqs=args.max_num_prefill_seqs,
                           enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                          speculative_config=args.speculative_config, **lora)
+                          speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
+                          allowed_local_media_path=args.allowed_local_media_path,
+                          allowed_media_domains=args.allowed_media_domains, **lora)
     settings, names = _settings(args, model), _names(args, model)  # checked before the model loads
     _raise_open_files()
     print(f"[ember] loading {model or default_model_path()} ...", file=sys.stderr, flush=True)

@@ -90,6 +90,16 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str  # a data: URI; a file or http(s) URL only where the server was started allowing it
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the resolution
+
+
+class ImageURLPart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -108,7 +118,7 @@ class ChatMessage(_Body):
     answers one of them by its id."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -129,7 +139,10 @@ class ChatMessage(_Body):
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImageURLPart) for p in self.content)
 
 
 class FunctionDefinition(_Body):

@@ -146,7 +146,9 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     templates dump them with tojson; OpenAI clients send them as JSON text), tool results with their call's id."""
     out = []
     for m in messages:
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        # text parts joined; with images, the parts as they are (the client takes the images out)
+        content = [p.model_dump(exclude_none=True) for p in m.content] if m.has_images() else m.text()
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
         if m.role == "assistant" and m.tool_calls:

@@ -82,17 +82,19 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
         params = params.clone(skip_special_tokens=False)
     prompt = chat_prompt(client, req.messages, template_tools=plan.template_tools,
                          template_kwargs=req.chat_template_kwargs)
-    _check_length(client, name, max_tokens, len(prompt))
+    ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt  # images: placed when submitted
+    _check_length(client, name, max_tokens, len(ids))
     # a constrained reply (a required call, a format) is the answer from its first token: no thinking to split
     if params.structured_outputs is not None and params.thinking_token_budget is not None:
         raise BadRequestError(f"thinking_token_budget={params.thinking_token_budget} with a constrained reply "
                               "(tool_choice required or named, a response format): the reply has no thinking to "
                               "limit")
     thinks = thinks and params.structured_outputs is None
-    thinking = thinks and reasoning.opens_thinking(client.tokenizer.decode(prompt[-4:]))
+    thinking = thinks and reasoning.opens_thinking(client.tokenizer.decode(ids[-4:]))
     reply = ReplyFormat(plan.parser, thinks, thinking, tuple(t.function.name for t in req.tools or ()))
     if req.prediction is not None:
-        return {"prompt_token_ids": prompt, "prediction": req.prediction.text()}, params, reply
+        return {**(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}),
+                "prediction": req.prediction.text()}, params, reply
     return prompt, params, reply
 
 
@@ -135,7 +137,7 @@ _RESERVED = frozenset({"tools", "messages", "add_generation_prompt", "tokenize",
 
 
 def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                template_tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                template_tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int] | dict:
     if client.model_info.encoder_only:
         raise encoder_refusal(client.model_info)
     if not client.tokenizer.has_chat_template:

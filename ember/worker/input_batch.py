@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ember.protocol import KVWindow, NewSequence, PoolingParams, PromptLogprobsRows, SamplingRow, SchedulerOutput
+from ember.protocol import (KVWindow, NewSequence, Placeholder, PoolingParams, PromptLogprobsRows, SamplingRow,
+                            SchedulerOutput)
 from ember.sampling_params import SamplingParams
 
 
@@ -25,6 +26,18 @@ class HeldSequence:
     row: int  # its row of the runner's block-table tensor
     reads_history: bool  # its sampling row carries the token history (penalties, bans)
     pooling: PoolingParams | None = None  # a pooling request: its rows are pooled, never sampled
+    placeholders: tuple[Placeholder, ...] = ()  # its prompt's image positions
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedSpan:
+    """Flat rows row..row+count-1 take rows first..first+count-1 of the encoding hashed ``hash`` in place of
+    their token embeddings (an image's placeholder positions in this step's chunk)."""
+
+    row: int
+    hash: str
+    first: int
+    count: int
 
 
 @dataclass(slots=True)
@@ -66,6 +79,7 @@ class StepRows:
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
     pooling: list[PoolingRows] = field(default_factory=list)
     lora_slots: list[int] | None = None  # LoRA: each row's adapter slot (-1: base); None: no row has an adapter
+    embeds: list[EmbedSpan] = field(default_factory=list)  # rows that take an image's encoding
 
     @property
     def num_decode(self) -> int:
@@ -102,7 +116,7 @@ class InputBatch:
         p = new.params
         self.seqs[new.handle] = HeldSequence(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                                              list(new.block_ids), p, new.seed, new.lora_slot, new.prompt_logprobs,
-                                             row, SamplingRow.reads_history(p), new.pooling)
+                                             row, SamplingRow.reads_history(p), new.pooling, new.placeholders)
         self.table_writes.append((row, 0, new.block_ids))
 
     def update(self, out: SchedulerOutput) -> None:
@@ -162,6 +176,10 @@ class InputBatch:
                 rows.prefills.append(PrefillRows(start, n, c + n, held.row, len(table)))
             if adapted:
                 rows.lora_slots.extend([held.lora_slot] * n)
+            for ph in held.placeholders:
+                if ph.overlaps(c, c + n):
+                    lo, hi = max(c, ph.offset), min(c + n, ph.end)
+                    rows.embeds.append(EmbedSpan(start + lo - c, ph.hash, lo - ph.offset, hi - lo))
             if held.pooling is not None:
                 rows.pooling.append(PoolingRows(handle, start, n, c, c + n == len(tokens), held.pooling))
             elif c + n == len(tokens):

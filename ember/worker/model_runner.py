@@ -51,6 +51,9 @@ class ModelRunner:
         self.graphs: Any = None  # CUDA: the decode step's graphs (``cuda_graph.DecodeGraphs``), set at start-up
         self.drafter: Drafter | None = None  # speculative decoding's draft model (the worker sets it)
         self.pooler = Pooler()  # pooling requests' chunks pooled so far
+        # a vision-language model's image encodings by content hash, kept until the core drops them (its
+        # ``EncoderCache`` mirrors this dict)
+        self.encodings: dict[str, torch.Tensor] = {}
 
     # --- the persistent block table ---
     def _write_tables(self) -> None:
@@ -86,6 +89,10 @@ class ModelRunner:
             self.drafter.forget([*out.finished, *out.preempted, *(new.handle for new in out.new)])
         for load in out.lora_loads:
             self.load_lora(load)
+        for h in out.encoder_free:
+            self.encodings.pop(h, None)
+        if out.encode:
+            self._encode(out)
         batch = self.batch
         batch.update(out)
         self._write_tables()
@@ -130,6 +137,29 @@ class ModelRunner:
                 drafts[h], at = flat[at:at + k], at + k
         return drafts
 
+    def _encode(self, out: SchedulerOutput) -> None:
+        """Run the vision encoder over the step's new images (one call for all of them); embeddings given in
+        their place are taken as they are."""
+        images = [item for item in out.encode if "image_embeds" not in item.data]
+        encoded = dict(zip([item.hash for item in images],
+                           self.model.encode_images([item.data for item in images], self.device) if images else []))
+        dtype = self.loaded.dtype
+        for item in out.encode:
+            emb = encoded.get(item.hash)
+            if emb is None:
+                emb = torch.as_tensor(item.data["image_embeds"]).to(device=self.device, dtype=dtype)
+            if emb.shape[0] != item.placeholder.length:
+                raise ValueError(f"image {item.hash[:12]}: the encoder gave {emb.shape[0]} embeddings for "
+                                 f"{item.placeholder.length} placeholder tokens")
+            self.encodings[item.hash] = emb
+
+    def _embeds(self, rows: StepRows, ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The first layer's input when rows take image encodings: the token embeddings with those rows replaced."""
+        x = self.model.embed(ids)
+        for span in rows.embeds:
+            x[span.row:span.row + span.count] = self.encodings[span.hash][span.first:span.first + span.count]
+        return x, None
+
     def _state(self, handle: int, seed: int | None) -> RowState:
         state = self.states.get(handle)
         if state is None:
@@ -169,13 +199,15 @@ class ModelRunner:
         """The whole batch through this rank's stage; the last stage's hidden states, None on other stages."""
         p = self.parallel
         graphs = self.graphs
-        if graphs is not None and rows.num_decode == rows.num_tokens and graphs.fits(rows.num_decode,
-                                                                                     rows.decode_width):
+        if graphs is not None and rows.num_decode == rows.num_tokens and not rows.embeds \
+                and graphs.fits(rows.num_decode, rows.decode_width):
             which = torch.tensor(rows.decode_table_rows, dtype=torch.long)
             return graphs.run(rows.input_ids, rows.positions, rows.slots, self.tables[which, :rows.decode_width],
                               rows.decode_context_lens)
         if p.pp_size == 1:
-            return self.model(*self._inputs(rows, 0, rows.num_tokens), None, self._lora_batch(rows, 0, rows.num_tokens))
+            ids, positions, meta = self._inputs(rows, 0, rows.num_tokens)
+            first = self._embeds(rows, ids) if rows.embeds else None  # a split model takes no images (check_parallel)
+            return self.model(ids, positions, meta, first, self._lora_batch(rows, 0, rows.num_tokens))
         outs, sends = [], []
         hidden = self.loaded.shape.hidden_size
         for r0, r1 in micro_batches(rows.num_tokens, p.pp_size):

@@ -106,7 +106,8 @@ class Worker:
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
                                                                         self.cache_config.kv_cache_dtype),
                           draft_cost=self.draft_cost, verify_costs=self.verify_costs,
-                          hidden_size=loaded.shape.hidden_size, encoder_only=self.encoder_only)
+                          hidden_size=loaded.shape.hidden_size, encoder_only=self.encoder_only,
+                          image_token_id=getattr(self.model, "image_token_id", None))
 
     def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""

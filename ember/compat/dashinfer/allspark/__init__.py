@@ -10,6 +10,7 @@
 from ember.compat.dashinfer.allspark.engine import Engine
 from ember.compat.dashinfer.allspark.generation_config import ASGenerationConfigBuilder
 from ember.compat.dashinfer.allspark.model_loader import LLM, DashInferModel, HuggingFaceModel
+from ember.compat.dashinfer.allspark.multimedia import MultiMediaInfo
 from ember.compat.dashinfer.allspark.prompt_utils import PromptTemplate
 from ember.compat.dashinfer.allspark.result_queue import GeneratedElements, RequestHandle, ResultQueue
 from ember.compat.dashinfer.allspark.runtime_config import AsModelConfig, AsModelRuntimeConfigBuilder
@@ -20,4 +21,4 @@ from ember.compat.dashinfer.allspark.status import (AsCacheMode, AsException, As
 __all__ = ["AsStatus", "AsModelConfig", "AsCacheMode", "Engine", "GenerateRequestStatus", "HuggingFaceModel",
            "DashInferModel", "AsModelRuntimeConfigBuilder", "ASGenerationConfigBuilder", "ResultQueue",
            "GeneratedElements", "RequestHandle", "TargetDevice", "RoPEScaleMethod", "ModelState", "AsException",
-           "ModelSerializerException", "PromptTemplate", "LLM"]
+           "ModelSerializerException", "PromptTemplate", "LLM", "MultiMediaInfo"]

@@ -368,7 +368,7 @@ class Engine:
         return _OK, handle, queue
 
     def _prepare(self, model_name: str, ids: list[int], gen: ASGenerationConfigBuilder | dict[str, Any]
-                 ) -> tuple[SamplingParams, str, str | None]:
+                 ) -> tuple[SamplingParams, str, str | None, dict[str, Any] | None]:
         """The request's native params, id and adapter, checked; raises what _starts_request reports."""
         m = self._model(model_name, ModelState.Running, wrong_state=AsStatus.ALLSPARK_REQUEST_DENIED)
         if not ids:
@@ -387,14 +387,21 @@ class Engine:
         if lora_name is not None and lora_name not in m.loras:
             raise AsException(f"model {model_name}: lora_name={lora_name!r} is not loaded (load_lora first); loaded: "
                               f"{sorted(m.loras)}", AsStatus.ALLSPARK_LORA_NOT_FOUND)
-        return params, rid, lora_name
+        mm = cfg.get("mm_info")
+        try:
+            prompt = mm.prompt(ids, m.engine.model_info.image_token_id) if mm is not None else None
+        except ValueError as e:
+            raise _BadGeneration(str(e)) from e
+        return params, rid, lora_name, prompt
 
-    def _submit(self, model_name: str, ids: list[int], params: SamplingParams, rid: str, lora_name: str | None
-                ) -> tuple[RequestHandle, ResultQueue]:
+    def _submit(self, model_name: str, ids: list[int], params: SamplingParams, rid: str, lora_name: str | None,
+                prompt: dict[str, Any] | None = None) -> tuple[RequestHandle, ResultQueue]:
+        """prompt: the native prompt when mm_info gives image embeddings (else the ids)."""
         m = self._models[model_name]
         queue = ResultQueue(rid, len(ids), params.logprobs or 0)
         try:  # what only the engine checks (a constraint's grammar) is a bad field too
-            m.engine.submit([ids], [params], queue._put, [rid], [m.loras[lora_name] if lora_name else None])
+            m.engine.submit([prompt or ids], [params], queue._put, [rid],
+                            [m.loras[lora_name] if lora_name else None])
         except ValueError as e:
             raise _BadGeneration(str(e)) from e
         m.queues[rid] = queue

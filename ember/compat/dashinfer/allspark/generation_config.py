@@ -61,8 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "vocab_type": None,
 }
 # features that land in later issues: a non-default value fails instead of being ignored
-NOT_YET = {"mm_info": "multimedia inputs",
-           "enable_tensors_from_model_inference": "tensors_from_model_inference (each step's last hidden states and "
+NOT_YET = {"enable_tensors_from_model_inference": "tensors_from_model_inference (each step's last hidden states and "
                                                   "input embeddings); GeneratedElements.tensors_from_model_inference "
                                                   "stays empty"}
 
@@ -73,6 +72,8 @@ def _check_key(key: str, value: Any) -> None:
     if key in NOT_YET and value not in (None, "", {}, False):
         raise ValueError(f"{key}={value!r} is not supported yet: ember does not implement {NOT_YET[key]} yet; "
                          f"leave {key} unset")
+    if key == "mm_info" and value is not None and type(value).__name__ != "MultiMediaInfo":
+        raise ValueError(f"mm_info of type {type(value).__name__} is not supported: pass an allspark.MultiMediaInfo")
     if key == "lora_name" and value is not None and not isinstance(value, str):
         raise ValueError(f"lora_name={value!r} is out of range: it must be the name of a loaded adapter (a string)")
     if key == "top_logprobs" and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10):

@@ -1,0 +1,199 @@
+"""Images in a prompt -> the prompt's token ids with each image's placeholder tokens, and one ``MultiModalInput`` an
+image (content hash, place, the model's own processor's arrays). Runs in the caller's thread, before anything is
+queued, so a bad image is refused with a ``BadRequestError`` naming it.
+
+A prompt marks each image with the model's image token (its chat template writes it; a text or token-id prompt
+holds it once an image, or already expanded to the image's length). The model's processor (transformers'
+``AutoProcessor`` of the checkpoint folder) preprocesses each image and says how many tokens it takes: it expands
+one image token for one image, exactly as it does for transformers' own generate."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+import numpy as np
+
+from ember.errors import BadRequestError
+from ember.frontend.media import MediaPolicy, image_hash, load_image
+from ember.protocol import MultiModalInput, Placeholder
+
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+_IMAGE_PARTS = ("image_url", "image", "image_pil")  # OpenAI's part, and vLLM's for PIL images in LLM.chat
+
+
+def image_parts(conversation: list[dict[str, Any]], images: "ImageInputs | None",
+                model: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A conversation's image parts taken out: the messages as chat templates read them (each image part becomes
+    ``{"type": "image"}``) and the images, loaded and checked, in order. images: the model's image handling (None:
+    a text-only model, which refuses image parts by name)."""
+    found: list[Any] = []
+    out = []
+    for i, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+                                                    for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _IMAGE_PARTS:
+                parts.append(part)
+                continue
+            field = f"messages[{i}].content[{j}]"
+            if images is None:
+                raise BadRequestError(f"{field} is an image part: model {model} takes text only")
+            source = part.get(kind)
+            if kind == "image_url" and isinstance(source, dict):
+                source = source.get("url")
+            if source is None:
+                raise BadRequestError(f"{field}.{kind} is missing: an {kind} part holds the image")
+            if len(found) == images.limit:
+                raise BadRequestError(f"{field}: more than {images.limit} images in one prompt (limit_mm_per_prompt)")
+            found.append(load_image(source, field, images.policy))
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, found
+
+
+class ImageInputs:
+    """A vision-language model's image handling: load and check each image, preprocess it, place its tokens."""
+
+    def __init__(self, path: str, image_token_id: int, limit: int, policy: MediaPolicy, hidden_size: int) -> None:
+        """hidden_size: the decoder's width, the width of image embeddings given instead of images."""
+        self.path, self.image_token_id, self.limit, self.policy = path, image_token_id, limit, policy
+        self.hidden_size = hidden_size
+        self._processor: Any = None
+        self._lock = threading.Lock()  # the processor is built once, on first use, by whichever thread comes first
+        self._cache: dict[str, tuple[int, dict[str, Any]]] = {}  # hash -> (tokens, arrays): the last few images
+        self._order: list[str] = []
+
+    @property
+    def processor(self) -> Any:
+        with self._lock:
+            if self._processor is None:
+                from transformers import AutoProcessor
+                from transformers.utils import logging as hf_logging
+
+                verbosity = hf_logging.get_verbosity()
+                hf_logging.set_verbosity_error()  # "falling back to the PIL image processor" is expected here
+                try:
+                    self._processor = AutoProcessor.from_pretrained(self.path)
+                finally:
+                    hf_logging.set_verbosity(verbosity)
+            return self._processor
+
+    @property
+    def image_token(self) -> str:
+        return self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def images_of(self, value: Any, field: str) -> list[Any]:
+        """The images a prompt's ``multi_modal_data['image']`` gives: one image or a list of them."""
+        images = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not images:
+            raise BadRequestError(f"{field}=[] is empty: pass an image or a list of images")
+        if len(images) > self.limit:
+            raise BadRequestError(f"{field} holds {len(images)} images: at most {self.limit} a prompt "
+                                  "(limit_mm_per_prompt)")
+        return [load_image(img, f"{field}[{i}]" if len(images) > 1 else field, self.policy)
+                for i, img in enumerate(images)]
+
+    def embeds_of(self, value: Any, field: str) -> list[np.ndarray]:
+        """Image embeddings given instead of images (``multi_modal_data['image_embeds']``, DashInfer's mm_info):
+        one [tokens, hidden] array an image (a list of them, or one [images, tokens, hidden] array), float, finite,
+        of the decoder's width. They take the image's place as they are: the vision encoder does not run."""
+        if hasattr(value, "detach"):  # a torch tensor, wherever it lives
+            value = value.detach().float().cpu().numpy()
+        if isinstance(value, np.ndarray) and value.ndim == 3:
+            value = list(value)
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not items or len(items) > self.limit:
+            raise BadRequestError(f"{field} holds {len(items)} images: give 1 to {self.limit} (limit_mm_per_prompt)")
+        out = []
+        for i, e in enumerate(items):
+            name = f"{field}[{i}]"
+            if hasattr(e, "detach"):
+                e = e.detach().float().cpu().numpy()
+            e = np.asarray(e) if isinstance(e, (np.ndarray, list)) else e
+            if not isinstance(e, np.ndarray) or e.ndim != 2 or e.shape[1] != self.hidden_size or not e.shape[0] \
+                    or e.dtype.kind != "f":
+                shape = getattr(e, "shape", type(e).__name__)
+                raise BadRequestError(f"{name} of shape {shape} is not supported: pass a float array of shape "
+                                      f"[tokens, {self.hidden_size}] (the decoder's width)")
+            if not np.isfinite(e).all():
+                raise BadRequestError(f"{name} holds NaN or infinite values: embeddings must be finite")
+            out.append(np.ascontiguousarray(e, dtype=np.float32))
+        return out
+
+    def place_embeds(self, ids: list[int], embeds: list[np.ndarray],
+                     field: str) -> tuple[list[int], tuple[MultiModalInput, ...]]:
+        """As ``place``, for embeddings: each run of image tokens is 1 or exactly its embedding's rows long."""
+        items = [(hashlib.blake2b(e.tobytes() + str(e.shape).encode(), digest_size=16).hexdigest(), e.shape[0],
+                  {"image_embeds": e}) for e in embeds]
+        return self._place(ids, items, field)
+
+    def place(self, ids: list[int], images: list[Any], field: str) -> tuple[list[int], tuple[MultiModalInput, ...]]:
+        """The ids with each image's run of image tokens expanded to its length, and the images' inputs."""
+        items = []
+        for image in images:
+            h = image_hash(image)
+            items.append((h, *self._process(h, image)))
+        return self._place(ids, items, field)
+
+    def _place(self, ids: list[int], items: list[tuple[str, int, dict[str, Any]]],
+               field: str) -> tuple[list[int], tuple[MultiModalInput, ...]]:
+        images = items
+        runs = _runs(ids, self.image_token_id)
+        if len(runs) != len(images):
+            raise BadRequestError(f"{field}: the prompt marks {len(runs)} images (image token "
+                                  f"{self.image_token!r}) and {len(images)} were given: put one image token "
+                                  "where each image goes (the chat template does this for image parts)")
+        out: list[int] = []
+        inputs: list[MultiModalInput] = []
+        at = 0
+        for i, ((start, length), (h, tokens, data)) in enumerate(zip(runs, items)):
+            if length not in (1, tokens):
+                raise BadRequestError(f"{field}[{i}]: the prompt holds {length} image tokens for it; the image "
+                                      f"takes {tokens}: give one image token (expanded here) or exactly {tokens}")
+            out.extend(ids[at:start])
+            inputs.append(MultiModalInput(Placeholder(h, len(out), tokens), data))
+            out.extend([self.image_token_id] * tokens)
+            at = start + length
+        out.extend(ids[at:])
+        return out, tuple(inputs)
+
+    def _process(self, h: str, image: Any) -> tuple[int, dict[str, Any]]:
+        """The processor's arrays for one image and how many tokens it takes (kept for the last 32 images)."""
+        hit = self._cache.get(h)
+        if hit is not None:
+            return hit
+        try:
+            enc = self.processor(text=self.image_token, images=[image], return_tensors="np")
+        except Exception as e:  # noqa: BLE001 (a processor's refusal is the request's error)
+            raise BadRequestError(f"image: the model's processor refused it: {e}") from e
+        tokens = int((enc["input_ids"][0] == self.image_token_id).sum())
+        data = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
+        with self._lock:
+            self._cache[h] = (tokens, data)
+            self._order.append(h)
+            if len(self._order) > 32:
+                self._cache.pop(self._order.pop(0), None)
+        return tokens, data
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of ``token`` in ids."""
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(ids)
+    while i < n:
+        if ids[i] == token:
+            j = i
+            while j < n and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs

@@ -1,0 +1,142 @@
+"""Images in prompts, on a random-initialised LLaVA (CLIP tower + Llama decoder) saved with transformers' classes:
+greedy tokens equal transformers' with the model's own processor; a repeated image is encoded once and its prompt
+hits the prefix cache; the same text with another image never takes the first image's KV; bad images are refused
+by name and the engine keeps serving."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.errors import BadRequestError
+from vision_models import hf_llava_greedy, picture, save_llava
+
+PROMPT = "<|im_start|>user\n<image>\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n"
+TWO = "<|im_start|>user\n<image>\nand\n<image>\nWhich is brighter?<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory, tokenizer_dir) -> str:
+    return save_llava(str(tmp_path_factory.mktemp("llava")), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def llava(llava_dir):
+    llm = LLM(llava_dir, dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+def _tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_tokens_equal_transformers_with_its_processor(llava, llava_dir):
+    cases = [(PROMPT, [picture(1)]), (PROMPT, [picture(2)]), (TWO, [picture(3), picture(4)]),
+             ("<|im_start|>user\nNo picture here.<|im_end|>\n<|im_start|>assistant\n", [])]
+    want = [hf_llava_greedy(llava_dir, text, images, 10) for text, images in cases]
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text for text, images in cases]
+    outs = llava.generate(prompts, GREEDY, use_tqdm=False)  # one batch: rows with and without images together
+    for out, (ids, tokens) in zip(outs, want):
+        assert out.prompt_token_ids == ids  # each image token expanded as transformers' processor expands it
+        assert out.outputs[0].token_ids == tokens
+    assert want[0][1] != want[1][1]  # the image decides the answer: the test would see a wrong image
+
+
+def test_chat_with_image_parts_gives_the_prompt_tokens_of_its_template(llava, llava_dir):
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": picture(5)},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+    out = llava.chat(messages, GREEDY, use_tqdm=False)[0]
+    ids, tokens = hf_llava_greedy(llava_dir, PROMPT, [picture(5)], 10)
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, tokens)
+
+
+def test_same_text_with_another_image_never_takes_the_first_images_kv(llava_dir):
+    """The prefix cache keys a block by the images its placeholders hold: with image B after image A, only the
+    blocks before the image are hits; image A again hits past it."""
+    llm = LLM(llava_dir, dtype="float32", kv_cache_memory="16MiB", max_model_len=256, block_size=4)
+    try:
+        a, b = picture(6), picture(7)
+        ids, want_b = hf_llava_greedy(llava_dir, PROMPT, [b], 10)
+        start = ids.index(llm.client.images.image_token_id)
+        first = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": a}}], GREEDY, use_tqdm=False)[0]
+        other = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": b}}], GREEDY, use_tqdm=False)[0]
+        again = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": a}}], GREEDY, use_tqdm=False)[0]
+        assert other.outputs[0].token_ids == want_b
+        assert other.num_cached_tokens == start // 4 * 4  # the text blocks before the image only
+        assert again.num_cached_tokens > start + 16  # past the image: its KV is the first image's, rightly
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_a_repeated_image_is_encoded_once(llava_dir):
+    llm = LLM(llava_dir, dtype="float32", kv_cache_memory="16MiB", max_model_len=256, enable_prefix_caching=False)
+    try:
+        img = picture(8)
+        prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": img}},
+                   {"prompt": "<|im_start|>user\n<image>\nDescribe it.<|im_end|>\n<|im_start|>assistant\n",
+                    "multi_modal_data": {"image": img.copy()}}]  # another object, the same pixels
+        _tokens(llm, prompts[:1])
+        _tokens(llm, prompts[1:])
+        assert llm.stats()["images_encoded"] == 1
+    finally:
+        llm.shutdown()
+
+
+def test_chunked_prefill_through_images_gives_the_same_tokens(llava_dir):
+    """A step budget of 8 tokens: prompts are computed in chunks that start and end inside the images (an image
+    is encoded once, whole, and each chunk takes its slice)."""
+    want = [hf_llava_greedy(llava_dir, TWO, [picture(9), picture(10)], 10)[1],
+            hf_llava_greedy(llava_dir, PROMPT, [picture(11)], 10)[1]]
+    llm = LLM(llava_dir, dtype="float32", kv_cache_memory="16MiB", max_model_len=256, max_num_batched_tokens=8,
+              enable_prefix_caching=False)
+    try:
+        got = _tokens(llm, [{"prompt": TWO, "multi_modal_data": {"image": [picture(9), picture(10)]}},
+                            {"prompt": PROMPT, "multi_modal_data": {"image": picture(11)}}])
+        assert got == want
+        assert llm.stats()["images_encoded"] == 3
+    finally:
+        llm.shutdown()
+
+
+def test_n_samples_share_the_image_and_the_prompt(llava, llava_dir):
+    want = hf_llava_greedy(llava_dir, PROMPT, [picture(12)], 10)[1]
+    out = llava.generate([{"prompt": PROMPT, "multi_modal_data": {"image": picture(12)}}],
+                         SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    assert [s.token_ids for s in out.outputs] == [want] * 3
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt": PROMPT, "multi_modal_data": {"image": b"\x89PNG\r\n\x1a\n broken"}},
+     r"multi_modal_data'\]\['image'\]"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": [picture(1), picture(2)]}}, "marks 1 images"),
+    ({"prompt": PROMPT}, "marks 1 images .* and 0 were given"),
+    ({"prompt": PROMPT, "multi_modal_data": {"video": picture(1)}}, r"\['video'\] is not supported"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": [picture(1)] * 9}}, "at most 8"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": 3}}, "int"),
+])
+def test_bad_images_are_refused_by_name_and_the_engine_keeps_serving(llava, llava_dir, prompt, match):
+    with pytest.raises(BadRequestError, match=match):
+        llava.generate([prompt], GREEDY, use_tqdm=False)
+    assert _tokens(llava, [{"prompt": PROMPT, "multi_modal_data": {"image": picture(1)}}]) == \
+        [hf_llava_greedy(llava_dir, PROMPT, [picture(1)], 10)[1]]
+
+
+def test_png_bytes_and_pil_give_the_same_answer(llava):
+    buf = io.BytesIO()
+    picture(13).save(buf, format="PNG")
+    a, b = _tokens(llava, [{"prompt": PROMPT, "multi_modal_data": {"image": picture(13)}},
+                           {"prompt": PROMPT, "multi_modal_data": {"image": buf.getvalue()}}])
+    assert a == b
+
+
+def test_a_text_only_model_refuses_images_by_name(tiny_llm):
+    with pytest.raises(BadRequestError, match="takes text only"):
+        tiny_llm.generate([{"prompt": "hi", "multi_modal_data": {"image": picture(1)}}], GREEDY, use_tqdm=False)
+    with pytest.raises(BadRequestError, match=r"messages\[0\].content\[1\] is an image part"):
+        tiny_llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                    {"type": "image_pil", "image_pil": picture(1)}]}], GREEDY)

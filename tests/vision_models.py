@@ -1,0 +1,70 @@
+"""Random-initialised vision-language checkpoints saved with transformers' own classes (no small real one ships on
+the package registry): the test tokenizer plus an image token, the model, and its processor (image processor,
+chat template), so that `transformers` with the same processor is the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_llava(out_dir: str, tokenizer_dir: str, seed: int = 0, image_size: int = 56) -> str:
+    """A LLaVA model (CLIP tower of 3 layers, patch 14: (image_size / 14)^2 image tokens a picture; a Llama
+    decoder of 2 layers) with a LlavaProcessor whose image processor resizes to image_size."""
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.3,
+                       tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                              image_size=image_size, patch_size=14, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():  # larger projector weights: the image changes the greedy answer
+        model.model.multi_modal_projector.linear_2.weight.mul_(8)
+    model.save_pretrained(out_dir)
+    images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size,
+                                                                               "width": image_size})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
+                               vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+                               num_additional_image_tokens=1)
+    processor.save_pretrained(out_dir)
+    tok.chat_template = LLAVA_TEMPLATE
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def picture(seed: int, size: int = 64):
+    """A random RGB PIL image."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def hf_llava_greedy(path: str, text: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """transformers' prompt ids (its processor's expansion) and greedy new tokens for text with images, float32."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
