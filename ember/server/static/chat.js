@@ -9,6 +9,8 @@ const els = {
   system: $("system"), temperature: $("temperature"), temperatureValue: $("temperature-value"),
   maxTokens: $("max-tokens"), settings: $("settings"), settingsToggle: $("settings-toggle"),
   auth: $("auth"), apiKey: $("api-key"), authError: $("auth-error"), modelName: $("model-name"),
+  attach: $("attach"), imageInput: $("image-input"), attachment: $("attachment"), attachmentThumb: $("attachment-thumb"),
+  attachmentRemove: $("attachment-remove"), attachError: $("attach-error"),
 };
 
 const KEY_STORAGE = "ember-api-key";
@@ -16,6 +18,9 @@ let apiKey = localStorage.getItem(KEY_STORAGE) || "";
 let model = null;       // id of the served model, from /v1/models
 let history = [];       // finished turns [{role, content}]; the system prompt is added per request
 let controller = null;  // AbortController of the reply streaming now; null when idle
+let attachment = null;  // data: URL of the image to send with the next message
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];  // the ones OpenAI's API takes
+const MAX_IMAGE_BYTES = 10 * 1024 * 1024;
 
 function headers(extra = {}) {
   return apiKey ? { ...extra, Authorization: `Bearer ${apiKey}` } : extra;
@@ -68,6 +73,83 @@ async function loadModel() {
   els.auth.hidden = true;
 }
 
+// Replies are Markdown from an untrusted model: markdown-it with raw HTML off turns it into HTML, DOMPurify keeps only
+// the tags Markdown makes and http(s)/mailto links, and the result is inserted as DOM nodes. Without the vendored
+// scripts (e.g. a broken install) replies stay plain text.
+const SAFE_LINK = /^(?:https?:|mailto:)/i;
+const markdown = window.markdownit && window.DOMPurify ? window.markdownit({ html: false, linkify: true, breaks: true })
+  : null;
+const PURIFY = {
+  ALLOWED_TAGS: ["a", "blockquote", "br", "code", "em", "h1", "h2", "h3", "h4", "h5", "h6", "hr", "li", "ol", "p",
+    "pre", "s", "strong", "table", "tbody", "td", "th", "thead", "tr", "ul"],
+  ALLOWED_ATTR: ["href", "title", "class", "start", "style"],
+  ALLOWED_URI_REGEXP: SAFE_LINK,
+  RETURN_DOM_FRAGMENT: true,
+};
+if (markdown) {
+  markdown.disable("image");  // an image URL in a reply would be fetched: a way to send the conversation elsewhere
+  markdown.validateLink = (url) => SAFE_LINK.test(url.trim());  // others stay text (markdown-it's own rule allows more)
+  DOMPurify.addHook("uponSanitizeAttribute", (node, data) => {
+    // the only style markdown-it writes is a table column's alignment
+    if (data.attrName === "style") data.keepAttr = /^text-align:(left|right|center)$/.test(data.attrValue);
+  });
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A") {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
+}
+
+// Puts a code block in a frame with its language and a Copy button (clicks are handled once, on #messages).
+function frameCode(code) {
+  const pre = code.parentElement;
+  const frame = document.createElement("div");
+  frame.className = "code-block";
+  const bar = document.createElement("div");
+  bar.className = "code-bar";
+  const lang = document.createElement("span");
+  lang.textContent = /\blanguage-(\S+)/.exec(code.className)?.[1] ?? "";
+  const copy = document.createElement("button");
+  copy.type = "button";
+  copy.className = "copy";
+  copy.textContent = "Copy";
+  bar.append(lang, copy);
+  pre.replaceWith(frame);
+  frame.append(bar, pre);
+}
+
+function renderMarkdown(el, text) {
+  if (!markdown) {
+    el.textContent = text;
+    return;
+  }
+  const fragment = DOMPurify.sanitize(markdown.render(text), PURIFY);
+  fragment.querySelectorAll("pre > code").forEach(frameCode);
+  for (const table of fragment.querySelectorAll("table")) {
+    const scroll = document.createElement("div");
+    scroll.className = "table-scroll";
+    table.replaceWith(scroll);
+    scroll.append(table);
+  }
+  el.replaceChildren(fragment);
+}
+
+// navigator.clipboard exists only in secure contexts (https, localhost); a server reached over plain http on the LAN
+// falls back to the old copy command.
+async function copyText(text) {
+  if (navigator.clipboard) return navigator.clipboard.writeText(text);
+  const area = document.createElement("textarea");
+  area.value = text;
+  area.style.position = "fixed";
+  area.style.opacity = "0";
+  document.body.append(area);
+  area.select();
+  const ok = document.execCommand("copy");
+  area.remove();
+  if (!ok) throw new Error("copy refused");
+}
+
 // Scrolls to the end only if the reader is already there, so that scrolling up during a reply is not undone.
 function keepAtEnd(change) {
   const box = els.messages;
@@ -76,14 +158,22 @@ function keepAtEnd(change) {
   if (atEnd) box.scrollTop = box.scrollHeight;
 }
 
-function addMessage(role, text = "") {
+function addMessage(role, text = "", image = null) {
   const el = document.createElement("div");
   el.className = `msg ${role}`;
+  if (image) {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.alt = "Attached image";
+    img.src = image;  // the user's own file, read by this page
+    el.append(img);
+  }
   const body = document.createElement("div");
   body.className = "text";
-  body.textContent = text;  // model and user text are never parsed as HTML
+  body.textContent = text;  // user text is never parsed, not even as Markdown
   el.append(body);
   if (role === "assistant") {
+    body.classList.add("md");
     const stats = document.createElement("div");
     stats.className = "stats";
     el.append(stats);
@@ -138,7 +228,8 @@ function formatStats(tokens, first, last, note) {
   return parts.join(" · ");
 }
 
-async function streamReply(msgEl) {
+// Streams the reply to the last user turn into msgEl; user is {el, turn}: that turn and its message element.
+async function streamReply(msgEl, user) {
   const textEl = msgEl.querySelector(".text");
   const statsEl = msgEl.querySelector(".stats");
   const system = els.system.value.trim();
@@ -158,6 +249,12 @@ async function streamReply(msgEl) {
   let first = 0;
   let last = 0;
   let note = "";
+  // deltas come faster than the screen redraws: the reply's Markdown is rendered at most once per frame
+  let frame = 0;
+  const render = () => {
+    frame = 0;
+    keepAtEnd(() => renderMarkdown(textEl, content));
+  };
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -169,6 +266,11 @@ async function streamReply(msgEl) {
       const error = await errorOf(response);
       if (response.status === 401) showAuth(describeError(error));
       showError(msgEl, error);
+      // the refused turn (e.g. an image the server cannot read) leaves the conversation, so that the next turns are
+      // not refused for it too; the transcript keeps it, dimmed
+      history = history.filter((turn) => turn !== user.turn);
+      user.el.classList.add("refused");
+      user.el.title = "Not part of the conversation: the server refused it";
       return;
     }
     let ended = false;  // [DONE] or an error event; without either the connection dropped mid-reply
@@ -187,7 +289,7 @@ async function streamReply(msgEl) {
         if (!first) first = last;
         tokens += 1;
         content += choice.delta.content;
-        keepAtEnd(() => { textEl.textContent = content; });
+        if (!frame) frame = requestAnimationFrame(render);
       }
       if (choice?.finish_reason) note = FINISH_NOTES[choice.finish_reason] || "";
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
@@ -199,6 +301,8 @@ async function streamReply(msgEl) {
     else showError(msgEl, { message: `Request failed: ${err.message}` });
   } finally {
     controller = null;
+    cancelAnimationFrame(frame);
+    render();  // the last deltas may still be waiting for a frame
     setStreaming(false);
     msgEl.classList.remove("streaming");
     msgEl.classList.toggle("stopped", note === "stopped");
@@ -215,13 +319,52 @@ function setStreaming(on) {
 
 function send() {
   const text = els.prompt.value.trim();
-  if (!text || controller) return;
+  const image = attachment;
+  if ((!text && !image) || controller) return;
   els.prompt.value = "";
   fitPrompt();
+  setAttachment(null);
   showSettings(false);
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
-  streamReply(addMessage("assistant"));
+  // with an image the content is a list of OpenAI's content parts
+  const parts = [...(text ? [{ type: "text", text }] : []), { type: "image_url", image_url: { url: image } }];
+  const turn = { role: "user", content: image ? parts : text };
+  history.push(turn);
+  const el = addMessage("user", text, image);
+  streamReply(addMessage("assistant"), { el, turn });
+}
+
+function setAttachment(url) {
+  attachment = url;
+  els.attachment.hidden = !url;
+  if (url) els.attachmentThumb.src = url;
+  else els.attachmentThumb.removeAttribute("src");
+  els.attachError.textContent = "";
+}
+
+function readDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+// Reads a picked, pasted or dropped file as the image for the next message, or says why it cannot be one.
+async function attachFile(file) {
+  let problem = "";
+  if (!IMAGE_TYPES.includes(file.type)) problem = `${file.name || "This file"} is not a PNG, JPEG, WebP or GIF image.`;
+  else if (file.size > MAX_IMAGE_BYTES) {
+    problem = `${file.name || "The image"} is ${(file.size / 2 ** 20).toFixed(1)} MB; images up to 10 MB can be sent.`;
+  } else {
+    try {
+      setAttachment(await readDataUrl(file));
+      return;
+    } catch (err) {
+      problem = `Could not read ${file.name}: ${err.message}`;
+    }
+  }
+  els.attachError.textContent = problem;
 }
 
 // The prompt box grows with its text up to the CSS max-height, then scrolls.
@@ -244,6 +387,41 @@ els.prompt.addEventListener("keydown", (e) => {
   }
 });
 els.prompt.addEventListener("input", fitPrompt);
+
+els.attach.addEventListener("click", () => els.imageInput.click());
+els.imageInput.addEventListener("change", () => {
+  if (els.imageInput.files[0]) attachFile(els.imageInput.files[0]);
+  els.imageInput.value = "";  // picking the same file again is a change too
+});
+els.attachmentRemove.addEventListener("click", () => setAttachment(null));
+els.prompt.addEventListener("paste", (e) => {
+  const file = e.clipboardData?.files[0];
+  if (!file) return;  // text pastes as usual
+  e.preventDefault();
+  attachFile(file);
+});
+// a file dropped anywhere on the page is attached; the browser would otherwise open it in place of the page
+document.addEventListener("dragover", (e) => {
+  if (e.dataTransfer?.types.includes("Files")) e.preventDefault();
+});
+document.addEventListener("drop", (e) => {
+  const file = e.dataTransfer?.files[0];
+  if (!file) return;
+  e.preventDefault();
+  attachFile(file);
+});
+
+els.messages.addEventListener("click", async (e) => {
+  const button = e.target.closest("button.copy");
+  if (!button) return;
+  try {
+    await copyText(button.closest(".code-block").querySelector("code").textContent);
+    button.textContent = "Copied";
+  } catch {
+    button.textContent = "Copy failed";
+  }
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+});
 
 els.newChat.addEventListener("click", () => {
   if (controller) controller.abort();
