@@ -68,3 +68,15 @@ def hf_llava_greedy(path: str, text: str, images: list, max_new_tokens: int) -> 
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
     ids = inputs["input_ids"][0].tolist()
     return ids, out[0, len(ids):].tolist()
+
+
+def hf_llava_features(path: str, images: list):
+    """transformers' projected image features of each image ([tokens, hidden] float32 tensors)."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        feats = model.get_image_features(pixel_values=pixels).pooler_output
+    return [f.reshape(-1, f.shape[-1]) for f in feats]

@@ -9,6 +9,8 @@ key prefix, where they serve it."""
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
 import pickle
 import sys
@@ -22,6 +24,8 @@ from ember.model_loader import check_parallel
 
 SHARED_STORE = envs.LAUNCH_SHARED_STORE  # "1": the launcher's rank 0 holds the job's store (see above)
 ENGINES, DONE, EXITED = "ember/launch/engines", "ember/launch/done", "ember/launch/exited"
+LEFT = "ember/launch/left/"  # + rank: that rank of a torchrun-launched engine has left the group
+logger = logging.getLogger("ember")
 
 
 def engine_key(n: int) -> str:
@@ -53,6 +57,18 @@ class LaunchedExecutor(DistributedExecutor):
         store.set(engine_key(n), pickle.dumps(self.spec(0, None, None)))
         return engine_store(store, n)
 
+    def _stop_ranks(self) -> None:
+        """Stopped normally under a plain launcher: wait until every other rank has left the group. Besides ending
+        together, the wait holds no GIL, so gloo's worker threads can free the last collectives' tensors (which
+        takes the GIL) before this interpreter finalizes; a script that ended first aborted with "terminate called
+        without an active exception" (once in ~20 runs under load: a gather's work freed during Py_Finalize)."""
+        if os.environ.get(SHARED_STORE) == "1" or self.dead is not None or self.world == 1:
+            return
+        try:
+            shared_store().wait([LEFT + str(r) for r in range(1, self.world)], datetime.timedelta(seconds=30))
+        except (RuntimeError, ValueError) as e:  # torch's DistStoreError is a RuntimeError
+            logger.warning("the other ranks did not report leaving within 30 s: %s", e)
+
 
 def serve_launched(resolved: ResolvedConfig) -> None:
     par = resolved.parallel
@@ -60,4 +76,8 @@ def serve_launched(resolved: ResolvedConfig) -> None:
     check_parallel(resolved.model, par.tensor_parallel_size, par.pipeline_parallel_size, par.ranks_here)
     run_rank(RankSpec(par.rank, par.local_rank, par.tensor_parallel_size, par.pipeline_parallel_size,
                       resolved.model, resolved.cache, None, None, par.ranks_here))
+    try:  # rank 0 waits for this before it leaves the group itself (LaunchedExecutor._stop_ranks)
+        shared_store().set(LEFT + str(par.rank), "1")
+    except RuntimeError:
+        pass  # rank 0's launcher is gone: nobody waits
     sys.exit(0)

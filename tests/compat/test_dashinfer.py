@@ -758,3 +758,40 @@ def test_lora_adapters_as_dashinfer_serves_them(tiny_models, tmp_path):
         engine.release_request("m", handle)
     finally:
         engine.stop_model("m")
+
+
+def test_mm_info_image_embeddings_as_its_vlm_guide_gives_them(tokenizer_dir, tmp_path):
+    """DashInfer's VLM guide: image embeddings as DLPack tensors under the placeholder token id, in mm_info; the
+    answer is transformers' for that image (its processor expands the image token to the embedding's rows)."""
+    from vision_models import hf_llava_features, hf_llava_greedy, picture, save_llava
+
+    src = save_llava(str(tmp_path / "llava"), tokenizer_dir)
+    text = "<|im_start|>user\n<image>\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n"
+    ids, want = hf_llava_greedy(src, text, [picture(31)], 8)
+    loader = HuggingFaceModel(src, "llava", user_set_data_type="float32")
+    loader.load_model().serialize_to_path(None, str(tmp_path / "as")).free_model()
+    engine = allspark.Engine()
+    model = DashInferModel(str(tmp_path / "as"), "llava")
+    cfg = _runtime(model, "vl")
+    engine.install_model(cfg)
+    engine.start_model("vl")
+    try:
+        from transformers import AutoTokenizer
+
+        placeholder = AutoTokenizer.from_pretrained(src).convert_tokens_to_ids("<image>")  # 16 of them in ids
+        mm = allspark.MultiMediaInfo()
+        mm.set_multimedia_type(0)
+        feats = hf_llava_features(src, [picture(31)])[0].contiguous()
+        mm.add_multimedia_content(str(placeholder), [torch.utils.dlpack.to_dlpack(feats)])
+        gen = _greedy(model, cfg, 8, mm_info=mm)
+        gen["max_length"] = len(ids) + 8
+        status, handle, queue = engine.start_request_ids("vl", model, ids, gen)
+        assert status is AsStatus.ALLSPARK_SUCCESS
+        engine.sync_request("vl", handle)
+        assert _ids_of(queue) == want
+        extra = allspark.MultiMediaInfo()  # a run of placeholders without its tensor is the request's error
+        extra.add_multimedia_content(str(placeholder), [feats, feats])
+        gen["mm_info"] = extra
+        assert engine.start_request_ids("vl", model, ids, gen)[0] is AsStatus.ALLSPARK_PARAM_ERROR
+    finally:
+        engine.stop_model("vl")

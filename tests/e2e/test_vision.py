@@ -11,7 +11,7 @@ import pytest
 
 from ember import LLM, SamplingParams
 from ember.errors import BadRequestError
-from vision_models import hf_llava_greedy, picture, save_llava
+from vision_models import hf_llava_features, hf_llava_greedy, picture, save_llava
 
 PROMPT = "<|im_start|>user\n<image>\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n"
 TWO = "<|im_start|>user\n<image>\nand\n<image>\nWhich is brighter?<|im_end|>\n<|im_start|>assistant\n"
@@ -140,3 +140,16 @@ def test_a_text_only_model_refuses_images_by_name(tiny_llm):
     with pytest.raises(BadRequestError, match=r"messages\[0\].content\[1\] is an image part"):
         tiny_llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                     {"type": "image_pil", "image_pil": picture(1)}]}], GREEDY)
+
+
+def test_image_embeds_take_the_images_place(llava, llava_dir):
+    """Embeddings given instead of the image (vLLM's image_embeds; DashInfer's mm_info) skip the encoder and give
+    the answer the image gives."""
+    feats = hf_llava_features(llava_dir, [picture(14)])
+    want = hf_llava_greedy(llava_dir, PROMPT, [picture(14)], 10)[1]
+    assert _tokens(llava, [{"prompt": PROMPT, "multi_modal_data": {"image_embeds": feats}}]) == [want]
+    with pytest.raises(BadRequestError, match=r"image_embeds'\]\[0\] of shape \(16, 3\) is not supported"):
+        llava.generate([{"prompt": PROMPT, "multi_modal_data": {"image_embeds": [feats[0][:, :3]]}}], GREEDY)
+    with pytest.raises(BadRequestError, match="NaN"):
+        llava.generate([{"prompt": PROMPT, "multi_modal_data": {"image_embeds": [feats[0] * float("nan")]}}],
+                       GREEDY)
