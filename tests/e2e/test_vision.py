@@ -153,3 +153,15 @@ def test_image_embeds_take_the_images_place(llava, llava_dir):
     with pytest.raises(BadRequestError, match="NaN"):
         llava.generate([{"prompt": PROMPT, "multi_modal_data": {"image_embeds": [feats[0] * float("nan")]}}],
                        GREEDY)
+
+
+def test_the_core_in_its_own_process_takes_images_too(llava_dir, monkeypatch):
+    """CUDA's default: the requests (with the processor's arrays) cross a socket to the core's process."""
+    monkeypatch.setenv("EMBER_ENGINE_CORE_PROCESS", "1")
+    llm = LLM(llava_dir, dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+    try:
+        got = _tokens(llm, [{"prompt": PROMPT, "multi_modal_data": {"image": picture(15)}}])
+        assert got == [hf_llava_greedy(llava_dir, PROMPT, [picture(15)], 10)[1]]
+        assert llm.stats()["images_encoded"] == 1
+    finally:
+        llm.shutdown()

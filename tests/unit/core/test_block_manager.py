@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from ember.core.block_manager import BlockManager
 from ember.core.request import Sequence
 from ember.core.scheduler import Scheduler
-from ember.protocol import BlockCopy, CopyKind, FinishReason, RequestStatus
+from ember.protocol import BlockCopy, CopyKind, FinishReason, MultiModalInput, Placeholder, RequestStatus
 
 
-def _seq(prompt: list[int], max_num_tokens: int | None = None) -> Sequence:
+def _seq(prompt: list[int], max_num_tokens: int | None = None, images: tuple = ()) -> Sequence:
     req = SimpleNamespace(prompt_token_ids=list(prompt), request_id="r", num_cached_tokens=None,
-                          num_host_cached_tokens=0, wants_prompt_logprobs=False, pools=False)
+                          num_host_cached_tokens=0, wants_prompt_logprobs=False, pools=False,
+                          record=SimpleNamespace(mm_inputs=images))
     return Sequence(req, 0, list(prompt), max_num_tokens=max_num_tokens)
 
 
@@ -150,6 +151,22 @@ def test_sequence_too_big_for_the_pool_is_interrupted():
     assert batch.interrupted == [seq] and seq.finish_reason == "interrupted"
     assert seq.num_tokens == 17 and not sched.has_work()  # it keeps the tokens it generated
     assert bm.num_free == 4 and sched.num_interrupted == 1
+
+
+def test_equal_tokens_with_another_image_hit_only_the_blocks_before_it():
+    """A block's key holds the hashes of the images its placeholders cover (and the chain carries them on)."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+
+    def image(h: str) -> tuple:
+        return (MultiModalInput(Placeholder(h, 6, 5), {}),)  # positions 6..10: blocks 1 and 2
+
+    a = _seq([7] * 17, images=image("a"))
+    bm.allocate(a, 17)
+    a.num_computed_tokens = 17
+    bm.commit(a)
+    assert bm.lookup(_seq([7] * 17, images=image("b"))).num_blocks == 1  # block 0 only
+    assert bm.lookup(_seq([7] * 17, images=image("a"))).num_blocks == 4  # all full blocks
+    assert bm.lookup(_seq([7] * 17)).num_blocks == 1  # the same tokens as text
 
 
 def test_host_tier_round_trip():
