@@ -11,6 +11,7 @@ import time
 
 from ember.config import INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANT_MODES
 from ember.entrypoints.parallel_args import add_parallel_args
+from ember.errors import ConfigError
 from ember.quantization.config import QuantConfig
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server.reasoning import REASONING_CHOICES
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--no-chat", action="store_true", help="send PROMPT as raw text, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")
+    gen.add_argument("--image", action="append", default=None, metavar="FILE",
+                     help="an image for a vision-language model (repeat for several; with --no-chat, PROMPT holds "
+                          "the model's image token where each goes)")
     _add_model_args(gen)
     _add_sampling_args(gen)
     chat = sub.add_parser("chat", help="interactive chat that keeps the conversation",
@@ -259,6 +263,14 @@ def _stream_reply(llm, prompt, params: SamplingParams, lora=None) -> str:
     return text
 
 
+def _read(path: str) -> bytes:
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"--image {path!r} cannot be read: {e.strerror}") from None
+
+
 def _messages(system: str | None) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}] if system else []
 
@@ -268,10 +280,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _load(args)
     try:
         params = _params(llm, args, structured)
+        images = [_read(path) for path in args.image or ()]  # bytes: checked like any image (format, size)
         if args.no_chat or not llm.tokenizer.has_chat_template:
-            prompt = args.prompt
+            prompt = {"prompt": args.prompt, "multi_modal_data": {"image": images}} if images else args.prompt
         else:
-            prompt = llm.client.chat_prompt(_messages(args.system) + [{"role": "user", "content": args.prompt}])
+            content = [{"type": "image", "image": img} for img in images] + [{"type": "text", "text": args.prompt}]
+            prompt = llm.client.chat_prompt(_messages(args.system) + [{"role": "user",
+                                                                       "content": content if images else args.prompt}])
         _stream_reply(llm, prompt, params, _lora(args))
     finally:
         llm.shutdown()

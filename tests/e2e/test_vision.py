@@ -165,3 +165,19 @@ def test_the_core_in_its_own_process_takes_images_too(llava_dir, monkeypatch):
         assert llm.stats()["images_encoded"] == 1
     finally:
         llm.shutdown()
+
+
+def test_ember_generate_takes_image_files(llava_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from ember.entrypoints import cli
+
+    path = tmp_path / "cat.png"
+    picture(16).save(path)
+    want = AutoTokenizer.from_pretrained(llava_dir).decode(hf_llava_greedy(llava_dir, PROMPT, [picture(16)], 6)[1])
+    assert cli.main(["generate", "What is in the picture?", "--image", str(path), "--model", llava_dir,
+                     "--dtype", "float32", "--temperature", "0", "--max-tokens", "6", "--kv-cache-memory", "16MiB",
+                     "--max-model-len", "256"]) == 0
+    assert capsys.readouterr().out.strip() == want.strip()
+    assert cli.main(["generate", "Hi", "--image", str(tmp_path / "missing.png"), "--model", llava_dir]) == 2
+    assert "--image" in capsys.readouterr().err
