@@ -95,6 +95,14 @@ class EngineClient:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
 
+    def prompt_token_ids(self, prompt: list[int] | dict[str, Any]) -> list[int]:
+        """The token ids the model reads for what ``chat_prompt`` returned: each image's tokens expanded."""
+        if not isinstance(prompt, dict):
+            return prompt
+        images = prompt.get("multi_modal_data", {}).get("image")
+        ids = prompt["prompt_token_ids"]
+        return self.images.place(ids, images, "messages")[0] if images and self.images is not None else ids
+
     def submit(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | PoolingParams | None],
                sink: OutputSink, request_ids: Sequence[str | None] | None = None,
                loras: Sequence[LoRARequest | None] | None = None) -> list[str]:

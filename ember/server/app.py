@@ -222,10 +222,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "pass exactly one of prompt and messages", param="prompt")
         with engine_errors("messages" if req.messages is not None else "prompt"):
             if req.messages is not None:
-                ids = chat_prompt(client, req.messages, req.add_generation_prompt)
-                if isinstance(ids, dict):  # with images: counted as the model sees them, each image's tokens placed
-                    ids = client.images.place(ids["prompt_token_ids"], ids["multi_modal_data"]["image"],
-                                              "messages")[0]
+                ids = client.prompt_token_ids(chat_prompt(client, req.messages, req.add_generation_prompt))
             else:
                 ids = client.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": client.model_info.max_model_len, "tokens": ids}

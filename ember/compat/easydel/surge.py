@@ -209,7 +209,8 @@ class vSurge:  # noqa: N801  (EasyDeL's name)
                 ids = self._processor.apply_chat_template(conversation=text_or_conversation, tokenize=True,
                                                           add_generation_prompt=False)
                 return len(ids if isinstance(ids, list) else ids.get("input_ids", []))
-            return len(self._engine("count_tokens").chat_prompt(text_or_conversation, add_generation_prompt=False))
+            client = self._engine("count_tokens")
+            return len(client.prompt_token_ids(client.chat_prompt(text_or_conversation, add_generation_prompt=False)))
         raise ValueError(f"Unsupported input type for token counting: {type(text_or_conversation)}")
 
     # ----- generation -----
