@@ -24,6 +24,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # M-RoPE decoder after a vision tower
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # the same, a windowed tower
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 

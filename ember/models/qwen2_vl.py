@@ -1,5 +1,6 @@
-"""Qwen2-VL: a vision tower (``qwen2_vl_vision``) whose merged patch tokens take the image tokens' place, before a
-Qwen2 decoder with multimodal RoPE (M-RoPE: a (temporal, height, width) position a token, ``layers.mrope``).
+"""Qwen2-VL and Qwen2.5-VL: a vision tower (``qwen2_vl_vision``) whose merged patch tokens take the image tokens'
+place, before a Qwen2 decoder with multimodal RoPE (M-RoPE: a (temporal, height, width) position a token,
+``layers.mrope``).
 
 Where the 3-D positions come from: the engine stays 1-D everywhere but one place. The front end puts each image's
 token grid (from the processor's ``image_grid_thw``, after the merge) on its ``Placeholder``; the runner's
@@ -73,9 +74,9 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
 
 def _ember_name(name: str) -> str:
-    """A Qwen2-VL checkpoint's tensor name (transformers 5.x: ``model.visual.``, ``model.language_model.``; the
-    hub's older files: ``visual.``, ``model.``) as this model's: the decoder under ``model.``, the tower at
-    ``visual.``."""
+    """A checkpoint's tensor name as this model's (the decoder under ``model.``, the tower at ``visual.``: the hub's
+    files, and what save_pretrained writes); transformers 5.x's module names (``model.visual.``,
+    ``model.language_model.``) map there too."""
     for old, new in (("model.visual.", "visual."), ("model.language_model.", "model.")):
         if name.startswith(old):
             return new + name[len(old):]

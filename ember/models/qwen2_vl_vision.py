@@ -3,10 +3,16 @@ temporal_patch_size x patch_size^2 pixels (an image is its one frame twice), a l
 checkpoint's Conv3d has one stride-sized kernel: a matrix product), pre-LayerNorm blocks whose attention stays
 within each frame and rotates queries and keys by each patch's (row, column) in the image (2-D RoPE), and a merger
 that joins each spatial_merge_size^2 block of neighbouring patches (the processor puts them next to each other)
-into one token of the decoder's width."""
+into one token of the decoder's width.
+
+Qwen2.5-VL's tower (``window_size`` in its config) differs in three places: RMSNorm for LayerNorm, a gated MLP, and
+attention within windows of window_size pixels square in all blocks but ``fullatt_block_indexes``. The patches are
+put in window order once (whole merge blocks move, so the merger's groups stay together) and the merged tokens back
+in the image's order at the end: every window, like every frame, is then one run of rows."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,18 +20,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.layers.base import Layer
-from ember.layers.linear import Linear
-from ember.layers.norm import LayerNorm
+from ember.layers.linear import Linear, MergedLinear
+from ember.layers.norm import LayerNorm, RMSNorm
 from ember.layers.rotary import apply_rotary
 from ember.models.clip import activation
 
 
+@dataclass(frozen=True, slots=True)
+class TowerShape:
+    """What differs between Qwen2-VL's tower and Qwen2.5-VL's, read from the vision config."""
+
+    width: int  # the blocks'
+    out: int  # the merger's: the decoder's width
+    heads: int
+    merge: int
+    windowed: bool  # Qwen2.5-VL: RMSNorm, gated MLP, window attention
+    window: int  # merged tokens a window side (0: none)
+    full_blocks: frozenset[int]  # the blocks that attend over the whole frame
+
+    @classmethod
+    def of(cls, config: Any) -> "TowerShape":
+        merge = config.spatial_merge_size
+        if getattr(config, "window_size", None) is None:  # Qwen2-VL
+            return cls(config.embed_dim, config.hidden_size, config.num_heads, merge, False, 0,
+                       frozenset(range(config.depth)))
+        return cls(config.hidden_size, config.out_hidden_size, config.num_heads, merge, True,
+                   config.window_size // merge // config.patch_size, frozenset(config.fullatt_block_indexes))
+
+
 class PatchEmbed(Layer):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, width: int, dtype: torch.dtype) -> None:
         super().__init__()
         p, tp = config.patch_size, config.temporal_patch_size
         self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(torch.empty(config.embed_dim, config.in_channels, tp, p, p, dtype=dtype),
+        self.proj.weight = nn.Parameter(torch.empty(width, config.in_channels, tp, p, p, dtype=dtype),
                                         requires_grad=False)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
@@ -61,10 +89,28 @@ class VisionRotary(Layer):
         return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
 
 
+def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """The merge blocks of all images in window order (frame by frame, windows row-major, blocks row-major within
+    a window) as indices into their image order, and each window's length in patches."""
+    order: list[torch.Tensor] = []
+    lengths: list[int] = []
+    at = 0
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        blocks = torch.arange(t * gh * gw).view(t, gh, gw) + at
+        for f in range(t):
+            for r in range(0, gh, window):
+                for c in range(0, gw, window):
+                    win = blocks[f, r:r + window, c:c + window].reshape(-1)
+                    order.append(win)
+                    lengths.append(win.numel() * merge * merge)
+        at += t * gh * gw
+    return torch.cat(order), lengths
+
+
 class VisionAttention(Layer):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, d: int, dtype: torch.dtype) -> None:
         super().__init__()
-        d = config.embed_dim
         self.num_heads = config.num_heads
         self.qkv = Linear(d, 3 * d, True, dtype)
         self.proj = Linear(d, d, True, dtype)
@@ -84,24 +130,42 @@ class VisionAttention(Layer):
 
 
 class VisionMLP(Layer):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, d: int, dtype: torch.dtype) -> None:
         super().__init__()
-        hidden = int(config.embed_dim * config.mlp_ratio)
-        self.fc1 = Linear(config.embed_dim, hidden, True, dtype)
-        self.fc2 = Linear(hidden, config.embed_dim, True, dtype)
+        hidden = int(d * config.mlp_ratio)
+        self.fc1 = Linear(d, hidden, True, dtype)
+        self.fc2 = Linear(hidden, d, True, dtype)
         self.act = activation(config.hidden_act, "vision_config.hidden_act")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VisionBlock(Layer):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+class GatedVisionMLP(Layer):
+    """Qwen2.5-VL's: down(act(gate(x)) * up(x)), with biases."""
+
+    def __init__(self, config: Any, d: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.norm1 = LayerNorm(config.embed_dim, 1e-6, dtype)
-        self.attn = VisionAttention(config, dtype)
-        self.norm2 = LayerNorm(config.embed_dim, 1e-6, dtype)
-        self.mlp = VisionMLP(config, dtype)
+        i = config.intermediate_size
+        self.gate_up_proj = MergedLinear(d, {"gate": i, "up": i}, True, dtype, None)
+        self.down_proj = Linear(i, d, True, dtype)
+        self.act = activation(config.hidden_act, "vision_config.hidden_act")
+        self.i = i
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate_up[:, :self.i]) * gate_up[:, self.i:])
+
+
+class VisionBlock(Layer):
+    def __init__(self, config: Any, shape: TowerShape, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = shape.width
+        norm = (lambda: RMSNorm(d, 1e-6, dtype)) if shape.windowed else (lambda: LayerNorm(d, 1e-6, dtype))
+        self.norm1 = norm()
+        self.attn = VisionAttention(config, d, dtype)
+        self.norm2 = norm()
+        self.mlp = (GatedVisionMLP if shape.windowed else VisionMLP)(config, d, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, lengths)
@@ -109,12 +173,11 @@ class VisionBlock(Layer):
 
 
 class PatchMerger(Layer):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, shape: TowerShape, dtype: torch.dtype) -> None:
         super().__init__()
-        wide = config.embed_dim * config.spatial_merge_size ** 2
-        self.ln_q = LayerNorm(config.embed_dim, 1e-6, dtype)
-        self.mlp = nn.Sequential(Linear(wide, wide, True, dtype), nn.GELU(), Linear(wide, config.hidden_size, True,
-                                                                                    dtype))
+        wide = shape.width * shape.merge ** 2
+        self.ln_q = (RMSNorm if shape.windowed else LayerNorm)(shape.width, 1e-6, dtype)
+        self.mlp = nn.Sequential(Linear(wide, wide, True, dtype), nn.GELU(), Linear(wide, shape.out, True, dtype))
         self.wide = wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,19 +187,28 @@ class PatchMerger(Layer):
 class Qwen2VisionTower(Layer):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.merge = config.spatial_merge_size
-        self.patch_embed = PatchEmbed(config, dtype)
+        self.shape = shape = TowerShape.of(config)
+        self.patch_embed = PatchEmbed(config, shape.width, dtype)
         params = getattr(config, "rope_parameters", None) or {}
-        self.rotary_pos_emb = VisionRotary(config.embed_dim // config.num_heads, float(params.get("rope_theta",
-                                                                                                   10000.0)))
-        self.blocks = nn.ModuleList(VisionBlock(config, dtype) for _ in range(config.depth))
-        self.merger = PatchMerger(config, dtype)
+        self.rotary_pos_emb = VisionRotary(shape.width // shape.heads, float(params.get("rope_theta", 10000.0)))
+        self.blocks = nn.ModuleList(VisionBlock(config, shape, dtype) for _ in range(config.depth))
+        self.merger = PatchMerger(shape, dtype)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """patches [N, C * T * P * P] of images with these patch grids -> [N / merge^2, hidden]."""
-        rope = self.rotary_pos_emb(patch_rows_cols(grids, self.merge))
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        """patches [N, C * T * P * P] of images with these patch grids -> [N / merge^2, out]."""
+        shape = self.shape
+        unit = shape.merge ** 2
+        cos, sin = self.rotary_pos_emb(patch_rows_cols(grids, shape.merge))
+        frames = [h * w for t, h, w in grids for _ in range(t)]
         x = self.patch_embed(patches)
-        for block in self.blocks:
-            x = block(x, rope, lengths)
-        return self.merger(x)
+        order = windows = None
+        if shape.window:  # windows as runs of rows: move whole merge blocks (and their rotations) there
+            order, windows = window_order(grids, shape.merge, shape.window)
+            order = order.to(x.device)
+            x, cos, sin = (v.view(-1, unit, *v.shape[1:])[order].flatten(0, 1) for v in (x, cos, sin))
+        for i, block in enumerate(self.blocks):
+            x = block(x, (cos, sin), frames if i in shape.full_blocks else windows)
+        merged = self.merger(x)
+        if order is not None:  # back in the image's order
+            merged = merged[torch.argsort(order)]
+        return merged

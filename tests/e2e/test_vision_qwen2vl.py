@@ -1,7 +1,7 @@
-"""Qwen2-VL on a random-initialised checkpoint saved with transformers' classes: greedy tokens equal transformers'
-with the model's own processor, for images of different sizes and shapes (their token grids decide the M-RoPE
-positions of the image and of all text after it), text only, a prefix-cache hit past an image, and prompts
-computed in chunks that cut through the images."""
+"""Qwen2-VL and Qwen2.5-VL on random-initialised checkpoints saved with transformers' classes: greedy tokens equal
+transformers' with the model's own processor, for images of different sizes and shapes (their token grids decide
+the M-RoPE positions of the image and of all text after it), text only, a prefix-cache hit past an image, and
+prompts computed in chunks that cut through the images."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def wide(seed: int, height: int = 60, width: int = 120):
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory, tokenizer_dir) -> str:
-    return save_qwen2_vl(str(tmp_path_factory.mktemp("qwen2vl")), tokenizer_dir)
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_dir(request, tmp_path_factory, tokenizer_dir) -> str:
+    return save_qwen2_vl(str(tmp_path_factory.mktemp(request.param)), tokenizer_dir, v25=request.param == "qwen2_5_vl")
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,26 @@ def test_image_embeds_are_refused_by_name(qwen):
     with pytest.raises(BadRequestError, match="M-RoPE"):
         qwen.generate([{"prompt": PROMPT, "multi_modal_data": {"image_embeds": [np.zeros((4, 64), np.float32)]}}],
                       GREEDY, use_tqdm=False)
+
+
+def test_both_tensor_layouts_load_alike(qwen_dir, tmp_path):
+    """save_pretrained writes the hub's layout (the tower ``visual.``, the decoder ``model.``); transformers 5.x's
+    module names (``model.visual.``, ``model.language_model.``) load to the same model too."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    new = tmp_path / "new"
+    shutil.copytree(qwen_dir, new)
+    tensors = load_file(str(new / "model.safetensors"))
+    assert any(k.startswith("visual.") for k in tensors) and any(k.startswith("model.layers.") for k in tensors)
+    renamed = {("model." + k if k.startswith("visual.") else
+                "model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in tensors.items()}
+    save_file(renamed, str(new / "model.safetensors"), metadata={"format": "pt"})
+    want = hf_qwen2_vl_greedy(qwen_dir, PROMPT, [wide(12)], 10)[1]
+    llm = LLM(str(new), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+    try:
+        assert _tokens(llm, [{"prompt": PROMPT, "multi_modal_data": {"image": wide(12)}}]) == [want]
+    finally:
+        llm.shutdown()
