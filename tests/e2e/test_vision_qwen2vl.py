@@ -125,3 +125,21 @@ def test_both_tensor_layouts_load_alike(qwen_dir, tmp_path):
         assert _tokens(llm, [{"prompt": PROMPT, "multi_modal_data": {"image": wide(12)}}]) == [want]
     finally:
         llm.shutdown()
+
+
+def test_speculative_drafts_are_verified_at_their_m_rope_positions(qwen_dir, monkeypatch):
+    """A verify row (the last token, then the draft) continues from the sequence's rope delta as a decode row does:
+    with drafts from the known answer (kept whole, in part, not at all), the tokens stay transformers'."""
+    from internals import oracle_drafts
+
+    images = [picture(13, 100), wide(14)]
+    ids, want = hf_qwen2_vl_greedy(qwen_dir, TWO, images, 10)
+    oracle_drafts(monkeypatch, [ids], [want])
+    llm = LLM(qwen_dir, dtype="float32", kv_cache_memory="16MiB", max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    try:
+        assert _tokens(llm, [{"prompt": TWO, "multi_modal_data": {"image": images}}]) == [want]
+        stats = llm.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 4 and stats["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.shutdown()
