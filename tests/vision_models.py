@@ -4,6 +4,8 @@ chat template), so that `transformers` with the same processor is the reference.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -80,3 +82,71 @@ def hf_llava_features(path: str, images: list):
     with torch.no_grad():
         feats = model.get_image_features(pixel_values=pixels).pooler_output
     return [f.reshape(-1, f.shape[-1]) for f in feats]
+
+
+QWEN2_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_qwen2_vl(out_dir: str, tokenizer_dir: str, seed: int = 0, v25: bool = False) -> str:
+    """A Qwen2-VL model (vision tower of 2 blocks, width 32, patch 14, merge 2, temporal patch 2; a Qwen2 decoder
+    of 2 layers, hidden 64, M-RoPE) with a Qwen2VLProcessor whose image processor keeps images between 4 and 64
+    merged tokens (min_pixels / max_pixels), so that an image is a few dozen tokens. v25: Qwen2.5-VL (4 blocks,
+    blocks 1 and 3 full attention, the others in windows of 2 x 2 merged tokens)."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.3,
+                tie_word_embeddings=False,
+                rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    name = "Qwen2_5_VL" if v25 else "Qwen2VL"
+    if v25:
+        vision = dict(depth=4, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=56,
+                      fullatt_block_indexes=[1, 3])
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    config.architectures = [f"{name}ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).to(torch.float32).eval()
+    with torch.no_grad():  # larger merger weights: the image changes the greedy answer
+        model.model.visual.merger.mlp[2].weight.mul_(8)
+    model.save_pretrained(out_dir)
+    # the tokenizer and image processor only: Qwen2VLProcessor's video processor needs torchvision to load; the
+    # processor is built from these two (ember.frontend.hf_processor), as AutoProcessor would with torchvision
+    Qwen2VLImageProcessor(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28).save_pretrained(out_dir)
+    tok.chat_template = QWEN2_VL_TEMPLATE
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_qwen2_vl_greedy(path: str, text: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """transformers' prompt ids (its processor's expansion) and greedy new tokens for text with images, float32."""
+    import transformers
+
+    from ember.frontend.hf_processor import load_processor
+
+    processor = load_processor(path)
+    with open(f"{path}/config.json") as f:
+        architecture = json.load(f)["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32).eval()
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ember.errors import BadRequestError
+from ember.frontend.hf_processor import load_processor
 from ember.frontend.media import MediaPolicy, image_hash, load_image
 from ember.protocol import MultiModalInput, Placeholder
 
@@ -74,13 +75,12 @@ class ImageInputs:
     def processor(self) -> Any:
         with self._lock:
             if self._processor is None:
-                from transformers import AutoProcessor
                 from transformers.utils import logging as hf_logging
 
                 verbosity = hf_logging.get_verbosity()
                 hf_logging.set_verbosity_error()  # "falling back to the PIL image processor" is expected here
                 try:
-                    self._processor = AutoProcessor.from_pretrained(self.path)
+                    self._processor = load_processor(self.path)
                 finally:
                     hf_logging.set_verbosity(verbosity)
             return self._processor
@@ -130,6 +130,9 @@ class ImageInputs:
     def place_embeds(self, ids: list[int], embeds: list[np.ndarray],
                      field: str) -> tuple[list[int], tuple[MultiModalInput, ...]]:
         """As ``place``, for embeddings: each run of image tokens is 1 or exactly its embedding's rows long."""
+        if self.merge_size is not None:
+            raise BadRequestError(f"{field}: image embeddings are not supported by this model: its positions follow "
+                                  "each image's grid of tokens (M-RoPE), which only the image gives; pass the image")
         items = [(hashlib.blake2b(e.tobytes() + str(e.shape).encode(), digest_size=16).hexdigest(), e.shape[0],
                   {"image_embeds": e}) for e in embeds]
         return self._place(ids, items, field)
@@ -158,11 +161,30 @@ class ImageInputs:
                 raise BadRequestError(f"{field}[{i}]: the prompt holds {length} image tokens for it; the image "
                                       f"takes {tokens}: give one image token (expanded here) or exactly {tokens}")
             out.extend(ids[at:start])
-            inputs.append(MultiModalInput(Placeholder(h, len(out), tokens), data))
+            inputs.append(MultiModalInput(Placeholder(h, len(out), tokens, self._grid(data, tokens)), data))
             out.extend([self.image_token_id] * tokens)
             at = start + length
         out.extend(ids[at:])
         return out, tuple(inputs)
+
+    @property
+    def merge_size(self) -> int | None:
+        """The processor's spatial merge (Qwen2-VL: 2 x 2 patches a token), for models whose token positions
+        follow each image's grid; None for the others."""
+        return getattr(self.processor.image_processor, "merge_size", None)
+
+    def _grid(self, data: dict[str, Any], tokens: int) -> tuple[int, int, int] | None:
+        """An image's token grid (temporal, height, width after the merge) from the processor's image_grid_thw
+        (Qwen2-VL); None where the processor gives none."""
+        thw = data.get("image_grid_thw")
+        if thw is None:
+            return None
+        t, h, w = (int(v) for v in np.asarray(thw).reshape(3))
+        m = self.merge_size or 1
+        grid = (t, h // m, w // m)
+        if grid[0] * grid[1] * grid[2] != tokens:
+            raise BadRequestError(f"image: its grid {grid} does not hold its {tokens} tokens")
+        return grid
 
     def _process(self, h: str, image: Any) -> tuple[int, dict[str, Any]]:
         """The processor's arrays for one image and how many tokens it takes (kept for the last 32 images)."""

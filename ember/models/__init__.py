@@ -8,6 +8,7 @@ from ember.models.llama import LlamaForCausalLM
 from ember.models.llava import LlavaForConditionalGeneration
 from ember.models.moe import MoEForCausalLM
 from ember.models.phi3 import Phi3ForCausalLM
+from ember.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type] = {
     "BertModel": BertModel,  # an encoder: embeddings only
@@ -22,6 +23,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # M-RoPE decoder after a vision tower
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # the same, a windowed tower
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 

@@ -20,7 +20,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 
 
 def activation(name: str, field: str) -> Any:

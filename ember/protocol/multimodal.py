@@ -15,6 +15,9 @@ class Placeholder:
     hash: str
     offset: int
     length: int
+    # the item's token grid (temporal, height, width) for models whose positions follow it (Qwen2-VL's M-RoPE:
+    # t * h * w == length); None for the others
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:

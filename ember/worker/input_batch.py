@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ember.protocol import (KVWindow, NewSequence, Placeholder, PoolingParams, PromptLogprobsRows, SamplingRow,
                             SchedulerOutput)
 from ember.sampling_params import SamplingParams
+from ember.worker.mrope import mrope_positions
 
 
 @dataclass(slots=True)
@@ -80,6 +81,8 @@ class StepRows:
     pooling: list[PoolingRows] = field(default_factory=list)
     lora_slots: list[int] | None = None  # LoRA: each row's adapter slot (-1: base); None: no row has an adapter
     embeds: list[EmbedSpan] = field(default_factory=list)  # rows that take an image's encoding
+    # M-RoPE models (InputBatch(mrope=True)): each row's (temporal, height, width) positions; None for the others
+    mrope_positions: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def num_decode(self) -> int:
@@ -94,9 +97,11 @@ class InputBatch:
     """Applies each ``SchedulerOutput`` to the held sequences and plans its rows. ``table_writes`` lists the
     block-table changes (row, first column, block ids) since the last call, for a runner keeping them in a tensor."""
 
-    def __init__(self, block_size: int, window: KVWindow | None = None) -> None:
+    def __init__(self, block_size: int, window: KVWindow | None = None, mrope: bool = False) -> None:
+        """mrope: plan the 3-D positions of a multimodal-RoPE model too (``StepRows.mrope_positions``)."""
         self.block_size = block_size
         self.window = window
+        self.mrope = mrope
         self.seqs: dict[int, HeldSequence] = {}
         self._free_rows: list[int] = []
         self.num_rows = 0  # rows handed out so far (the table tensor must have as many)
@@ -152,6 +157,8 @@ class InputBatch:
         if adapted:
             rows.lora_slots = []
         drafts = out.draft_token_ids if drafts is None else drafts
+        if self.mrope:
+            rows.mrope_positions = ([], [], [])
         for handle, n in zip(out.handles, out.num_tokens):
             held = seqs[handle]
             start, c, table = len(ids), held.num_computed_tokens, held.block_ids
@@ -176,6 +183,8 @@ class InputBatch:
                 rows.prefills.append(PrefillRows(start, n, c + n, held.row, len(table)))
             if adapted:
                 rows.lora_slots.extend([held.lora_slot] * n)
+            if rows.mrope_positions is not None:
+                _extend_mrope(rows, held, c, n)
             for ph in held.placeholders:
                 if ph.overlaps(c, c + n):
                     lo, hi = max(c, ph.offset), min(c + n, ph.end)
@@ -207,8 +216,15 @@ class InputBatch:
         rows.prefills.append(PrefillRows(start, n, c + n, held.row, len(table), draft=True))
         if rows.lora_slots is not None:
             rows.lora_slots.extend([held.lora_slot] * n)
+        if rows.mrope_positions is not None:
+            _extend_mrope(rows, held, c, n)
         done = len(tokens) - held.num_prompt_tokens
         for j in range(n):
             rows.sample_rows.append(start + j)
             rows.sampling.append(SamplingRow(handle, held.params, held.seed, done + j, None, held.num_prompt_tokens))
         held.num_computed_tokens = c + 1
+
+
+def _extend_mrope(rows: StepRows, held: HeldSequence, start: int, count: int) -> None:
+    for out, part in zip(rows.mrope_positions, mrope_positions(held.placeholders, start, count)):
+        out.extend(part)

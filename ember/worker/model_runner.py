@@ -44,7 +44,7 @@ class ModelRunner:
         self.device = device
         self.parallel = parallel
         self.lora = lora
-        self.batch = InputBatch(block_size, window)
+        self.batch = InputBatch(block_size, window, mrope=bool(getattr(self.model, "mrope", False)))
         self.tables = torch.zeros(8, 16, dtype=torch.long)  # row -> block ids (host); grows on demand
         self.sampler = Sampler(loaded.shape.vocab_size, seed=seed)
         self.states: dict[int, RowState] = {}  # sample handle -> its sampling state, until it finishes
@@ -186,6 +186,8 @@ class ModelRunner:
             ids, positions, slots = ids[r0:r1], positions[r0:r1], slots[r0:r1]
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), d1 - d0, tables_t, lens_t,
                                  prefills)
+        if rows.mrope_positions is not None:  # [3, T]: (temporal, height, width) rows of an M-RoPE model
+            positions = [p[r0:r1] for p in rows.mrope_positions]
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
@@ -202,7 +204,9 @@ class ModelRunner:
         if graphs is not None and rows.num_decode == rows.num_tokens and not rows.embeds \
                 and graphs.fits(rows.num_decode, rows.decode_width):
             which = torch.tensor(rows.decode_table_rows, dtype=torch.long)
-            return graphs.run(rows.input_ids, rows.positions, rows.slots, self.tables[which, :rows.decode_width],
+            # an M-RoPE model's decode rows are text: their three position rows are equal, the first one serves
+            positions = rows.positions if rows.mrope_positions is None else rows.mrope_positions[0]
+            return graphs.run(rows.input_ids, positions, rows.slots, self.tables[which, :rows.decode_width],
                               rows.decode_context_lens)
         if p.pp_size == 1:
             ids, positions, meta = self._inputs(rows, 0, rows.num_tokens)
