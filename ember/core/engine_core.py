@@ -127,7 +127,8 @@ class EngineCore:
             executor=par.backend, attention_window=cache.attention_window, sink_tokens=cache.sink_tokens,
             max_loras=lora.max_loras if lora else 0, max_lora_rank=lora.max_rank if lora else 0,
             kv_block_bytes=info.kv_bytes_per_block, hidden_size=info.hidden_size, encoder_only=encoder,
-            image_token_id=info.image_token_id)
+            image_token_id=info.image_token_id, image_tokens=info.image_tokens, image_pixels=info.image_pixels,
+            image_grid=info.image_grid)
 
     def handle(self, command: EngineCommand) -> EngineOutput | UtilityResult | None:
         """Run one command record (``Shutdown`` is the transport's to act on); what goes back to the client: an

@@ -24,7 +24,14 @@ from ember.model_loader import check_parallel
 
 SHARED_STORE = envs.LAUNCH_SHARED_STORE  # "1": the launcher's rank 0 holds the job's store (see above)
 ENGINES, DONE, EXITED = "ember/launch/engines", "ember/launch/done", "ember/launch/exited"
-LEFT = "ember/launch/left/"  # + rank: that rank of a torchrun-launched engine has left the group
+
+
+def left_key(rank: int) -> str:
+    """Set when that rank of a torchrun-launched engine has left the group; per restart of the job (torchrun's
+    agent keeps its store across ``--max-restarts``, so an earlier attempt's keys must not count)."""
+    return f"ember/launch/left/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
 logger = logging.getLogger("ember")
 
 
@@ -65,7 +72,7 @@ class LaunchedExecutor(DistributedExecutor):
         if os.environ.get(SHARED_STORE) == "1" or self.dead is not None or self.world == 1:
             return
         try:
-            shared_store().wait([LEFT + str(r) for r in range(1, self.world)], datetime.timedelta(seconds=30))
+            shared_store().wait([left_key(r) for r in range(1, self.world)], datetime.timedelta(seconds=30))
         except (RuntimeError, ValueError) as e:  # torch's DistStoreError is a RuntimeError
             logger.warning("the other ranks did not report leaving within 30 s: %s", e)
 
@@ -77,7 +84,7 @@ def serve_launched(resolved: ResolvedConfig) -> None:
     run_rank(RankSpec(par.rank, par.local_rank, par.tensor_parallel_size, par.pipeline_parallel_size,
                       resolved.model, resolved.cache, None, None, par.ranks_here))
     try:  # rank 0 waits for this before it leaves the group itself (LaunchedExecutor._stop_ranks)
-        shared_store().set(LEFT + str(par.rank), "1")
+        shared_store().set(left_key(par.rank), "1")
     except RuntimeError:
         pass  # rank 0's launcher is gone: nobody waits
     sys.exit(0)

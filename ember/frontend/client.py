@@ -72,8 +72,14 @@ class EngineClient:
             policy = MediaPolicy(allowed_local_media_path=config.allowed_local_media_path,
                                  allowed_media_domains=tuple(config.allowed_media_domains)
                                  if config.allowed_media_domains is not None else None)
-            images = ImageInputs(resolved.model.path, self.model_info.image_token_id, config.images_per_prompt, policy,
-                                 self.model_info.hidden_size)
+            info = self.model_info
+            images = ImageInputs(resolved.model.path, info.image_token_id, config.images_per_prompt, policy,
+                                 info.hidden_size, info.image_tokens, info.image_pixels, info.image_grid)
+            try:
+                images.check_model()  # a processor that does not match the model fails the load, not each request
+            except BaseException:
+                self._loop.shutdown()
+                raise
         self.images: ImageInputs | None = images  # a vision-language model's image handling; None: text only
         self._inputs = InputProcessor(self.tokenizer, self.model_info, tok.eos_token_ids, defaults, grammars,
                                       self.adapters, self.pooler, images)

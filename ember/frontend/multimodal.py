@@ -10,12 +10,13 @@ one image token for one image, exactly as it does for transformers' own generate
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from typing import Any
 
 import numpy as np
 
-from ember.errors import BadRequestError
+from ember.errors import BadRequestError, ConfigError
 from ember.frontend.hf_processor import load_processor
 from ember.frontend.media import MediaPolicy, image_hash, load_image
 from ember.protocol import MultiModalInput, Placeholder
@@ -62,10 +63,16 @@ def image_parts(conversation: list[dict[str, Any]], images: "ImageInputs | None"
 class ImageInputs:
     """A vision-language model's image handling: load and check each image, preprocess it, place its tokens."""
 
-    def __init__(self, path: str, image_token_id: int, limit: int, policy: MediaPolicy, hidden_size: int) -> None:
-        """hidden_size: the decoder's width, the width of image embeddings given instead of images."""
+    def __init__(self, path: str, image_token_id: int, limit: int, policy: MediaPolicy, hidden_size: int,
+                 image_tokens: int | None = None, image_pixels: tuple[int, int] | None = None,
+                 image_grid: bool = False) -> None:
+        """hidden_size: the decoder's width, the width of image embeddings given instead of images;
+        image_tokens / image_pixels: what the model's tower takes when that is fixed (ModelInfo), else None;
+        image_grid: the model's positions follow each image's token grid (M-RoPE)."""
+        self.image_grid = image_grid
         self.path, self.image_token_id, self.limit, self.policy = path, image_token_id, limit, policy
-        self.hidden_size = hidden_size
+        self.hidden_size, self.image_tokens = hidden_size, image_tokens
+        self.image_pixels = tuple(image_pixels) if image_pixels is not None else None
         self._processor: Any = None
         self._lock = threading.Lock()  # the processor is built once, on first use, by whichever thread comes first
         self._cache: dict[str, tuple[int, dict[str, Any]]] = {}  # hash -> (tokens, arrays): the last few images
@@ -73,6 +80,9 @@ class ImageInputs:
 
     @property
     def processor(self) -> Any:
+        if not os.path.isdir(self.path):
+            raise BadRequestError(f"images: model {self.path} has no processor files (a Hugging Face folder holds "
+                                  "them): pass image_embeds, or serve the model's folder")
         with self._lock:
             if self._processor is None:
                 from transformers.utils import logging as hf_logging
@@ -87,7 +97,11 @@ class ImageInputs:
 
     @property
     def image_token(self) -> str:
-        return self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        if tokenizer is None:
+            raise ConfigError(f"model={self.path!r}: its processor has no tokenizer: a vision-language model needs a "
+                              "processor with one (processor_config.json)")
+        return tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     def images_of(self, value: Any, field: str) -> list[Any]:
         """The images a prompt's ``multi_modal_data['image']`` gives: one image or a list of them."""
@@ -130,7 +144,7 @@ class ImageInputs:
     def place_embeds(self, ids: list[int], embeds: list[np.ndarray],
                      field: str) -> tuple[list[int], tuple[MultiModalInput, ...]]:
         """As ``place``, for embeddings: each run of image tokens is 1 or exactly its embedding's rows long."""
-        if self.merge_size is not None:
+        if self.image_grid:
             raise BadRequestError(f"{field}: image embeddings are not supported by this model: its positions follow "
                                   "each image's grid of tokens (M-RoPE), which only the image gives; pass the image")
         items = [(hashlib.blake2b(e.tobytes() + str(e.shape).encode(), digest_size=16).hexdigest(), e.shape[0],
@@ -140,69 +154,112 @@ class ImageInputs:
     def place(self, ids: list[int], images: list[Any], field: str) -> tuple[list[int], tuple[MultiModalInput, ...]]:
         """The ids with each image's run of image tokens expanded to its length, and the images' inputs."""
         items = []
-        for image in images:
+        for i, image in enumerate(images):
             h = image_hash(image)
-            items.append((h, *self._process(h, image)))
+            items.append((h, *self._process(h, image, f"{field}[{i}]")))
         return self._place(ids, items, field)
 
     def _place(self, ids: list[int], items: list[tuple[str, int, dict[str, Any]]],
                field: str) -> tuple[list[int], tuple[MultiModalInput, ...]]:
-        images = items
-        runs = _runs(ids, self.image_token_id)
-        if len(runs) != len(images):
-            raise BadRequestError(f"{field}: the prompt marks {len(runs)} images (image token "
-                                  f"{self.image_token!r}) and {len(images)} were given: put one image token "
-                                  "where each image goes (the chat template does this for image parts)")
+        """Each run of image tokens holds the next images: one token each (expanded here), or exactly their
+        lengths (expanded already); adjacent images make one run."""
         out: list[int] = []
         inputs: list[MultiModalInput] = []
-        at = 0
-        for i, ((start, length), (h, tokens, data)) in enumerate(zip(runs, items)):
-            if length not in (1, tokens):
-                raise BadRequestError(f"{field}[{i}]: the prompt holds {length} image tokens for it; the image "
-                                      f"takes {tokens}: give one image token (expanded here) or exactly {tokens}")
+        at, i = 0, 0
+        for start, length in _runs(ids, self.image_token_id):
             out.extend(ids[at:start])
-            inputs.append(MultiModalInput(Placeholder(h, len(out), tokens, self._grid(data, tokens)), data))
-            out.extend([self.image_token_id] * tokens)
+            taken = _split(length, [tokens for _, tokens, _ in items[i:]])
+            if taken is None:
+                left = len(items) - i
+                raise BadRequestError(
+                    f"{field}: the prompt's image tokens ({self.image_token!r}) do not match the {len(items)} "
+                    f"images given: a run of {length} at token {start} holds neither one token an image nor whole "
+                    f"images ({left} left, of {[t for _, t, _ in items[i:]]} tokens); put one image token where "
+                    "each image goes (the chat template does this for image parts)")
+            for h, tokens, data in items[i:i + taken]:
+                inputs.append(MultiModalInput(Placeholder(h, len(out), tokens,
+                                                          self._grid(data, tokens, f"{field}[{i}]")), data))
+                out.extend([self.image_token_id] * tokens)
+                i += 1
             at = start + length
+        if i != len(items):
+            raise BadRequestError(f"{field}: the prompt marks {i} images (image token {self.image_token!r}) and "
+                                  f"{len(items)} were given: put one image token where each image goes (the chat "
+                                  "template does this for image parts)")
         out.extend(ids[at:])
         return out, tuple(inputs)
 
     @property
     def merge_size(self) -> int | None:
         """The processor's spatial merge (Qwen2-VL: 2 x 2 patches a token), for models whose token positions
-        follow each image's grid; None for the others."""
+        follow each image's grid; None for the others (and for a checkpoint without processor files)."""
+        if not os.path.isdir(self.path):
+            return None
         return getattr(self.processor.image_processor, "merge_size", None)
 
-    def _grid(self, data: dict[str, Any], tokens: int) -> tuple[int, int, int] | None:
+    def _grid(self, data: dict[str, Any], tokens: int, field: str) -> tuple[int, int, int] | None:
         """An image's token grid (temporal, height, width after the merge) from the processor's image_grid_thw
         (Qwen2-VL); None where the processor gives none."""
         thw = data.get("image_grid_thw")
         if thw is None:
+            if self.image_grid:
+                raise BadRequestError(f"{field}: the model's processor gave no image_grid_thw; this model's positions "
+                                      "follow each image's grid (M-RoPE)")
             return None
         t, h, w = (int(v) for v in np.asarray(thw).reshape(3))
         m = self.merge_size or 1
         grid = (t, h // m, w // m)
         if grid[0] * grid[1] * grid[2] != tokens:
-            raise BadRequestError(f"image: its grid {grid} does not hold its {tokens} tokens")
+            raise BadRequestError(f"{field}: its token grid {grid} does not hold its {tokens} tokens")
         return grid
 
-    def _process(self, h: str, image: Any) -> tuple[int, dict[str, Any]]:
-        """The processor's arrays for one image and how many tokens it takes (kept for the last 32 images)."""
+    def _process(self, h: str, image: Any, field: str) -> tuple[int, dict[str, Any]]:
+        """The processor's arrays for one image and how many tokens it takes (kept for the last 32 images), checked
+        against what the model's tower takes."""
         hit = self._cache.get(h)
         if hit is not None:
             return hit
+        processor, token = self.processor, self.image_token
         try:
-            enc = self.processor(text=self.image_token, images=[image], return_tensors="np")
+            enc = processor(text=token, images=[image], return_tensors="np")
         except Exception as e:  # noqa: BLE001 (a processor's refusal is the request's error)
-            raise BadRequestError(f"image: the model's processor refused it: {e}") from e
+            raise BadRequestError(f"{field}: the model's processor refused the image: {e}") from e
         tokens = int((enc["input_ids"][0] == self.image_token_id).sum())
         data = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
+        self._check(tokens, data, field)
         with self._lock:
             self._cache[h] = (tokens, data)
             self._order.append(h)
             if len(self._order) > 32:
                 self._cache.pop(self._order.pop(0), None)
         return tokens, data
+
+    def _check(self, tokens: int, data: dict[str, Any], field: str) -> None:
+        """The processor's output against the tower's fixed input (LLaVA): a checkpoint whose processor config does
+        not match its model is refused here, per request, never in the engine (where it would stop every request)."""
+        pixels = np.shape(data.get("pixel_values", ()))
+        if self.image_pixels is not None and tuple(pixels[-2:]) != self.image_pixels:
+            raise BadRequestError(f"{field}: the model's processor made {tuple(pixels[-2:])} pixels; the vision "
+                                  f"tower takes {self.image_pixels} (the checkpoint's processor config does not match "
+                                  "its model: resize / crop settings)")
+        if self.image_tokens is not None and tokens != self.image_tokens:
+            raise BadRequestError(f"{field}: the model's processor gives the image {tokens} tokens; the vision tower "
+                                  f"makes {self.image_tokens} (the checkpoint's processor config does not match its "
+                                  "model: num_additional_image_tokens / vision_feature_select_strategy)")
+
+    def check_model(self) -> None:
+        """At start-up: one small picture through the processor, so a checkpoint whose processor does not match its
+        model fails to load (ConfigError) instead of refusing every request."""
+        from PIL import Image
+
+        if not os.path.isdir(self.path):
+            return  # a single-file checkpoint (.asmodel): embeddings only
+        try:
+            self._process("start-up", Image.new("RGB", (64, 48), (127, 127, 127)), "start-up image")
+        except BadRequestError as e:
+            raise ConfigError(f"model={self.path!r}: {e}") from None
+        finally:
+            self._cache.pop("start-up", None)
 
 
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -219,3 +276,16 @@ def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
         else:
             i += 1
     return runs
+
+
+def _split(length: int, tokens: list[int]) -> int | None:
+    """How many of the next images (of these token counts) a run of ``length`` image tokens holds: as many as its
+    length, one token each (not expanded yet), or as many as fill it exactly (expanded already); None: neither."""
+    total = 0
+    for k, t in enumerate(tokens, 1):
+        total += t
+        if total == length:
+            return k
+        if total > length:
+            break
+    return length if length <= len(tokens) else None

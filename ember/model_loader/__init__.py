@@ -112,12 +112,16 @@ def check_parallel(config: ModelConfig, tp: int, pp: int, ranks_here: int | None
         return
     ckpt = open_checkpoint(config.path)
     hf_config = model_config(ckpt)
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ConfigError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} is not supported for a "
+                          "vision-language model: it runs on one rank (both 1)")
     s = ModelShape.of(hf_config)
+    inter = s.intermediate_size or hf_config.intermediate_size
     ok_tp = [t for t in _divisors(s.num_heads) if (s.num_kv_heads % t == 0 or t % s.num_kv_heads == 0)
-             and hf_config.intermediate_size % t == 0]
+             and inter % t == 0]
     if tp not in ok_tp:
         raise ConfigError(f"tensor_parallel_size={tp} is out of range for this model ({s.num_heads} attention heads, "
-                          f"{s.num_kv_heads} KV heads, MLP size {hf_config.intermediate_size}): it must divide the "
+                          f"{s.num_kv_heads} KV heads, MLP size {inter}): it must divide the "
                           f"attention heads and the MLP size, and divide or be a multiple of the KV heads; allowed: "
                           f"{ok_tp}")
     if pp > s.num_layers:
@@ -133,7 +137,7 @@ def check_parallel(config: ModelConfig, tp: int, pp: int, ranks_here: int | None
         return
     quant = weight_layout(config, ckpt, hf_config)[1]
     # row-parallel layers: each rank's input slice must hold whole int4 groups (and whole GGUF blocks)
-    for name, k in (("o_proj", s.num_heads * s.head_dim), ("down_proj", hf_config.intermediate_size)):
+    for name, k in (("o_proj", s.num_heads * s.head_dim), ("down_proj", inter)):
         if quant is not None and quant.method == "int4":
             group = quant.linear_layout(k)[1]
             if (k // tp) % group:

@@ -47,6 +47,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if parallel.world_size > 1:
             raise ValueError(f"{architecture}: tensor_parallel_size=1 and pipeline_parallel_size=1 are supported for "
                              "vision-language models")
+        vision = config.vision_config
+        if vision.model_type != "clip_vision_model":
+            raise ValueError(f"vision_config.model_type={vision.model_type!r} is not supported: use one of "
+                             "['clip_vision_model'] (LLaVA's CLIP tower)")
         super().__init__(TEXT_ARCHITECTURES[text.model_type], text, max_position, dtype, quant, parallel)
         self.hf_config = config
         layers = config.vision_feature_layer
@@ -59,6 +63,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.multi_modal_projector = LlavaProjector(config, config.vision_config.hidden_size * len(layers), dtype)
         self.image_token_id = int(config.image_token_id if getattr(config, "image_token_id", None) is not None
                                   else config.image_token_index)
+        # what the tower takes and gives: the front end refuses a processor output that differs (a checkpoint whose
+        # processor config does not match the model) before the request is queued
+        side = vision.image_size // vision.patch_size
+        self.image_tokens = side * side + (self.strategy == "full")
+        self.image_pixels = (vision.image_size, vision.image_size)
         self.dtype = dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -31,3 +31,6 @@ class ModelInfo:
     hidden_size: int = 0  # the width of a pooled vector (the largest ``dimensions`` an embedding may ask)
     encoder_only: bool = False  # an encoder (BERT): it serves embeddings only
     image_token_id: int | None = None  # a vision-language model's image placeholder token; None: text only
+    image_tokens: int | None = None  # tokens an image takes when the tower fixes it (LLaVA); None: the image decides
+    image_pixels: tuple[int, int] | None = None  # (height, width) the tower takes when fixed
+    image_grid: bool = False  # its token positions follow each image's grid (Qwen2-VL's M-RoPE)

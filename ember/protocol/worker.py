@@ -24,6 +24,10 @@ class WorkerInfo:
     hidden_size: int = 0  # the width of a pooled vector
     encoder_only: bool = False  # an encoder (BERT): bidirectional, no KV kept, pooling requests only
     image_token_id: int | None = None  # a vision-language model's image placeholder token; None: text only
+    # what its vision tower takes when that is fixed (LLaVA): tokens an image, (height, width) of pixel_values
+    image_tokens: int | None = None
+    image_pixels: tuple[int, int] | None = None
+    image_grid: bool = False  # its token positions follow each image's grid (Qwen2-VL's M-RoPE)
 
 
 @dataclass(frozen=True, slots=True)

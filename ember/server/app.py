@@ -222,7 +222,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "pass exactly one of prompt and messages", param="prompt")
         with engine_errors("messages" if req.messages is not None else "prompt"):
             if req.messages is not None:
-                ids = client.prompt_token_ids(chat_prompt(client, req.messages, req.add_generation_prompt))
+                ids = await _off_loop(any(m.has_images() for m in req.messages), lambda: client.prompt_token_ids(
+                    chat_prompt(client, req.messages, req.add_generation_prompt)))
             else:
                 ids = client.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": client.model_info.max_model_len, "tokens": ids}
@@ -244,7 +245,12 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         _check_stream_options(req)
         group = state.group(engine, "chatcmpl")
         with engine_errors("messages"):
-            prompt, params, reply = chat_request(client, req, engine.tool_parser, engine.thinks)
+            def prepare():
+                prompt, params, reply = chat_request(client, req, engine.tool_parser, engine.thinks)
+                client.prompt_token_ids(prompt)  # images preprocessed now (cached): submit only places them
+                return prompt, params, reply
+
+            prompt, params, reply = await _off_loop(any(m.has_images() for m in req.messages), prepare)
             group.submit([prompt], params, lora)
         top = params.logprobs
         created = int(time.time())
@@ -296,3 +302,9 @@ def _check_stream_options(req) -> None:
 def _usage(req) -> bool:
     """A streamed request asked for the usage chunk at the end."""
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def _off_loop(images: bool, work: Callable[[], object]) -> object:
+    """A request's preparation, run on a worker thread when it has images: fetching an image URL (up to the
+    fetch timeout), decoding and preprocessing would otherwise stall every other request and stream."""
+    return await asyncio.to_thread(work) if images else work()

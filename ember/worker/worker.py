@@ -107,7 +107,10 @@ class Worker:
                                                                         self.cache_config.kv_cache_dtype),
                           draft_cost=self.draft_cost, verify_costs=self.verify_costs,
                           hidden_size=loaded.shape.hidden_size, encoder_only=self.encoder_only,
-                          image_token_id=getattr(self.model, "image_token_id", None))
+                          image_token_id=getattr(self.model, "image_token_id", None),
+                          image_tokens=getattr(self.model, "image_tokens", None),
+                          image_pixels=getattr(self.model, "image_pixels", None),
+                          image_grid=bool(getattr(self.model, "mrope", False)))
 
     def init_cache(self, sched: SchedulerConfig) -> PoolPlan:
         """Measure, size and allocate the KV pool (and host tier), then warm up; see ``startup``."""

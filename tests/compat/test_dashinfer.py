@@ -789,9 +789,12 @@ def test_mm_info_image_embeddings_as_its_vlm_guide_gives_them(tokenizer_dir, tmp
         assert status is AsStatus.ALLSPARK_SUCCESS
         engine.sync_request("vl", handle)
         assert _ids_of(queue) == want
-        extra = allspark.MultiMediaInfo()  # a run of placeholders without its tensor is the request's error
+        extra = allspark.MultiMediaInfo()  # a tensor without its run of placeholders is the request's error
         extra.add_multimedia_content(str(placeholder), [feats, feats])
         gen["mm_info"] = extra
         assert engine.start_request_ids("vl", model, ids, gen)[0] is AsStatus.ALLSPARK_PARAM_ERROR
+        short = [t for i, t in enumerate(ids) if t != placeholder or ids[i - 1] != placeholder]  # a run of 1
+        gen["mm_info"] = mm  # DashInfer: a run is exactly its tensor's rows long
+        assert engine.start_request_ids("vl", model, short, gen)[0] is AsStatus.ALLSPARK_PARAM_ERROR
     finally:
         engine.stop_model("vl")

@@ -8,9 +8,10 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 from ember import LLM, SamplingParams
-from ember.errors import BadRequestError
+from ember.errors import BadRequestError, ConfigError
 from vision_models import hf_llava_features, hf_llava_greedy, picture, save_llava
 
 PROMPT = "<|im_start|>user\n<image>\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n"
@@ -114,7 +115,7 @@ def test_n_samples_share_the_image_and_the_prompt(llava, llava_dir):
     ({"prompt": PROMPT, "multi_modal_data": {"image": b"\x89PNG\r\n\x1a\n broken"}},
      r"multi_modal_data'\]\['image'\]"),
     ({"prompt": PROMPT, "multi_modal_data": {"image": [picture(1), picture(2)]}}, "marks 1 images"),
-    ({"prompt": PROMPT}, "marks 1 images .* and 0 were given"),
+    ({"prompt": PROMPT}, "do not match the 0 images given"),
     ({"prompt": PROMPT, "multi_modal_data": {"video": picture(1)}}, r"\['video'\] is not supported"),
     ({"prompt": PROMPT, "multi_modal_data": {"image": [picture(1)] * 9}}, "at most 8"),
     ({"prompt": PROMPT, "multi_modal_data": {"image": 3}}, "int"),
@@ -181,3 +182,41 @@ def test_ember_generate_takes_image_files(llava_dir, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == want.strip()
     assert cli.main(["generate", "Hi", "--image", str(tmp_path / "missing.png"), "--model", llava_dir]) == 2
     assert "--image" in capsys.readouterr().err
+
+
+def test_adjacent_images_split_their_run_as_transformers_does(llava, llava_dir):
+    text = "<|im_start|>user\n<image><image>\nCompare them.<|im_end|>\n<|im_start|>assistant\n"
+    ids, want = hf_llava_greedy(llava_dir, text, [picture(17), picture(18)], 10)
+    out = llava.generate([{"prompt": text, "multi_modal_data": {"image": [picture(17), picture(18)]}},
+                          {"prompt_token_ids": ids, "multi_modal_data": {"image": [picture(17), picture(18)]}}],
+                         GREEDY, use_tqdm=False)  # one image token each, and expanded already
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in out] == [(ids, want)] * 2
+
+
+def test_a_processor_that_does_not_match_its_model_fails_the_load(llava_dir, tmp_path):
+    """A processor config giving 15 tokens an image to a tower that makes 16 (older llava-hf files lack
+    num_additional_image_tokens): refused at load by name, never inside the engine."""
+    import json
+    import shutil
+
+    bad = tmp_path / "llava-bad"
+    shutil.copytree(llava_dir, bad)
+    cfg = json.loads((bad / "processor_config.json").read_text())
+    cfg["num_additional_image_tokens"] = 0
+    (bad / "processor_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="15 tokens; the vision tower makes 16"):
+        LLM(str(bad), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+
+
+def test_a_split_or_a_siglip_tower_is_refused_by_name(llava_dir):
+    from transformers import AutoConfig, SiglipVisionConfig
+
+    from ember.models.llava import LlavaForConditionalGeneration
+
+    with pytest.raises(ConfigError, match="vision-language model: it runs on one rank"):
+        LLM(llava_dir, dtype="float32", kv_cache_memory="16MiB", max_model_len=256, tensor_parallel_size=2)
+    config = AutoConfig.from_pretrained(llava_dir)
+    config.vision_config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=56, patch_size=14)
+    with pytest.raises(ValueError, match="vision_config.model_type='siglip_vision_model' is not supported"):
+        LlavaForConditionalGeneration("LlavaForConditionalGeneration", config, 256, torch.float32)

@@ -50,7 +50,14 @@ class MultiMediaInfo:
             if taken[key] == len(self.contents[key]):
                 raise ValueError(f"mm_info: input_ids hold more runs of placeholder {key} than its "
                                  f"{len(self.contents[key])} tensors")
-            embeds.append(self.contents[key][taken[key]])
+            tensor = self.contents[key][taken[key]]
+            if j - i != tensor.shape[0]:  # DashInfer's rule: a run is exactly its embedding's rows
+                raise ValueError(f"mm_info: the run of placeholder {key} at input_ids[{i}] is {j - i} tokens long; "
+                                 f"its tensor has {tensor.shape[0]} rows: they must be equal")
+            if i and str(ids[i - 1]) in self.contents and str(ids[i - 1]) != key:
+                raise ValueError(f"mm_info: runs of placeholders {ids[i - 1]} and {key} touch at input_ids[{i}]: "
+                                 "separate them by another token")
+            embeds.append(tensor)
             taken[key] += 1
             i = j
         unused = {k: len(v) - taken[k] for k, v in self.contents.items() if len(v) > taken[k]}
