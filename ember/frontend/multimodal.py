@@ -10,6 +10,7 @@ one image token for one image, exactly as it does for transformers' own generate
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from typing import Any
@@ -254,6 +255,13 @@ class ImageInputs:
 
         if not os.path.isdir(self.path):
             return  # a single-file checkpoint (.asmodel): embeddings only
+        if self.image_grid:  # the tower merges config.vision_config.spatial_merge_size^2 patches a token
+            with open(os.path.join(self.path, "config.json")) as f:
+                merge = json.load(f).get("vision_config", {}).get("spatial_merge_size")
+            if merge is not None and self.merge_size != merge:
+                raise ConfigError(f"model={self.path!r}: its processor merges {self.merge_size} x {self.merge_size} "
+                                  f"patches a token, its vision tower {merge} x {merge}: the checkpoint's "
+                                  "preprocessor config does not match its model")
         try:
             self._process("start-up", Image.new("RGB", (64, 48), (127, 127, 127)), "start-up image")
         except BadRequestError as e:

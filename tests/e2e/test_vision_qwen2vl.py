@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.errors import BadRequestError
+from ember.errors import BadRequestError, ConfigError
 from vision_models import hf_qwen2_vl_greedy, picture, save_qwen2_vl
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -143,3 +143,16 @@ def test_speculative_drafts_are_verified_at_their_m_rope_positions(qwen_dir, mon
         assert stats["spec_decode_num_draft_tokens"] > 4 and stats["spec_decode_num_accepted_tokens"] > 0
     finally:
         llm.shutdown()
+
+
+def test_a_processor_merging_otherwise_than_the_tower_fails_the_load(qwen_dir, tmp_path):
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen_dir, bad)
+    cfg = json.loads((bad / "preprocessor_config.json").read_text())
+    cfg["merge_size"] = 1
+    (bad / "preprocessor_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="merges 1 x 1 patches a token, its vision tower 2 x 2"):
+        LLM(str(bad), dtype="float32", kv_cache_memory="16MiB", max_model_len=512)
