@@ -46,7 +46,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for item in req.input:
         if isinstance(item, Message):
-            out.append({"role": item.role, "content": item.text()})
+            out.append({"role": item.role, "content": item.chat_content()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -301,7 +301,14 @@ def install(app: FastAPI, state: Any) -> None:
         with engine_errors("input"):
             try:
                 chat = to_chat(req, history)
-                prompt, params, reply = chat_request(engine.client, chat, engine.tool_parser, engine.thinks)
+
+                def prepare():
+                    prompt, params, reply = chat_request(engine.client, chat, engine.tool_parser, engine.thinks)
+                    engine.client.prompt_token_ids(prompt)  # images preprocessed now (cached)
+                    return prompt, params, reply
+
+                images = any(m.has_images() for m in chat.messages)  # fetched and decoded off the event loop
+                prompt, params, reply = await asyncio.to_thread(prepare) if images else prepare()
             except BadRequestError as e:
                 raise _renamed(e) from None
             group.submit([prompt], params, lora)

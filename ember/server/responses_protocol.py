@@ -19,6 +19,16 @@ class InputText(_Body):
     text: str
 
 
+class InputImage(_Body):
+    """An image of a user's message (a vision-language model): a data: URI, or a file / http(s) URL where the
+    server allows them; OpenAI's uploaded files (file_id) are not kept here."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+    file_id: None = None
+
+
 class OutputText(_Body):
     """Text of an earlier answer, sent back as input."""
 
@@ -31,13 +41,21 @@ class OutputText(_Body):
 class Message(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
+    content: str | list[Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
     phase: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if not isinstance(p, InputImage))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: the text, or with images its text and image_url parts in order."""
+        if isinstance(self.content, str) or not any(isinstance(p, InputImage) for p in self.content):
+            return self.text()
+        return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, InputImage)
+                else {"type": "text", "text": p.text} for p in self.content]
 
 
 class FunctionCallItem(_Body):

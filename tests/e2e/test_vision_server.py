@@ -139,3 +139,16 @@ def test_the_chat_page_sends_an_attached_image_and_shows_the_reply(server, tmp_p
     assert [p["type"] for p in parts] == ["text", "image_url"]
     assert base64.b64decode(parts[1]["image_url"]["url"].split(",", 1)[1]) == path.read_bytes()
     assert shown.strip()  # the model's reply (sampled: the page sends no seed), not an error
+
+
+def test_the_responses_api_takes_input_image(api, model):
+    """An input_image part in a Responses message answers as the same image_url part in chat completions."""
+    url = _data_uri(picture(24))
+    answer = api.responses.create(model=model, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                     {"type": "input_text", "text": "What is in the picture?"}]}])
+    chat = api.chat.completions.create(model=model, messages=_ask(url), max_tokens=8, temperature=0)
+    assert answer.output_text == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="not a readable image"):
+        api.responses.create(model=model, max_output_tokens=4, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}])
