@@ -36,7 +36,7 @@ from ember.server.reasoning import resolve as resolve_reasoning
 from ember.server.response_store import ResponseStore
 from ember.server.streams import chat_stream, collect, completion_choice, completion_stream
 from ember.server.tools import resolve_parser as resolve_tool_parser
-from ember.server.translate import chat_prompt, chat_request, completion_request
+from ember.server.translate import chat_prompt, completion_request, off_loop, prepared_chat_request
 
 STATIC = Path(__file__).parent / "static"
 
@@ -222,7 +222,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "pass exactly one of prompt and messages", param="prompt")
         with engine_errors("messages" if req.messages is not None else "prompt"):
             if req.messages is not None:
-                ids = await _off_loop(any(m.has_images() for m in req.messages), lambda: client.prompt_token_ids(
+                ids = await off_loop(any(m.has_images() for m in req.messages), lambda: client.prompt_token_ids(
                     chat_prompt(client, req.messages, req.add_generation_prompt)))
             else:
                 ids = client.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -245,12 +245,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         _check_stream_options(req)
         group = state.group(engine, "chatcmpl")
         with engine_errors("messages"):
-            def prepare():
-                prompt, params, reply = chat_request(client, req, engine.tool_parser, engine.thinks)
-                client.prompt_token_ids(prompt)  # images preprocessed now (cached): submit only places them
-                return prompt, params, reply
-
-            prompt, params, reply = await _off_loop(any(m.has_images() for m in req.messages), prepare)
+            prompt, params, reply = await prepared_chat_request(client, req, engine.tool_parser, engine.thinks)
             group.submit([prompt], params, lora)
         top = params.logprobs
         created = int(time.time())
@@ -302,9 +297,3 @@ def _check_stream_options(req) -> None:
 def _usage(req) -> bool:
     """A streamed request asked for the usage chunk at the end."""
     return bool(req.stream_options and req.stream_options.include_usage)
-
-
-async def _off_loop(images: bool, work: Callable[[], object]) -> object:
-    """A request's preparation, run on a worker thread when it has images: fetching an image URL (up to the
-    fetch timeout), decoding and preprocessing would otherwise stall every other request and stream."""
-    return await asyncio.to_thread(work) if images else work()

@@ -31,7 +31,7 @@ from ember.server.reply import ReplyFormat
 from ember.server.response_store import ResponseStore, StoredResponse
 from ember.server.responses_protocol import FunctionCallItem, FunctionCallOutput, Message, ResponsesRequest
 from ember.server.streams import collect
-from ember.server.translate import chat_request
+from ember.server.translate import prepared_chat_request
 
 
 def _id(prefix: str) -> str:
@@ -301,14 +301,8 @@ def install(app: FastAPI, state: Any) -> None:
         with engine_errors("input"):
             try:
                 chat = to_chat(req, history)
-
-                def prepare():
-                    prompt, params, reply = chat_request(engine.client, chat, engine.tool_parser, engine.thinks)
-                    engine.client.prompt_token_ids(prompt)  # images preprocessed now (cached)
-                    return prompt, params, reply
-
-                images = any(m.has_images() for m in chat.messages)  # fetched and decoded off the event loop
-                prompt, params, reply = await asyncio.to_thread(prepare) if images else prepare()
+                prompt, params, reply = await prepared_chat_request(engine.client, chat, engine.tool_parser,
+                                                                    engine.thinks)
             except BadRequestError as e:
                 raise _renamed(e) from None
             group.submit([prompt], params, lora)

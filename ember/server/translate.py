@@ -6,7 +6,10 @@ checks are ``SamplingParams``' own, so the HTTP API refuses exactly what the Pyt
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
+from typing import Any
 
 from ember.errors import BadRequestError
 from ember.frontend.client import EngineClient
@@ -96,6 +99,24 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
         return {**(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}),
                 "prediction": req.prediction.text()}, params, reply
     return prompt, params, reply
+
+
+async def off_loop(images: bool, work: Callable[[], Any]) -> Any:
+    """A request's preparation, run on a worker thread when it has images: fetching an image URL (up to the fetch
+    timeout), decoding and preprocessing would otherwise stall every other request and stream."""
+    return await asyncio.to_thread(work) if images else work()
+
+
+async def prepared_chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: str | None = None,
+                                thinks: bool = False) -> tuple[list[int] | dict, SamplingParams, ReplyFormat]:
+    """``chat_request``, off the event loop when the conversation has images, which are preprocessed there too
+    (cached by the client), so that submitting the prompt only places them."""
+    def prepare() -> tuple[list[int] | dict, SamplingParams, ReplyFormat]:
+        prompt, params, reply = chat_request(client, req, tool_parser, thinks)
+        client.prompt_token_ids(prompt)
+        return prompt, params, reply
+
+    return await off_loop(any(m.has_images() for m in req.messages), prepare)
 
 
 def _answer_schema(req: ChatCompletionRequest, params: SamplingParams) -> dict | None:
