@@ -67,11 +67,13 @@ class VisionAttention(Layer):
 
 
 class VisionMLP(Layer):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    """fc2(act(fc1(x))) with biases: the MLP of CLIP's and Qwen2-VL's vision blocks."""
+
+    def __init__(self, width: int, hidden: int, act: str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1 = Linear(config.hidden_size, config.intermediate_size, True, dtype)
-        self.fc2 = Linear(config.intermediate_size, config.hidden_size, True, dtype)
-        self.act = activation(config.hidden_act, "vision_config.hidden_act")
+        self.fc1 = Linear(width, hidden, True, dtype)
+        self.fc2 = Linear(hidden, width, True, dtype)
+        self.act = activation(act, "vision_config.hidden_act")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -84,7 +86,7 @@ class VisionLayer(Layer):
         self.layer_norm1 = LayerNorm(h, eps, dtype)
         self.self_attn = VisionAttention(config, dtype)
         self.layer_norm2 = LayerNorm(h, eps, dtype)
-        self.mlp = VisionMLP(config, dtype)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, h = x.shape

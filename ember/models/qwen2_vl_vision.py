@@ -23,7 +23,7 @@ from ember.layers.base import Layer
 from ember.layers.linear import Linear, MergedLinear
 from ember.layers.norm import LayerNorm, RMSNorm
 from ember.layers.rotary import apply_rotary
-from ember.models.clip import activation
+from ember.models.clip import VisionMLP, activation
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,18 +129,6 @@ class VisionAttention(Layer):
         return self.proj(torch.cat(outs).reshape(n, d))
 
 
-class VisionMLP(Layer):
-    def __init__(self, config: Any, d: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        hidden = int(d * config.mlp_ratio)
-        self.fc1 = Linear(d, hidden, True, dtype)
-        self.fc2 = Linear(hidden, d, True, dtype)
-        self.act = activation(config.hidden_act, "vision_config.hidden_act")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class GatedVisionMLP(Layer):
     """Qwen2.5-VL's: down(act(gate(x)) * up(x)), with biases."""
 
@@ -165,7 +153,8 @@ class VisionBlock(Layer):
         self.norm1 = norm()
         self.attn = VisionAttention(config, d, dtype)
         self.norm2 = norm()
-        self.mlp = (GatedVisionMLP if shape.windowed else VisionMLP)(config, d, dtype)
+        self.mlp = GatedVisionMLP(config, d, dtype) if shape.windowed else \
+            VisionMLP(d, int(d * config.mlp_ratio), config.hidden_act, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, lengths)
