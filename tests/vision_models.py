@@ -51,12 +51,17 @@ def save_llava(out_dir: str, tokenizer_dir: str, seed: int = 0, image_size: int 
     return out_dir
 
 
-def picture(seed: int, size: int = 64):
-    """A random RGB PIL image."""
+def picture(seed: int, size: int = 64, width: int | None = None):
+    """A random RGB PIL image, size x size, or size high and width wide."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+    return Image.fromarray(rng.integers(0, 256, (size, width or size, 3), dtype=np.uint8))
+
+
+def generated_tokens(llm, prompts: list, params) -> list[list[int]]:
+    """Each prompt's first sample's token ids."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def hf_llava_greedy(path: str, text: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:

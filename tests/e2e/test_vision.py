@@ -12,7 +12,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.errors import BadRequestError, ConfigError
-from vision_models import hf_llava_features, hf_llava_greedy, picture, save_llava
+from vision_models import generated_tokens, hf_llava_features, hf_llava_greedy, picture, save_llava
 
 PROMPT = "<|im_start|>user\n<image>\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n"
 TWO = "<|im_start|>user\n<image>\nand\n<image>\nWhich is brighter?<|im_end|>\n<|im_start|>assistant\n"
@@ -32,7 +32,7 @@ def llava(llava_dir):
 
 
 def _tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return generated_tokens(llm, prompts, params)
 
 
 def test_greedy_tokens_equal_transformers_with_its_processor(llava, llava_dir):

@@ -10,7 +10,7 @@ import pytest
 
 from ember import LLM, SamplingParams
 from ember.errors import BadRequestError, ConfigError
-from vision_models import hf_qwen2_vl_greedy, picture, save_qwen2_vl
+from vision_models import generated_tokens, hf_qwen2_vl_greedy, picture, save_qwen2_vl
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\n{IMAGE}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
@@ -19,12 +19,9 @@ TEXT = "<|im_start|>user\nNo picture here.<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def wide(seed: int, height: int = 60, width: int = 120):
+def wide(seed: int):
     """A random RGB PIL image wider than high: a token grid of 2 x 4."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    return picture(seed, 60, 120)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -40,7 +37,7 @@ def qwen(qwen_dir):
 
 
 def _tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return generated_tokens(llm, prompts, params)
 
 
 def test_greedy_tokens_equal_transformers_with_its_processor(qwen, qwen_dir):
