@@ -24,3 +24,8 @@ class DoesNotFitError(EmberError, ValueError):
 
 class EngineDeadError(EmberError, RuntimeError):
     """The engine loop stopped (shut down, or after an error): no request can be served any more."""
+
+
+class RequestFailedError(EmberError, RuntimeError):
+    """One request could not be run (its LoRA adapter's files could not be read when it was scheduled); the engine
+    goes on serving the others, and a later request reads the adapter again."""

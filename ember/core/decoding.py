@@ -80,3 +80,11 @@ class Decoding:
         out = req.output_in({})
         self.strategy_of(req).end(req, FinishReason.ABORT, out)
         return out
+
+    def fail(self, req: CoreRequest, why: str) -> EngineOutput:
+        """End the request (all of it) with ERROR: the engine could not run it; the output says why and carries no
+        tokens of the step that found out."""
+        out = EngineOutput(req.request_id, error=why)
+        self.strategy_of(req).end(req, FinishReason.ERROR, out)
+        out.samples.clear()
+        return out

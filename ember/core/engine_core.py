@@ -170,7 +170,10 @@ class EngineCore:
         in_use = {s.request.lora_id for s in self.scheduler.running}
         if self.loras.can_take(lora.lora_int_id, in_use):
             self.loras.take(lora, in_use)
-            self.executor.execute_model(SchedulerOutput(lora_loads=self.loras.take_loads()))
+            result = self.executor.execute_model(SchedulerOutput(lora_loads=self.loras.take_loads()))
+            if result is not None and result.lora_failures:
+                self.loras.forget(lora.lora_int_id)
+                raise ConfigError(next(iter(result.lora_failures.values())))
 
     def remove_lora(self, lora_id: int) -> None:
         """Free an adapter's slot, unless running requests use it (they finish with it, and the slot is reused
@@ -221,8 +224,20 @@ class EngineCore:
             result = self.executor.execute_model(message)
             self.guides.advance(sampled, result.token_ids, message.token_masks)
             self.decoding.after_step(batch, sampled, result, outputs)
+            if result.lora_failures:
+                self._fail_loras(result.lora_failures, outputs)
         self._forget_finished(self.requests[rid] for rid in outputs if rid in self.requests)
         return list(outputs.values())
+
+    def _fail_loras(self, failures: dict[int, str], outputs: dict[str, EngineOutput]) -> None:
+        """Adapters the workers could not read this step: end every request that needs one (with the reason, in
+        place of this step's output, whose tokens came from an empty slot) and free its slot; the next request
+        naming it reads its files again."""
+        for slot, why in failures.items():
+            lora_id = self.loras.resident[slot]
+            self.loras.forget(lora_id)
+            for req in [r for r in self.requests.values() if r.lora_id == lora_id]:
+                outputs[req.request_id] = self.decoding.fail(req, why)
 
     def _forget_finished(self, reqs: Any) -> None:
         for req in list(reqs):

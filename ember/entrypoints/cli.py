@@ -73,6 +73,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default 1000; 0: none kept)")
     g.add_argument("--max-stored-response-bytes", type=int, default=64 << 20,
                    help="the stored responses' JSON in bytes at most (default 64 MiB)")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="an engine whose loop stops (a rank or its process killed, an error in a step) is started "
+                        "again at most this often in any ten minutes; then /health answers 503 (default 3; 0: never)")
     m = p.add_argument_group("images (vision-language models)")
     m.add_argument("--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON",
                    help='images a prompt may hold, as JSON: \'{"image": 4}\' (default 8)')

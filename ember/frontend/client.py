@@ -176,6 +176,12 @@ class EngineClient:
         """The engine loop is running (a health check: False once it stopped or failed)."""
         return self._loop.is_alive()
 
+    def stop_reason(self) -> str | None:
+        """Why the engine loop stopped (the error it recorded); None while it runs."""
+        if self._loop.is_alive():
+            return None
+        return str(self._loop.dead or "the engine loop is not running")
+
     def rank_reports(self, reset: bool = False) -> list[dict[str, Any]]:
         """Every rank's place, its weight and KV bytes and its seconds in collectives since the last reset (rank 0
         first; one entry for a single-rank engine)."""

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ember.errors import BadRequestError
+from ember.errors import BadRequestError, RequestFailedError
 from ember.frontend.detokenizer import IncrementalDetokenizer
 from ember.outputs import (
     CompletionOutput,
@@ -107,7 +107,12 @@ class OutputProcessor:
         stops: list[tuple[str, int]] = []
         for out in outputs:
             route = self.routes.get(out.request_id)
-            if route is not None:
+            if route is None:
+                continue
+            if out.error is not None:  # the request could not run: it ends with the reason (its other samples too)
+                self.forget([route[0].request_id])
+                route[0].sink(RequestFailedError(f"request {route[0].request_id!r}: {out.error}"))
+            else:
                 self._one(route[0], out, stops, route[1])
         return stops
 

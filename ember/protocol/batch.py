@@ -146,3 +146,6 @@ class WorkerOutput:
     drafts: dict[int, list[int]] = field(default_factory=dict)
     # pooling requests whose last prompt token this step computed: handle -> the pooled vector (float32 values)
     pooled: dict[int, list[float]] = field(default_factory=dict)
+    # adapters this step's ``lora_loads`` could not read (folder removed or rewritten since it was accepted): slot ->
+    # why; the slot is left empty and the core ends the requests that need it, not the engine
+    lora_failures: dict[int, str] = field(default_factory=dict)

@@ -44,6 +44,7 @@ class EngineOutput:
     num_host_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     pooled: list[float] | None = None  # a pooling request's vector (float32 values), in the step it finished
+    error: str | None = None  # the request could not be run (its adapter could not be read): why; it has ended
 
     def sample(self, index: int) -> SampleOutput:
         for s in self.samples:

@@ -12,6 +12,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # the caller aborted, or its stream was left
     INTERRUPTED = "interrupted"  # the scheduling policy gave it up (DashInfer's GenerateInterrupted); tokens kept
+    ERROR = "error"  # the engine could not run it (its adapter could not be read); the others go on
 
     def __str__(self) -> str:
         return self.value
@@ -24,6 +25,7 @@ class RequestStatus(Enum):
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_INTERRUPTED = "finished_interrupted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -41,5 +43,6 @@ class RequestStatus(Enum):
 _REASON_OF = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
               RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
               RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-              RequestStatus.FINISHED_INTERRUPTED: FinishReason.INTERRUPTED}
+              RequestStatus.FINISHED_INTERRUPTED: FinishReason.INTERRUPTED,
+              RequestStatus.FINISHED_ERROR: FinishReason.ERROR}
 _STATUS_OF = {reason: status for status, reason in _REASON_OF.items()}

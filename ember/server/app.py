@@ -9,9 +9,10 @@ Every answer other than 200 is an OpenAI error object. Streams are Server-Sent E
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from ember.server.protocol import ChatCompletionRequest, CompletionRequest, Deto
 from ember.server.reasoning import resolve as resolve_reasoning
 from ember.server.response_store import ResponseStore
 from ember.server.streams import chat_stream, collect, completion_choice, completion_stream
+from ember.server.supervisor import EngineSupervisor
 from ember.server.tools import resolve_parser as resolve_tool_parser
 from ember.server.translate import chat_prompt, completion_request, off_loop, prepared_chat_request
 
@@ -44,11 +46,13 @@ STATIC = Path(__file__).parent / "static"
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """One engine and the names it answers to as ``model`` (the first is the name in responses); ``loras``: its
-    adapters, each answering to its ``lora_name`` as ``model`` (vLLM's ``--lora-modules``)."""
+    adapters, each answering to its ``lora_name`` as ``model`` (vLLM's ``--lora-modules``); ``restart``: how to
+    start the same engine again when its loop stops (None: it is not restarted)."""
 
     names: tuple[str, ...]
     client: EngineClient
     loras: tuple[LoRARequest, ...] = ()
+    restart: Callable[[], EngineClient] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +65,17 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()  # CORS off when empty
     tool_call_parser: str = "auto"  # "auto": the format the model's chat template teaches; "none": tools refused
     reasoning_parser: str = "auto"  # "auto": <think> text split out where the template knows it; "none": never
+    max_engine_restarts: int = 3  # a stopped engine is started again at most this often in ten minutes (0: never)
 
 
 class _Engine:
     """A served engine with its own admission bound."""
 
-    __slots__ = ("names", "client", "admission", "tool_parser", "thinks")
+    __slots__ = ("names", "client", "admission", "tool_parser", "thinks", "restarting")
 
     def __init__(self, model: ServedModel, settings: ServerSettings) -> None:
-        self.names, self.client = model.names, model.client
+        self.names, self.client = model.names, model.client  # client: replaced when the engine is restarted
+        self.restarting = False
         self.admission = Admission(model.client.model_info.max_num_seqs + settings.max_queue)
         template = model.client.tokenizer.chat_template
         self.tool_parser = resolve_tool_parser(settings.tool_call_parser, template)
@@ -97,8 +103,11 @@ class ServerState:
                     raise ValueError(f"served model name {name!r} is given twice: every name must be unique")
                 self.by_name[name] = e
             self.adapters.update((lora.lora_name, lora) for lora in m.loras)
-        self.metrics = ServerMetrics([EngineSource(e.name, e.client.stats, _admitted(e.admission))
+        self.metrics = ServerMetrics([EngineSource(e.name, _stats(e), _admitted(e.admission))
                                       for e in self.engines])
+        self.supervisors = [EngineSupervisor(e, m.restart, m.loras, self.metrics, settings.max_engine_restarts)
+                            for e, m in zip(self.engines, models) if m.restart is not None
+                            and settings.max_engine_restarts > 0]
         self.in_flight: dict[str, RequestGroup] = {}
         self.responses = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes)
 
@@ -109,11 +118,14 @@ class ServerState:
     def engine(self, model: str | None) -> _Engine:
         """The engine serving ``model``; the first one when the request names none."""
         if model is None:
-            return self.engines[0]
+            model = self.engines[0].name
         if model not in self.by_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(self.names)}",
                            param="model", code="model_not_found")
-        return self.by_name[model]
+        engine = self.by_name[model]
+        if engine.restarting:
+            raise _restarting(engine)
+        return engine
 
     def route(self, model: str | None) -> tuple[_Engine, LoRARequest | None, str]:
         """The engine serving ``model``, the adapter it names (None: the base model) and the name to answer with."""
@@ -137,9 +149,33 @@ def _admitted(admission: Admission) -> Callable[[], tuple[int, int]]:
     return lambda: (admission.in_flight, admission.capacity)
 
 
+def _stats(engine: _Engine) -> Callable[[], dict]:
+    return lambda: engine.client.stats()  # the engine's client of the moment (a restart replaces it)
+
+
+def _restarting(engine: _Engine) -> APIError:
+    return APIError(503, f"the engine of {engine.name} stopped and is restarting; retry shortly",
+                    code="engine_restarting", headers={"Retry-After": "5"})
+
+
+@contextlib.asynccontextmanager
+async def _supervised(app: FastAPI) -> AsyncIterator[None]:
+    """The server's life: its engines' supervisors watch them until it shuts down."""
+    state: ServerState = app.state.ember
+    tasks = [asyncio.create_task(s.watch()) for s in state.supervisors]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in state.supervisors:
+            await asyncio.to_thread(s.close)
+
+
 def build_app(models: Sequence[ServedModel], settings: ServerSettings) -> FastAPI:
     state = ServerState(models, settings)
-    app = FastAPI(title="ember", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ember", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_supervised)
     app.state.ember = state
     _install_errors(app, state)
     _install_routes(app, state)
@@ -190,6 +226,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        restarting = [e for e in state.engines if e.restarting]
+        if restarting:
+            raise _restarting(restarting[0])
         dead = [e.name for e in state.engines if not e.client.is_alive()]
         if dead:
             raise APIError(503, f"the engine of {', '.join(dead)} has stopped", code="engine_dead")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ember.errors import BadRequestError, DoesNotFitError, EngineDeadError
+from ember.errors import BadRequestError, DoesNotFitError, EngineDeadError, RequestFailedError
 from ember.server.protocol import UNSUPPORTED
 
 # the OpenAI error type of each status
@@ -42,6 +42,8 @@ def from_engine(e: Exception, prompt_field: str) -> APIError:
     ``prompt has 9000 tokens ...``); the prompt is called ``prompt_field`` in this API (messages or prompt)."""
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine has stopped: {e}", code="engine_dead")
+    if isinstance(e, RequestFailedError):  # the server's files, not the request, were at fault; a retry may work
+        return APIError(503, str(e), code="request_failed")
     m = _FIELD.match(str(e))
     param = m.group(1) if m else None
     if param in ("prompt", "prompts"):
@@ -51,7 +53,7 @@ def from_engine(e: Exception, prompt_field: str) -> APIError:
 
 
 def is_engine_error(e: BaseException) -> bool:
-    return isinstance(e, (BadRequestError, DoesNotFitError, EngineDeadError))
+    return isinstance(e, (BadRequestError, DoesNotFitError, EngineDeadError, RequestFailedError))
 
 
 @contextmanager
@@ -59,7 +61,7 @@ def engine_errors(prompt_field: str) -> Iterator[None]:
     """ember's own errors raised inside become answers (400, or 503 for a stopped engine)."""
     try:
         yield
-    except (BadRequestError, DoesNotFitError, EngineDeadError) as e:
+    except (BadRequestError, DoesNotFitError, EngineDeadError, RequestFailedError) as e:
         raise from_engine(e, prompt_field) from None
 
 

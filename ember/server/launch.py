@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -38,7 +39,8 @@ def _settings(args: argparse.Namespace, model: str | None) -> ServerSettings:
     for flag, value, low in (("--port", args.port, 1), ("--max-queue", args.max_queue, 0),
                              ("--max-request-bytes", args.max_request_bytes, 1),
                              ("--max-stored-responses", args.max_stored_responses, 0),
-                             ("--max-stored-response-bytes", args.max_stored_response_bytes, 0)):
+                             ("--max-stored-response-bytes", args.max_stored_response_bytes, 0),
+                             ("--max-engine-restarts", args.max_engine_restarts, 0)):
         if value < low or (flag == "--port" and value > 65535):
             raise ConfigError(f"{flag}={value} is out of range: it must be >= {low}"
                               + (" and <= 65535" if flag == "--port" else ""))
@@ -47,7 +49,8 @@ def _settings(args: argparse.Namespace, model: str | None) -> ServerSettings:
                           max_request_bytes=args.max_request_bytes, allowed_origins=origins,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           max_stored_responses=args.max_stored_responses,
-                          max_stored_response_bytes=args.max_stored_response_bytes)
+                          max_stored_response_bytes=args.max_stored_response_bytes,
+                          max_engine_restarts=args.max_engine_restarts)
 
 
 def lora_modules(specs: list[str] | None) -> tuple[LoRARequest, ...]:
@@ -92,7 +95,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for r in loras:  # checked against the model now; the first max_loras are loaded before serving
             client.add_lora(r)
-        run_app([ServedModel(names, client, loras)], settings, args.host, args.port, access_log=args.access_log)
+        restart = functools.partial(start_client, config)  # the same engine again, should its loop stop
+        run_app([ServedModel(names, client, loras, restart)], settings, args.host, args.port,
+                access_log=args.access_log)
     finally:
         client.shutdown()
     print("[ember] server stopped", file=sys.stderr, flush=True)

@@ -58,6 +58,8 @@ class ServerMetrics:
                               lab, buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("ember_e2e_request_latency_seconds", "Arrival to the last token", lab,
                              buckets=E2E_BUCKETS, registry=r)
+        self.restarts = Counter("ember_engine_restarts", "Engines started again after their loop stopped", lab,
+                                registry=r)
         r.register(_EngineCollector(tuple(engines)))
 
     def request_done(self, m: str, t: RequestTiming, finish_reason: str, end: float) -> None:
@@ -70,6 +72,9 @@ class ServerMetrics:
             if t.generated > 1:
                 self.tpot.labels(m).observe((end - t.first_token) / (t.generated - 1))
         self.e2e.labels(m).observe(end - t.start)
+
+    def engine_restarted(self, m: str) -> None:
+        self.restarts.labels(m).inc()
 
     def reject(self, m: str, reason: str) -> None:
         self.rejected.labels(m, reason).inc()

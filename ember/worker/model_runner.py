@@ -16,6 +16,7 @@ import torch
 
 from ember.config import LoRAConfig
 from ember.distributed import ParallelContext, comm
+from ember.errors import EmberError
 from ember.layers.attention import AttentionMetadata, PrefillSpan
 from ember.layers.logits_processors import RowState
 from ember.layers.lora import LoRABatch
@@ -87,8 +88,7 @@ class ModelRunner:
             self.pooler.forget([*out.finished, *out.preempted])
         if self.drafter is not None:  # the draft KV of sequences that went (or came back new) is no longer theirs
             self.drafter.forget([*out.finished, *out.preempted, *(new.handle for new in out.new)])
-        for load in out.lora_loads:
-            self.load_lora(load)
+        lora_failures = self._load_loras(out.lora_loads)
         for h in out.encoder_free:
             self.encodings.pop(h, None)
         if out.encode:
@@ -97,7 +97,7 @@ class ModelRunner:
         batch.update(out)
         self._write_tables()
         if not out.handles:
-            return WorkerOutput([], [], {}) if self.parallel.is_sampler else None
+            return WorkerOutput([], [], {}, lora_failures=lora_failures) if self.parallel.is_sampler else None
         drafted = self._draft(out)
         rows = batch.plan(out, {**out.draft_token_ids, **drafted} if drafted else None)
         hidden = self._forward(rows)
@@ -118,7 +118,7 @@ class ModelRunner:
         if not self.parallel.is_sampler:
             return None
         pooled = self.pooler(hidden, rows.pooling) if rows.pooling else {}
-        return WorkerOutput(tokens, lps, prompt_lps, beams, drafted, pooled)
+        return WorkerOutput(tokens, lps, prompt_lps, beams, drafted, pooled, lora_failures)
 
     def _draft(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """The draft model's tokens for the drafts the core sent as placeholders (handle -> tokens)."""
@@ -229,6 +229,20 @@ class ModelRunner:
         for work, _ in sends:
             work.wait()
         return torch.cat(outs) if outs else None
+
+    def _load_loras(self, loads: list[LoRALoad]) -> dict[int, str]:
+        """Read each adapter into its slot; one whose files can no longer be read (removed or rewritten since it was
+        accepted) leaves its slot empty and is reported (slot -> why): the core ends the requests that need it, so the
+        engine, and every other request, goes on."""
+        failures: dict[int, str] = {}
+        for load in loads:
+            try:
+                self.load_lora(load)
+            except (EmberError, OSError) as e:  # the reader names the file and what is wrong with it
+                for stack in self.model.lora_stacks():
+                    stack.clear(load.slot)
+                failures[load.slot] = str(e)
+        return failures
 
     def load_lora(self, load: LoRALoad) -> None:
         """Read an adapter into a slot: this rank's slice of each of its modules (a column-parallel projection's

@@ -238,6 +238,51 @@ def test_bad_adapters_are_refused_before_any_work_and_the_engine_keeps_serving(l
         plain.shutdown()
 
 
+def _finals(streams) -> list:
+    """Each stream's last output, or the exception it ended with."""
+    ends = []
+    for stream in streams:
+        try:
+            ends.append(list(stream)[-1])
+        except Exception as e:  # noqa: BLE001  (the outcome under test)
+            ends.append(e)
+    return ends
+
+
+def test_an_adapter_removed_after_it_was_accepted_ends_only_its_requests(llama_dir, three_adapters, tmp_path):
+    """An adapter's folder removed after its requests were accepted: when a step needs it read, those requests end
+    with RequestFailedError naming the adapter's file, while the requests batched with them (another adapter, the
+    base model) finish with transformers + peft's tokens; the engine keeps serving, and the adapter works again once
+    its folder is back."""
+    import shutil
+
+    from ember.errors import RequestFailedError
+    from ember.sampling_params import OutputKind
+
+    gone = str(tmp_path / "gone")
+    shutil.copytree(three_adapters[1], gone)
+    prompts = random_prompts(3, 8, 16, 49152, seed=65)
+    a0, a1 = LoRARequest("a0", 1, three_adapters[0]), LoRARequest("a1", 2, gone)
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        assert llm.add_lora(a0) and llm.add_lora(a1)  # accepted (checked and loaded)
+        llm.remove_lora(2)  # out of its slot: its next request must read the folder again
+        llm.client.adapters.check(a1)  # ... still accepted by the front end
+        shutil.rmtree(gone)
+        streams = [llm.client.stream(p, GREEDY, kind=OutputKind.FINAL_ONLY, lora=lora)
+                   for p, lora in zip(prompts, (a0, a1, None))]
+        ends = _finals(streams)
+        assert isinstance(ends[1], RequestFailedError) and "gone" in str(ends[1]) and "no such folder" in str(ends[1])
+        assert ends[0].outputs[0].token_ids == peft_greedy(llama_dir, three_adapters[0], [prompts[0]], 10)[0]
+        assert ends[2].outputs[0].token_ids == peft_greedy(llama_dir, None, [prompts[2]], 10)[0]
+        assert llm.client.is_alive() and llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
+        shutil.copytree(three_adapters[1], gone)
+        out = llm.generate(prompts[1:2], GREEDY, lora_request=a1, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == peft_greedy(llama_dir, three_adapters[1], prompts[1:2], 10)[0]
+    finally:
+        llm.shutdown()
+
+
 # ----- the APIs: the server (--lora-modules, `model` = adapter name) and the CLI (--lora) -----
 
 def test_server_serves_adapters_as_models(llama_dir, three_adapters):
