@@ -20,7 +20,7 @@ from ember.core.lora_slots import LoRASlots
 from ember.core.request import CoreRequest
 from ember.core.scheduler import Scheduler
 from ember.core.speculator import Speculator
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EngineDeadError
 from ember.executor import Executor, make_executor
 from ember.lora.request import LoRARequest
 from ember.model_loader import check_parallel, is_encoder, read_shape
@@ -194,6 +194,15 @@ class EngineCore:
             if seq.index == index and not seq.is_finished:
                 self.decoding.finish(seq, FinishReason.STOP, None, None)
         self._forget_finished([req])
+
+    def check_ranks(self) -> None:
+        """Raise EngineDeadError when a rank of the executor ended on its own; the loops ask while idle, so that a
+        rank killed between requests stops the engine at once (and a server restarts it), not at the next step."""
+        check = getattr(self.executor, "dead_ranks", None)
+        died = check() if check is not None else []
+        if died:
+            raise EngineDeadError(f"a worker rank of the split model failed while the engine was idle: "
+                                  f"{'; '.join(died)}. The engine has stopped; create a new one")
 
     def has_work(self) -> bool:
         """Sequences to run, or finished samples whose sampling state the worker should drop."""

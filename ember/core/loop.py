@@ -41,6 +41,7 @@ from ember.protocol import (
 )
 
 logger = logging.getLogger("ember")
+IDLE_CHECK_S = 1.0  # an idle loop looks at its ranks this often
 
 
 def _stop_thread(inbox: queue.Queue, thread: threading.Thread) -> None:
@@ -156,10 +157,13 @@ class EngineLoop:
     def _run_once(self) -> bool:
         """Take every pending command (waiting for one when idle), then run one step. False: shut down."""
         core = self.core
+        idle = not core.has_work()
         try:
-            item = self._inbox.get(block=not core.has_work())
+            item = self._inbox.get(block=idle, timeout=IDLE_CHECK_S if idle else None)
         except queue.Empty:
             item = None
+            if idle:
+                core.check_ranks()
         while item is not None:
             if isinstance(item, Shutdown):
                 self.dead = EngineDeadError("the engine was shut down")

@@ -62,6 +62,11 @@ class DistributedExecutor:
         """What is known of ranks that ended on their own, e.g. 'rank 1 (pid 123) exited with code -9'."""
         return []
 
+    def dead_ranks(self) -> list[str]:
+        """Ranks that ended on their own (the engine loop asks while it is idle, so that a rank killed between
+        requests stops the engine at once rather than at the next request's step)."""
+        return self._dead_ranks() if not self._closed else []
+
     def _ranks_on_node(self) -> int:
         """Ranks sharing this machine's cores (as if all, where a Ray cluster may spread them)."""
         return self.resolved.parallel.ranks_here or self.world
@@ -146,6 +151,9 @@ class DistributedExecutor:
     def shutdown(self) -> None:
         if self._closed:
             return
+        died = self._dead_ranks()
+        if self.dead is None and died:  # nobody to say stop to: leave the group at once
+            self.dead = EngineDeadError(f"a worker rank of the split model failed: {'; '.join(died)}")
         if self.dead is None:
             try:
                 import torch.distributed as dist

@@ -27,7 +27,7 @@ from typing import Any
 from ember import envs
 from ember.config import EngineConfig, ModelConfig, ResolvedConfig
 from ember.core.engine_core import EngineCore
-from ember.core.loop import OutputHandler, settle
+from ember.core.loop import IDLE_CHECK_S, OutputHandler, settle
 from ember.errors import ConfigError, EngineDeadError
 from ember.protocol import (
     AbortRequest,
@@ -117,7 +117,7 @@ def serve_core(conn: Any, config: EngineConfig, resolved: ResolvedConfig) -> Non
     conn.send(CoreReady(core.model_info))
     try:
         while True:
-            while conn.poll(0 if core.has_work() else None):
+            while conn.poll(0 if core.has_work() else IDLE_CHECK_S):
                 command = conn.recv()
                 if isinstance(command, Shutdown):
                     return
@@ -133,6 +133,8 @@ def serve_core(conn: Any, config: EngineConfig, resolved: ResolvedConfig) -> Non
                 outputs = core.step()
                 if outputs:
                     conn.send(StepOutputs(outputs))
+            else:
+                core.check_ranks()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the client is gone
         pass
     except BaseException as e:
