@@ -171,7 +171,7 @@ def trtllm_folder_kind(path: str) -> str | None:
     try:
         with open(file) as f:
             config = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # the Hugging Face reader reports it
     if not isinstance(config, dict):
         return None
