@@ -99,11 +99,11 @@ def _config(path: str) -> dict[str, Any]:
         try:
             with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
                 text = f.read()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise _bad(path, f"adapter_config.json cannot be read: {e}") from None
     try:
         cfg = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise _bad(path, f"adapter_config.json is not JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise _bad(path, "adapter_config.json is not a JSON object")
@@ -139,7 +139,9 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
     if cfg.get("bias", "none") != "none":
         raise _bad(path, f"bias={cfg['bias']!r} is not supported: adapters with trained biases are not")
     targets = cfg.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
+    if not isinstance(targets, (str, list)):
+        raise _bad(path, f"target_modules={targets!r} is not a module name or a list of them")
+    targets = [targets] if isinstance(targets, str) else targets
     unknown = [t for t in targets if not isinstance(t, str) or t not in PROJECTIONS]
     if unknown:
         raise _bad(path, f"target_modules {unknown} are not supported: the model's LoRA targets are {PROJECTIONS}")

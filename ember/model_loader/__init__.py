@@ -68,13 +68,14 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     """Build this rank's part of the model and read only its part of each weight."""
     ckpt = open_checkpoint(config.path)
     hf_config = model_config(ckpt)
-    architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
-    dtype, quant = weight_layout(config, ckpt, hf_config)
-    shape = ModelShape.of(hf_config)
-    if quant is not None:
-        logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
-    with torch.device("cpu"):
-        model = cls(architecture, hf_config, shape.max_position, dtype, quant, parallel)
+    with file_errors(config.path):  # a config value the checks let through that the model cannot be built from
+        architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
+        dtype, quant = weight_layout(config, ckpt, hf_config)
+        shape = ModelShape.of(hf_config)
+        if quant is not None:
+            logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
+        with torch.device("cpu"):
+            model = cls(architecture, hf_config, shape.max_position, dtype, quant, parallel)
     select = model.weight_slice if parallel.world_size > 1 else read_all
     if needs_calibration(ckpt, quant):  # awq / smoothquant: the transformed float weights, computed once and cached
         from ember.model_loader.calibrated import calibrated_tensors

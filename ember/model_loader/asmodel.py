@@ -255,10 +255,12 @@ class AsModelCheckpoint:
     def hf_config(self) -> Any:
         from transformers import AutoConfig
 
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs strictly
+
         config = dict(self.meta["config"])
         try:
             return AutoConfig.for_model(config.pop("model_type"), **config)
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError) as e:
             raise ConfigError(f"model file {self.path!r}: its config does not make a transformers config "
                               f"({type(e).__name__}: {e})") from None
 
@@ -274,7 +276,13 @@ class AsModelCheckpoint:
         return dict(self.meta.get("extra") or {})
 
     def native_quantization(self) -> QuantConfig | None:
-        return QuantConfig.from_dict(self.meta.get("quant_config"))
+        try:
+            return QuantConfig.from_dict(self.meta.get("quant_config"))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ConfigError(f"model file {self.path!r}: quant_config={self.meta.get('quant_config')!r} is not "
+                              f"one ember writes ({e})") from None
 
     def tensors(self, config: Any, keep_quantized: bool = True, select: Select = read_all
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:

@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError
 
 from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.config_checks import check_config, check_tensor_shapes
@@ -63,14 +63,15 @@ def model_config(ckpt: Checkpoint) -> Any:
 def file_errors(path: str) -> Iterator[None]:
     """What a damaged checkpoint makes the libraries raise (safetensors, transformers' config classes, an index
     past a short list) as ConfigError naming the checkpoint: a bad file is the user's to fix, not a traceback."""
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
     try:
         yield
-    except ConfigError:
+    except EmberError:  # ConfigError already naming what is wrong, DoesNotFitError, ...
         raise
-    except (SafetensorError, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, ZeroDivisionError,
-            OverflowError, RecursionError, RuntimeError) as e:
+    except (SafetensorError, StrictDataclassError, OSError, ValueError, KeyError, IndexError, TypeError,
+            AttributeError, ZeroDivisionError, OverflowError, RecursionError, RuntimeError) as e:
         raise ConfigError(f"model={path!r} cannot be loaded: {type(e).__name__}: {e}") from e
 
 

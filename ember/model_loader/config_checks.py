@@ -30,6 +30,19 @@ def check_config(path: str, config: Any) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
             raise ConfigError(f"model file {path!r}: config {name}={value!r} is out of range: allowed an integer in "
                               f"{lo}..{hi}")
+    eps = getattr(cfg, "rms_norm_eps", None)
+    thetas = [("rms_norm_eps", eps)] if eps is not None else []
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    for part in [rope, *(v for v in rope.values() if isinstance(v, dict))] if isinstance(rope, dict) else [rope]:
+        if not isinstance(part, dict):
+            raise ConfigError(f"model file {path!r}: config rope_parameters={rope!r} is not a JSON object")
+        if "rope_theta" in part:
+            thetas.append(("rope_theta", part["rope_theta"]))
+    for name, value in thetas:  # an epsilon may be 0; a RoPE base of 0 or less has no frequencies
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+                0 <= value < 1e30 if name == "rms_norm_eps" else 0 < value < 1e30):
+            raise ConfigError(f"model file {path!r}: config {name}={value!r} is out of range: allowed a finite "
+                              f"number in {'0' if name == 'rms_norm_eps' else '(0'}..1e30)")
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     if heads % kv:
         raise ConfigError(f"model file {path!r}: config num_key_value_heads={kv} does not divide "
