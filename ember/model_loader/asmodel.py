@@ -249,8 +249,10 @@ class AsModelCheckpoint:
             if not isinstance(self.meta.get(key), kind):
                 raise ConfigError(f"model file {path!r}: {key} is {type(self.meta.get(key)).__name__}, not a "
                                   f"{kind.__name__}")
-        if not all(isinstance(v, str) for v in self.meta["tokenizer"].values()):
-            raise ConfigError(f"model file {path!r}: the tokenizer files it embeds are not all text")
+        if not all(isinstance(v, str) and os.path.basename(k) == k and k not in ("", ".", "..")
+                   for k, v in self.meta["tokenizer"].items()):
+            raise ConfigError(f"model file {path!r}: the tokenizer files it embeds are not all text under plain file "
+                              f"names: {sorted(self.meta['tokenizer'])[:5]}")
 
     def hf_config(self) -> Any:
         from transformers import AutoConfig

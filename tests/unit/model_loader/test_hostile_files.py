@@ -127,10 +127,12 @@ def test_gguf_dims_and_alignment_out_of_range(tmp_path):
 
 
 def test_gguf_every_truncation_is_refused(tmp_path):
-    """Each prefix of a valid file, cut at every byte: none opens, every one is named."""
+    """A valid file cut at every byte of its header and every 61st of its data: none opens, every one is named."""
     data = _valid_gguf()
+    header = len(_valid_gguf()) - len(_tensors([("token_embd.weight", (HIDDEN, VOCAB)),
+                                                ("blk.0.attn_norm.weight", (HIDDEN,))])[1])
     path = str(tmp_path / "cut.gguf")
-    for n in range(len(data)):
+    for n in [*range(header), *range(header, len(data), 61)]:
         with open(path, "wb") as f:
             f.write(data[:n])
         with pytest.raises(ConfigError, match="cut.gguf"):
@@ -320,9 +322,25 @@ def test_asmodel_meta_that_lies(tmp_path):
     cases = {"outside": ({"weights": {**meta["weights"], "file": "../m.asparam"}}, "not a file name"),
              "size": ({"weights": {**meta["weights"], "bytes": 5}}, "truncated or replaced"),
              "config": ({"config": [1, 2]}, "config is list"),
+             "tokenizer": ({"tokenizer": {"../evil.json": "{}"}}, "plain file names"),
              "index": ({"weights": {**meta["weights"], "tensors": {"x": ["float32", [1]]}}}, "do not match")}
     for name, (change, needle) in cases.items():
         path = _write(tmp_path, f"{name}.asmodel", json.dumps({**meta, **change}).encode())
         _refused(path, needle)
     path = _write(tmp_path, "truncated.asmodel", json.dumps(meta).encode()[:-10])
     _refused(path, "not an ember .asmodel file")
+
+
+def test_tokenizer_of_another_model_is_refused(caplog):
+    """BOS / EOS past the model's rows: the tokenizer is another model's. A larger vocabulary alone is logged."""
+    from types import SimpleNamespace
+
+    from ember.model_loader import check_tokenizer
+
+    check_tokenizer("tok", SimpleNamespace(bos_token_id=1, eos_token_id=2, vocab_size=VOCAB), VOCAB)
+    with pytest.raises(ConfigError, match=f"eos_token_id={VOCAB + 5} is out of range") as e:
+        check_tokenizer("tok-dir", SimpleNamespace(bos_token_id=1, eos_token_id=VOCAB + 5, vocab_size=VOCAB), VOCAB)
+    assert "tok-dir" in str(e.value)
+    with caplog.at_level("WARNING", logger="ember"):
+        check_tokenizer("big", SimpleNamespace(bos_token_id=1, eos_token_id=2, vocab_size=VOCAB * 2), VOCAB)
+    assert f"{VOCAB * 2} tokens" in caplog.text
