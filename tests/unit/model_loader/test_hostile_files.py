@@ -344,3 +344,16 @@ def test_tokenizer_of_another_model_is_refused(caplog):
     with caplog.at_level("WARNING", logger="ember"):
         check_tokenizer("big", SimpleNamespace(bos_token_id=1, eos_token_id=2, vocab_size=VOCAB * 2), VOCAB)
     assert f"{VOCAB * 2} tokens" in caplog.text
+
+
+def test_gguf_tokenizer_of_the_wrong_types_is_refused(tmp_path):
+    """A vocabulary of numbers where strings belong: transformers' GGUF conversion fails; the error names the file."""
+    from ember.tokenizer import Tokenizer
+
+    numbers = struct.pack("<IQ", GGUF_U32, VOCAB) + struct.pack(f"<{VOCAB}I", *range(VOCAB))
+    kvs = [*small_gguf_kvs(hidden=HIDDEN, vocab=VOCAB),
+           gguf_kv("tokenizer.ggml.model", GGUF_STRING, gguf_string("gpt2")),
+           gguf_kv("tokenizer.ggml.tokens", GGUF_ARRAY, numbers)]
+    path = _write(tmp_path, "tok-types.gguf", _valid_gguf(kvs))
+    with pytest.raises(ConfigError, match="tok-types.gguf"):
+        Tokenizer.load(path, gguf_file=path)
