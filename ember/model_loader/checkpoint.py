@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from ember.errors import ConfigError, EmberError
-
 from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.config_checks import check_config, check_tensor_shapes
 from ember.model_loader.gguf import GGUFCheckpoint
