@@ -142,8 +142,9 @@ class GGUFCheckpoint:
         scaling = self.meta.get(prefix + "rope.scaling.type")
         if scaling and scaling != "none":
             rope = {"rope_type": scaling, "factor": float(self.meta.get(prefix + "rope.scaling.factor", 1.0))}
-            if prefix + "rope.scaling.original_context_length" in self.meta:
-                rope["original_max_position_embeddings"] = int(self.meta[prefix + "rope.scaling.original_context_length"])
+            original = prefix + "rope.scaling.original_context_length"
+            if original in self.meta:
+                rope["original_max_position_embeddings"] = int(self.meta[original])
             kwargs["rope_scaling"] = rope
         if "head_dim" not in kwargs:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
