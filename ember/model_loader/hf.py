@@ -130,6 +130,11 @@ class HFCheckpoint:
         return iter_safetensors(self.path, select)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape from the headers; none for a folder without weight files (reading the weights says
+        they are missing, after the config's own errors, which name the field)."""
+        if not os.path.isfile(os.path.join(self.path, "model.safetensors.index.json")) and not glob.glob(
+                os.path.join(self.path, "*.safetensors")):
+            return {}
         return safetensors_shapes(safetensors_files(self.path))
 
     def tokenizer(self):
