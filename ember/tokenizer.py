@@ -19,6 +19,7 @@ import threading
 from typing import Any
 
 from ember.cache import cache_dir, file_key
+from ember.errors import ConfigError
 
 Message = dict[str, Any]
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -57,9 +58,16 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str, gguf_file: str | None = None) -> "Tokenizer":
-        if gguf_file is not None:
-            path = _gguf_tokenizer_folder(gguf_file)
-        return cls._from_folder(path) or cls(_auto_tokenizer(path))
+        """ConfigError naming the file when its tokenizer cannot be read (the tokenizers library and transformers'
+        GGUF conversion raise their own types, some of them bare ``Exception``)."""
+        try:
+            if gguf_file is not None:
+                path = _gguf_tokenizer_folder(gguf_file)
+            return cls._from_folder(path) or cls(_auto_tokenizer(path))
+        except (ConfigError, ImportError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"tokenizer of {gguf_file or path!r} cannot be read: {type(e).__name__}: {e}") from e
 
     @classmethod
     def _from_folder(cls, folder: str) -> "Tokenizer | None":

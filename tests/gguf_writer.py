@@ -5,6 +5,7 @@ that GGUF loading is tested against the model it came from."""
 from __future__ import annotations
 
 import re
+import struct
 
 import numpy as np
 
@@ -175,3 +176,41 @@ def quantize_q6_k(a: np.ndarray) -> np.ndarray:
 
 
 _K_ENCODERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+
+
+# ----- hand-crafted headers: every count, length and offset as the test states it, true or not -----
+
+GGUF_U32, GGUF_F32, GGUF_STRING, GGUF_ARRAY, GGUF_U64 = 4, 6, 8, 9, 10
+
+
+def gguf_string(s: str | bytes, length: int | None = None) -> bytes:
+    """A GGUF string: its length (``length``: a lie, when given), then its bytes."""
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b) if length is None else length) + b
+
+
+def gguf_kv(key: str, vtype: int, payload: bytes) -> bytes:
+    """One metadata entry: key, value type, the value's bytes as given."""
+    return gguf_string(key) + struct.pack("<I", vtype) + payload
+
+
+def gguf_tensor_info(name: str, dims: tuple[int, ...], ggml_type: int, offset: int, n_dims: int | None = None) -> bytes:
+    return (gguf_string(name) + struct.pack("<I", len(dims) if n_dims is None else n_dims)
+            + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", ggml_type, offset))
+
+
+def raw_gguf(kvs: list[bytes], infos: list[bytes], data: bytes = b"", n_kv: int | None = None,
+             n_tensors: int | None = None, version: int = 3, align: int = 32) -> bytes:
+    """A GGUF file's bytes from entries built above; n_kv / n_tensors as the header states them (default: true)."""
+    head = b"GGUF" + struct.pack("<IQQ", version, len(infos) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv) + b"".join(kvs) + b"".join(infos)
+    return head + b"\0" * (-len(head) % align) + data
+
+
+def small_gguf_kvs(arch: str = "llama", layers: int = 1, hidden: int = 32, heads: int = 4, inter: int = 64,
+                   vocab: int = 16) -> list[bytes]:
+    """The metadata of a small Llama-family model (every size a U32)."""
+    u32 = lambda k, v: gguf_kv(f"{arch}.{k}", GGUF_U32, struct.pack("<I", v))  # noqa: E731
+    return [gguf_kv("general.architecture", GGUF_STRING, gguf_string(arch)), u32("block_count", layers),
+            u32("embedding_length", hidden), u32("feed_forward_length", inter), u32("attention.head_count", heads),
+            u32("attention.head_count_kv", heads), u32("vocab_size", vocab)]

@@ -24,6 +24,7 @@ from ember.config import ModelShape
 from ember.errors import BadRequestError
 
 CONFIG_KEY = "adapter_config"  # an adapter file's metadata entry holding its adapter_config.json
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names of the dtypes an adapter's A and B may have
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 
@@ -98,11 +99,11 @@ def _config(path: str) -> dict[str, Any]:
         try:
             with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
                 text = f.read()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise _bad(path, f"adapter_config.json cannot be read: {e}") from None
     try:
         cfg = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise _bad(path, f"adapter_config.json is not JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise _bad(path, "adapter_config.json is not a JSON object")
@@ -129,6 +130,7 @@ def write_adapter_file(folder: str, out: str) -> str:
 def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
     """The adapter's config, checked: the files exist, it is a LoRA ember can apply, no rank above the limit."""
     cfg = _config(path)
+    _check_fields(path, cfg)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise _bad(path, f"peft_type={cfg.get('peft_type')!r} is not supported: only LORA adapters")
     for key, off in (("use_dora", False), ("fan_in_fan_out", False), ("modules_to_save", None)):
@@ -137,8 +139,10 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
     if cfg.get("bias", "none") != "none":
         raise _bad(path, f"bias={cfg['bias']!r} is not supported: adapters with trained biases are not")
     targets = cfg.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    unknown = [t for t in targets if t not in PROJECTIONS]
+    if not isinstance(targets, (str, list)):
+        raise _bad(path, f"target_modules={targets!r} is not a module name or a list of them")
+    targets = [targets] if isinstance(targets, str) else targets
+    unknown = [t for t in targets if not isinstance(t, str) or t not in PROJECTIONS]
     if unknown:
         raise _bad(path, f"target_modules {unknown} are not supported: the model's LoRA targets are {PROJECTIONS}")
     rank = config_rank(cfg)
@@ -150,6 +154,28 @@ def read_adapter_config(path: str, max_lora_rank: int) -> dict[str, Any]:
 def config_rank(cfg: dict[str, Any]) -> int:
     """The largest rank an adapter config names (r, and its rank_pattern)."""
     return max([int(cfg.get("r", 8)), *map(int, (cfg.get("rank_pattern") or {}).values())])
+
+
+def _check_fields(path: str, cfg: dict[str, Any]) -> None:
+    """The config's numbers and patterns are of the types PEFT writes: ranks positive integers, alphas finite."""
+    ranks = {"r": cfg.get("r", 8)}
+    alphas = {"lora_alpha": cfg.get("lora_alpha", 8)}
+    for key, into in (("rank_pattern", ranks), ("alpha_pattern", alphas)):
+        pattern = cfg.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise _bad(path, f"{key}={pattern!r} is not a JSON object of module pattern -> value")
+        for k, v in pattern.items():
+            try:
+                re.compile(k)
+            except re.error as e:
+                raise _bad(path, f"{key} key {k!r} is not a regular expression ({e})") from None
+            into[f"{key}[{k!r}]"] = v
+    for name, v in ranks.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise _bad(path, f"{name}={v!r} is out of range: a rank is an integer >= 1")
+    for name, v in alphas.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise _bad(path, f"{name}={v!r} is out of range: lora_alpha is a finite number")
 
 
 def lora_settings(paths: list[str], max_loras: int | None = None, max_lora_rank: int | None = None
@@ -184,8 +210,13 @@ def inspect_adapter(path: str, shape: ModelShape, max_lora_rank: int) -> Adapter
     try:
         with safe_open(weights_file(path), framework="pt") as f:
             header = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
     except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for a damaged file)
         raise _bad(path, f"adapter_model.safetensors cannot be read: {e}") from None
+    odd = {k: d for k, d in dtypes.items() if d not in _FLOAT_DTYPES}
+    if odd:
+        key = next(iter(odd))
+        raise _bad(path, f"weight {key} has dtype {odd[key]}: LoRA weights are one of {_FLOAT_DTYPES}")
     for key, dims in header.items():
         m = _KEY.match(key)
         if m is None or m.group(3) not in PROJECTIONS:
@@ -203,7 +234,7 @@ def inspect_adapter(path: str, shape: ModelShape, max_lora_rank: int) -> Adapter
         (key_a, a), (key_b, b) = ab["A"], ab["B"]
         n_in, n_out = shapes[proj]
         r = a[0] if len(a) == 2 else -1
-        if a != (r, n_in) or b != (n_out, r):
+        if r < 1 or a != (r, n_in) or b != (n_out, r):
             raise _bad(path, f"layer {layer} {proj}: A {a} and B {b} do not fit this model's {n_in} -> {n_out} "
                              "projection (an adapter of another base model?)")
         if r > max_lora_rank:
@@ -223,8 +254,18 @@ def read_adapter(path: str, name: str, shape: ModelShape, max_lora_rank: int,
     from safetensors.torch import load_file
 
     layout = inspect_adapter(path, shape, max_lora_rank)
-    tensors = load_file(weights_file(path))
-    weights = {module: LoRAWeights(tensors[ka].to(dtype).contiguous(), tensors[kb].to(dtype).contiguous(),
-                                   layout.scalings[module])
-               for module, (ka, kb) in layout.keys.items()}
+    try:
+        tensors = load_file(weights_file(path))
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for a damaged file)
+        raise _bad(path, f"adapter_model.safetensors cannot be read: {e}") from None
+    weights = {}
+    for module, (ka, kb) in layout.keys.items():
+        for key in (ka, kb):
+            t = tensors[key]
+            if not t.is_floating_point():
+                raise _bad(path, f"weight {key} has dtype {t.dtype}: LoRA weights are floats")
+            if not bool(torch.isfinite(t).all()):
+                raise _bad(path, f"weight {key} holds NaN or infinite values: the file is damaged")
+        weights[module] = LoRAWeights(tensors[ka].to(dtype).contiguous(), tensors[kb].to(dtype).contiguous(),
+                                      layout.scalings[module])
     return LoRAAdapter(name, layout.rank, weights)

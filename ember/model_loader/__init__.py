@@ -17,12 +17,13 @@ from ember.distributed import ParallelContext
 from ember.errors import ConfigError
 from ember.layers.linear import mkldnn_prepack_available
 from ember.model_loader.asmodel import AsModelCheckpoint
-from ember.model_loader.checkpoint import Checkpoint, model_config, needs_calibration, open_checkpoint
+from ember.model_loader.checkpoint import Checkpoint, file_errors, model_config, needs_calibration, open_checkpoint
 from ember.model_loader.finalize import finalize
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint, read_all
 from ember.model_loader.pooler import max_seq_length
 from ember.model_loader.trtllm import TRTLLMCheckpoint
+from ember.model_loader.weight_checks import checked_weights
 from ember.models import resolve_architecture
 from ember.quantization import QUANT_ALGORITHMS, QuantConfig
 from ember.tokenizer import Tokenizer
@@ -67,13 +68,14 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
     """Build this rank's part of the model and read only its part of each weight."""
     ckpt = open_checkpoint(config.path)
     hf_config = model_config(ckpt)
-    architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
-    dtype, quant = weight_layout(config, ckpt, hf_config)
-    shape = ModelShape.of(hf_config)
-    if quant is not None:
-        logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
-    with torch.device("cpu"):
-        model = cls(architecture, hf_config, shape.max_position, dtype, quant, parallel)
+    with file_errors(config.path):  # a config value the checks let through that the model cannot be built from
+        architecture, cls = resolve_architecture(getattr(hf_config, "architectures", None))
+        dtype, quant = weight_layout(config, ckpt, hf_config)
+        shape = ModelShape.of(hf_config)
+        if quant is not None:
+            logger.info("weights quantized: %s%s", quant.describe(), ", embeddings int8" if quant.embeddings else "")
+        with torch.device("cpu"):
+            model = cls(architecture, hf_config, shape.max_position, dtype, quant, parallel)
     select = model.weight_slice if parallel.world_size > 1 else read_all
     if needs_calibration(ckpt, quant):  # awq / smoothquant: the transformed float weights, computed once and cached
         from ember.model_loader.calibrated import calibrated_tensors
@@ -82,7 +84,8 @@ def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext(
                                      config.device)
     else:
         tensors = ckpt.tensors(hf_config, keep_quantized=quant is not None, select=select)
-    model.load_weights(tensors)
+    with file_errors(config.path):  # a tensor the header promised but the data cannot give: named, not a traceback
+        model.load_weights(checked_weights(config.path, tensors))
     model.to(config.device).eval()
     device = torch.device(config.device)
     prepack = device.type == "cpu" and mkldnn_prepack_available(dtype)
@@ -176,8 +179,24 @@ def load_tokenizer(config: ModelConfig) -> TokenizerInfo:
     ckpt = open_checkpoint(config.path)
     tokenizer = (open_checkpoint(config.tokenizer) if config.tokenizer else ckpt).tokenizer()
     generation_config = ckpt.generation_config()
-    eos = _eos_ids(tokenizer, model_config(ckpt), generation_config)
+    hf_config = model_config(ckpt)
+    check_tokenizer(config.tokenizer or config.path, tokenizer, ModelShape.of(hf_config).vocab_size)
+    eos = _eos_ids(tokenizer, hf_config, generation_config)
     return TokenizerInfo(tokenizer, generation_config, eos)
+
+
+def check_tokenizer(path: str, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """A tokenizer whose BOS / EOS ids lie past the model's embedding rows is another model's: every prompt would
+    be refused, no output would end. A larger vocabulary alone is allowed (test models use the first ids of a real
+    tokenizer); a prompt holding an id past the rows is refused by the request checks."""
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(tokenizer, name)
+        if isinstance(token, int) and not 0 <= token < vocab_size:
+            raise ConfigError(f"tokenizer of {path!r}: {name}={token} is out of range for the model's vocab_size="
+                              f"{vocab_size} embedding rows: the tokenizer does not belong to this model")
+    if tokenizer.vocab_size > vocab_size:
+        logger.warning("tokenizer of %r has %d tokens, more than the model's %d embedding rows: prompts holding "
+                       "the others are refused", path, tokenizer.vocab_size, vocab_size)
 
 
 def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype) -> QuantConfig | None:

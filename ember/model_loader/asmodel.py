@@ -26,6 +26,7 @@ import torch
 
 from ember import dtypes
 from ember.distributed import WeightSlice
+from ember.errors import ConfigError
 from ember.model_loader.hf import Select, read_all, read_slice
 from ember.quantization import QuantConfig, QuantizedTensor, requantize
 
@@ -182,9 +183,11 @@ def _header_index(param_path: str) -> dict[str, list]:
     """name -> [dtype, shape] of every tensor in a safetensors file, from its header alone."""
     with open(param_path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        if size <= 0 or size > 100 << 20:
-            raise ValueError(f"{param_path!r} is not a safetensors file")
+        if size <= 0 or size > min(100 << 20, os.path.getsize(param_path) - 8):
+            raise ValueError(f"{param_path!r} is not a safetensors file (header length {size})")
         header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError(f"{param_path!r} is not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
     return {k: [_ST_DTYPES.get(v["dtype"], v["dtype"]), v["shape"]] for k, v in sorted(header.items())}
 
@@ -192,16 +195,16 @@ def _header_index(param_path: str) -> dict[str, list]:
 def read_meta(model_path: str) -> dict[str, Any]:
     """The .asmodel JSON, checked for format and version; ValueError naming the file otherwise."""
     if not os.path.isfile(model_path):
-        raise ValueError(f"model={model_path!r} does not exist")
+        raise ConfigError(f"model={model_path!r} does not exist")
     try:
         with open(model_path, encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"model file {model_path!r} is not an ember .asmodel file: {e}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"model file {model_path!r} is not an ember .asmodel file: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"model file {model_path!r} is not an ember .asmodel file (format is not {FORMAT!r})")
+        raise ConfigError(f"model file {model_path!r} is not an ember .asmodel file (format is not {FORMAT!r})")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"model file {model_path!r} has format_version={meta.get('format_version')!r}: this ember "
+        raise ConfigError(f"model file {model_path!r} has format_version={meta.get('format_version')!r}: this ember "
                          f"reads version {FORMAT_VERSION}; convert the model again with `ember convert`")
     return meta
 
@@ -214,6 +217,9 @@ def validate(model_path: str) -> str | None:
     """None when the pair is whole and consistent, else what is wrong (a missing, truncated or foreign file)."""
     try:
         meta = read_meta(model_path)
+        name = meta["weights"]["file"]
+        if not isinstance(name, str) or os.path.basename(name) != name:
+            return f"weights file {name!r} is not a file name beside it"
         param_path = param_path_of(model_path, meta)
         if not os.path.isfile(param_path):
             return f"its weights file {param_path!r} is missing"
@@ -222,8 +228,8 @@ def validate(model_path: str) -> str | None:
                     f"{meta['weights']['bytes']} expected (truncated or replaced)")
         if _header_index(param_path) != meta["weights"]["tensors"]:
             return f"the tensors in {param_path!r} do not match the index in {model_path!r}"
-    except (ValueError, KeyError, OSError, TypeError) as e:
-        return str(e)
+    except (ValueError, KeyError, OSError, TypeError, AttributeError, RecursionError) as e:
+        return f"{type(e).__name__}: {e}"
     return None
 
 
@@ -235,17 +241,34 @@ class AsModelCheckpoint:
     def __init__(self, path: str) -> None:
         problem = validate(path)
         if problem is not None:
-            raise ValueError(f"model={path!r} cannot be loaded: {problem}")
+            raise ConfigError(f"model={path!r} cannot be loaded: {problem}")
         self.path = path
         self.meta = read_meta(path)
         self.param_path = param_path_of(path, self.meta)
+        for key, kind in (("config", dict), ("tokenizer", dict), ("dtype", str)):
+            if not isinstance(self.meta.get(key), kind):
+                raise ConfigError(f"model file {path!r}: {key} is {type(self.meta.get(key)).__name__}, not a "
+                                  f"{kind.__name__}")
+        if not all(isinstance(v, str) and os.path.basename(k) == k and k not in ("", ".", "..")
+                   for k, v in self.meta["tokenizer"].items()):
+            raise ConfigError(f"model file {path!r}: the tokenizer files it embeds are not all text under plain file "
+                              f"names: {sorted(self.meta['tokenizer'])[:5]}")
 
     def hf_config(self) -> Any:
         from transformers import AutoConfig
 
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs strictly
+
         config = dict(self.meta["config"])
-        model_type = config.pop("model_type")
-        return AutoConfig.for_model(model_type, **config)
+        try:
+            return AutoConfig.for_model(config.pop("model_type"), **config)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError) as e:
+            raise ConfigError(f"model file {self.path!r}: its config does not make a transformers config "
+                              f"({type(e).__name__}: {e})") from None
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """name -> shape of every float tensor, from the index (checked against the weights file's header)."""
+        return {name: tuple(shape) for name, (_, shape) in self.meta["weights"]["tensors"].items()}
 
     def generation_config(self) -> dict[str, Any]:
         return dict(self.meta.get("generation_config") or {})
@@ -255,15 +278,25 @@ class AsModelCheckpoint:
         return dict(self.meta.get("extra") or {})
 
     def native_quantization(self) -> QuantConfig | None:
-        return QuantConfig.from_dict(self.meta.get("quant_config"))
+        try:
+            return QuantConfig.from_dict(self.meta.get("quant_config"))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ConfigError(f"model file {self.path!r}: quant_config={self.meta.get('quant_config')!r} is not "
+                              f"one ember writes ({e})") from None
 
     def tensors(self, config: Any, keep_quantized: bool = True, select: Select = read_all
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Stored quantized weights come back as one QuantizedTensor under their X.weight name. select: the part of
         each weight to read (rows, or columns on group boundaries: the scales are sliced with them)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(self.param_path, framework="pt") as f:
+        try:
+            f = safe_open(self.param_path, framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"model file {self.param_path!r} is not a valid safetensors file: {e}") from None
+        with f:
             names = set(f.keys())
             for name in f.keys():
                 if name.endswith((".scales", ".offsets")) and name.rsplit(".", 1)[0] + ".qdata" in names:

@@ -3,11 +3,15 @@ can be said of a checkpoint before its weights are read."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
+from ember.errors import ConfigError, EmberError
 from ember.model_loader.asmodel import AsModelCheckpoint
+from ember.model_loader.config_checks import check_config, check_tensor_shapes
 from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint
 from ember.model_loader.trtllm import TRTLLMCheckpoint, trtllm_folder_kind
@@ -25,11 +29,12 @@ def open_checkpoint(path: str) -> Checkpoint:
         except OSError:
             return GGUFCheckpoint(path)  # raises the reader's clear error
         return _open_gguf(path, st.st_size, st.st_mtime_ns)
-    if path.endswith(".asmodel"):
-        return AsModelCheckpoint(path)
-    if trtllm_folder_kind(path) is not None:
-        return TRTLLMCheckpoint(path)  # an engine folder is refused there, clearly
-    return HFCheckpoint(path)
+    with file_errors(path):
+        if path.endswith(".asmodel"):
+            return AsModelCheckpoint(path)
+        if trtllm_folder_kind(path) is not None:
+            return TRTLLMCheckpoint(path)  # an engine folder is refused there, clearly
+        return HFCheckpoint(path)
 
 
 @functools.lru_cache(maxsize=2)
@@ -41,8 +46,32 @@ def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFCheckpoint:
 
 def model_config(ckpt: Checkpoint) -> Any:
     """The config the engine builds from: a GGUF file's comes from its metadata alone (transformers' config classes
-    take ~0.8 s to import, most of a CLI start-up), every other kind's is transformers' own."""
-    return ckpt.model_config() if isinstance(ckpt, GGUFCheckpoint) else ckpt.hf_config()
+    take ~0.8 s to import, most of a CLI start-up), every other kind's is transformers' own. Checked (the GGUF
+    reader checks its own) against sane bounds and the tensors the files hold: everything is sized from it."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        return ckpt.model_config()
+    with file_errors(ckpt.path):
+        config = ckpt.hf_config()
+        check_config(ckpt.path, config)
+        if not isinstance(ckpt, TRTLLMCheckpoint):  # its rank files are checked against config.json as it joins them
+            check_tensor_shapes(ckpt.path, config, ckpt.tensor_shapes())
+    return config
+
+
+@contextlib.contextmanager
+def file_errors(path: str) -> Iterator[None]:
+    """What a damaged checkpoint makes the libraries raise (safetensors, transformers' config classes, an index
+    past a short list) as ConfigError naming the checkpoint: a bad file is the user's to fix, not a traceback."""
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except EmberError:  # ConfigError already naming what is wrong, DoesNotFitError, ...
+        raise
+    except (SafetensorError, StrictDataclassError, OSError, ValueError, KeyError, IndexError, TypeError,
+            AttributeError, ZeroDivisionError, OverflowError, RecursionError, RuntimeError) as e:
+        raise ConfigError(f"model={path!r} cannot be loaded: {type(e).__name__}: {e}") from e
 
 
 def needs_calibration(ckpt: Checkpoint, quant: QuantConfig | None) -> bool:

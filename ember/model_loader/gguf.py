@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from ember.distributed import WeightSlice
+from ember.errors import ConfigError
+from ember.model_loader.config_checks import check_config, check_tensor_shapes
 from ember.model_loader.gguf_config import GGUFConfig
 from ember.model_loader.gguf_file import GGUFFile, GGUFTensor
 from ember.model_loader.hf import Select, read_all
@@ -86,17 +88,14 @@ class GGUFCheckpoint:
     kind = "gguf"
 
     def __init__(self, path: str) -> None:
-        try:
-            self.file = GGUFFile(path)
-        except Exception as e:  # struct errors and short maps on truncated files
-            raise ValueError(f"model file {path!r} is not a readable GGUF file: {e}") from e
+        self.file = GGUFFile(path)  # ConfigError naming the file when its header lies
         self.path = path
         # the tokenizer's arrays (vocabulary, merges) are decoded only by the tokenizer conversion
         self.meta = {k: self.file.value(k) for k in self.file.keys if not k.startswith("tokenizer.ggml.")}
         self.gguf_arch = str(self.meta.get("general.architecture"))
         if self.gguf_arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"GGUF general.architecture={self.gguf_arch!r} is not supported: "
-                             f"ember supports {sorted(GGUF_ARCHITECTURES)}")
+            raise ConfigError(f"model file {path!r}: GGUF general.architecture={self.gguf_arch!r} is not supported: "
+                              f"ember supports {sorted(GGUF_ARCHITECTURES)}")
         self.architecture, self.model_type = GGUF_ARCHITECTURES[self.gguf_arch]
         if self.gguf_arch == "llama" and self.meta.get("llama.expert_count"):  # llama.cpp writes Mixtral as llama
             self.architecture, self.model_type = "MixtralForCausalLM", "mixtral"
@@ -109,8 +108,27 @@ class GGUFCheckpoint:
     def model_config(self) -> GGUFConfig:
         """The config under transformers' names and defaults, from the metadata alone (no transformers import)."""
         if self._config is None:
-            self._config = GGUFConfig.of(self.model_type, self.architecture, self._config_kwargs())
+            try:
+                config = GGUFConfig.of(self.model_type, self.architecture, self._config_kwargs())
+            except ConfigError:
+                raise
+            except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as e:  # a value of a wrong type
+                raise ConfigError(f"model file {self.path!r}: its metadata does not make a {self.gguf_arch} config "
+                                  f"({type(e).__name__}: {e})") from None
+            check_config(self.path, config)
+            check_tensor_shapes(self.path, config, self.tensor_shapes())
+            if "tokenizer.ggml.tokens" in self.file:
+                n = self.file.array_len("tokenizer.ggml.tokens")
+                if n > config.vocab_size:
+                    raise ConfigError(f"model file {self.path!r}: its tokenizer has {n} tokens, more than the model's "
+                                      f"vocab_size={config.vocab_size} embedding rows")
+            self._config = config
         return self._config
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face name -> [out, in] shape of every tensor ember reads, from the header alone."""
+        return {name: tuple(reversed(t.shape)) for t in self._entries()
+                if (name := _hf_name(t.name, self.gguf_arch)) is not None}
 
     def _config_kwargs(self) -> dict[str, Any]:
         prefix = self.gguf_arch + "."
@@ -124,8 +142,9 @@ class GGUFCheckpoint:
         scaling = self.meta.get(prefix + "rope.scaling.type")
         if scaling and scaling != "none":
             rope = {"rope_type": scaling, "factor": float(self.meta.get(prefix + "rope.scaling.factor", 1.0))}
-            if prefix + "rope.scaling.original_context_length" in self.meta:
-                rope["original_max_position_embeddings"] = int(self.meta[prefix + "rope.scaling.original_context_length"])
+            original = prefix + "rope.scaling.original_context_length"
+            if original in self.meta:
+                rope["original_max_position_embeddings"] = int(self.meta[original])
             kwargs["rope_scaling"] = rope
         if "head_dim" not in kwargs:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
@@ -258,7 +277,8 @@ class GGUFCheckpoint:
         for t in self._entries():
             kind = t.tensor_type.name
             if kind not in SUPPORTED_QUANT_TYPES:
-                raise ValueError(f"GGUF tensor {t.name} has type {kind}: supported types are {SUPPORTED_QUANT_TYPES}")
+                raise ConfigError(f"model file {self.path!r}: GGUF tensor {t.name} has type {kind}: supported types "
+                                  f"are {SUPPORTED_QUANT_TYPES}")
             name = _hf_name(t.name, self.gguf_arch)
             if name is None:
                 continue

@@ -3,8 +3,9 @@
 Importing transformers' config classes costs ~0.8 s on this machine (LlamaConfig pulls in torch.distributed.tensor),
 a third of ``ember generate``'s start-up. The engine reads a handful of attributes; this object holds them under
 transformers' names, with the values transformers' config class of the same model_type gives (its defaults for what
-the metadata leaves out: tests/unit/model_loader/test_gguf_config.py checks every attribute against AutoConfig). ``to_transformers``
-builds the real config for what needs one (export, .asmodel, scaled RoPE's init functions, the facades).
+the metadata leaves out: tests/unit/model_loader/test_gguf_config.py checks every attribute against AutoConfig).
+``to_transformers`` builds the real config for what needs one (export, .asmodel, scaled RoPE's init functions, the
+facades).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def trtllm_folder_kind(path: str) -> str | None:
     try:
         with open(file) as f:
             config = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # the Hugging Face reader reports it
     if not isinstance(config, dict):
         return None
@@ -220,12 +220,18 @@ class TRTLLMCheckpoint:
         try:
             with open(file) as f:
                 self.config: dict[str, Any] = json.load(f)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise ConfigError(f"model={path!r}: config.json could not be read ({e})") from e
         mapping = self.config.get("mapping") or {}
-        self.tp_size = int(mapping.get("tp_size", 1) or 1)
-        self.pp_size = int(mapping.get("pp_size", 1) or 1)
-        world = int(mapping.get("world_size", self.tp_size * self.pp_size) or 1)
+        try:
+            self.tp_size = int(mapping.get("tp_size", 1) or 1)
+            self.pp_size = int(mapping.get("pp_size", 1) or 1)
+            world = int(mapping.get("world_size", self.tp_size * self.pp_size) or 1)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ConfigError(f"model={path!r}: config.json mapping={mapping!r} is malformed ({e})") from None
+        if not (1 <= self.tp_size <= 1024 and 1 <= self.pp_size <= 1024):
+            raise ConfigError(f"model={path!r}: config.json mapping tp_size={self.tp_size}, pp_size={self.pp_size} "
+                              "is out of range: allowed 1..1024 each")
         if world % (self.tp_size * self.pp_size):
             raise ConfigError(f"model={path!r}: mapping world_size={world} is not a multiple of tp_size={self.tp_size} "
                               f"x pp_size={self.pp_size}")
@@ -453,8 +459,8 @@ class TRTLLMCheckpoint:
         try:
             with safe_open(self.rank_files[rank], framework="pt") as f:
                 return list(f.keys())
-        except SafetensorError as e:
-            raise ValueError(f"model file {self.rank_files[rank]!r} is corrupt: {e}") from e
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"model file {self.rank_files[rank]!r} is not a valid safetensors file: {e}") from None
 
     def _layer_counts(self) -> list[int]:
         """Each pipeline stage's decoder layers (its files number them from 0)."""
@@ -570,8 +576,8 @@ class TRTLLMCheckpoint:
             for file in self.rank_files:
                 try:
                     files.append(stack.enter_context(safe_open(file, framework="pt")))
-                except SafetensorError as e:
-                    raise ValueError(f"model file {file!r} is corrupt: {e}") from e
+                except (SafetensorError, OSError) as e:
+                    raise ConfigError(f"model file {file!r} is not a valid safetensors file: {e}") from None
             store = _Store(self, files)
             for name, joined in self._layouts(store, config):
                 sl = select(name)
