@@ -1,6 +1,6 @@
 """Hand-crafted hostile files, one lie each: the reader refuses them with a ConfigError naming the file and what is
 wrong, before anything is sized from the lie (the allocation bound is measured). The seeded mutator over real files
-is tests/e2e/test_hostile_files.py."""
+is tests/e2e/test_fuzz_files.py."""
 
 from __future__ import annotations
 

@@ -213,7 +213,7 @@ def test_mutated_files_load_or_are_refused_by_name(seeds, tmp_path):
     args = {"seeds": seeds, "n": n, "seed": seed, "work": str(work), "progress": str(tmp_path / "progress"),
             "out": str(tmp_path / "out.json")}
     (tmp_path / "args.json").write_text(json.dumps(args))
-    code = f"import sys; sys.path[:0] = {[HERE, TESTS]!r}; import test_hostile_files as t; t.main(sys.argv[1])"
+    code = f"import sys; sys.path[:0] = {[HERE, TESTS]!r}; import test_fuzz_files as t; t.main(sys.argv[1])"
     try:
         proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "args.json")], capture_output=True,
                               text=True, timeout=max(600, 3 * n * len(FORMATS)))
