@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ember.sampling_params import MAX_LOGPROBS
 from ember.server import bounds as B
 from ember.server.bounds import at_most, nested_at_most, prompts_at_most
 
@@ -186,7 +187,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None  # None: up to the context length, as OpenAI does
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # refused by its own name
     tools: Annotated[list[Tool] | None, at_most(B.MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
