@@ -9,6 +9,7 @@ reaches a recursive walker. Strings are bounded by the body limit (``--max-reque
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import AfterValidator
@@ -73,18 +74,41 @@ def depth(value: Any) -> int:
     return deepest
 
 
-def nested_at_most(limit: int = MAX_JSON_DEPTH, keys: int | None = None) -> AfterValidator:
+def _parsed(text: Any) -> Any:
+    """JSON text as its value, to measure (a string that is not JSON is left as it is, for its own check to name;
+    text nested past Python's parser counts as deeper than any limit)."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+    except RecursionError:
+        return _TOO_DEEP
+
+
+_TOO_DEEP = object()
+
+
+def nested_at_most(limit: int = MAX_JSON_DEPTH, keys: int | None = None, text: bool = False,
+                   text_keys: tuple[str, ...] = ()) -> AfterValidator:
     """A free-form JSON value nested at most ``limit`` deep (and, given ``keys``, with at most that many keys at its
-    top)."""
+    top). text: a string value is JSON text, measured as what it holds; text_keys: the keys of a mapping whose string
+    values are JSON text (``structured_outputs.json``)."""
     def check(value: Any) -> Any:
         if keys is not None and isinstance(value, dict) and len(value) > keys:
             raise PydanticCustomError("too_many", "holds {count} keys, more than the limit of {limit}",
                                       {"count": len(value), "limit": keys})
-        found = depth(value)
+        held = [_parsed(value) if text else value]
+        if isinstance(value, dict):
+            held += [_parsed(value[k]) for k in text_keys if isinstance(value.get(k), str)]
+        if any(v is _TOO_DEEP for v in held):
+            raise PydanticCustomError("too_deep", "is JSON text nested too deep to parse, more than the limit of "
+                                      "{limit} levels", {"limit": limit})
+        found = max(depth(v) for v in held)
         if found > limit:
             raise PydanticCustomError("too_deep", "is nested {depth} levels deep, more than the limit of {limit}",
                                       {"depth": found, "limit": limit})
         return value
 
     return AfterValidator(check)
-

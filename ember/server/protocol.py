@@ -78,11 +78,11 @@ class _Sampling(_Body):
     # structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs
     # (StructuredOutputsParams' fields); at most one of them
     response_format: ResponseFormat | None = None
-    guided_json: Annotated[str | dict | None, nested_at_most()] = None
+    guided_json: Annotated[str | dict | None, nested_at_most(text=True)] = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str] | None, at_most(B.MAX_CHOICES)] = None
     guided_grammar: str | None = None
-    structured_outputs: Annotated[dict | None, nested_at_most(keys=B.MAX_KEYS)] = None
+    structured_outputs: Annotated[dict | None, nested_at_most(keys=B.MAX_KEYS, text_keys=("json",))] = None
     # declared only to be refused by name when not null
     logit_bias: None = None
     service_tier: None = None

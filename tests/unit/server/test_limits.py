@@ -178,6 +178,18 @@ def test_free_form_json_is_nested_at_most_64_deep(model, body, field):
     assert "levels deep" in e.message
 
 
+def test_a_schema_given_as_json_text_is_measured_as_what_it_holds():
+    text = json.dumps(DEEP)
+    for body, field in (({"guided_json": text}, "guided_json"), ({"structured_outputs": {"json": text}},
+                                                                  "structured_outputs")):
+        e = refusal(ChatCompletionRequest, {"messages": [MSG], **body})
+        assert e.param == field and f"nested {B.depth(DEEP)} levels deep" in e.message
+    beyond_the_parser = "[" * 100_000 + "]" * 100_000
+    e = refusal(ChatCompletionRequest, {"messages": [MSG], "guided_json": beyond_the_parser})
+    assert e.param == "guided_json" and "too deep to parse" in e.message
+    ChatCompletionRequest.model_validate({"messages": [MSG], "guided_json": "not JSON"})  # refused later, by name
+
+
 def test_a_schema_nested_to_the_limit_is_accepted():
     levels = (B.MAX_JSON_DEPTH - 1) // 2  # 2 * 31 + 1 = 63 deep
     req = ChatCompletionRequest.model_validate({"messages": [MSG], "response_format": {
