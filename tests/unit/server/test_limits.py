@@ -348,3 +348,20 @@ def test_a_body_nested_past_the_json_parser_is_a_400():
     r = client.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
                     headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_docs_security_cites_each_test_and_each_test_is_cited():
+    """docs/security.md names its tests: each named one exists, and each test of the two modules is named."""
+    import os
+    import re as _re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    doc = open(os.path.join(root, "docs", "security.md")).read()
+    cited = set(_re.findall(r"`(?:[\w/.]+::)?(test_\w+)`", doc))
+    defined = set()
+    for module in ("tests/unit/server/test_limits.py", "tests/e2e/test_security.py"):
+        defined |= set(_re.findall(r"^def (test_\w+)", open(os.path.join(root, module)).read(), _re.M))
+    page = set(_re.findall(r"^def (test_\w+)", open(os.path.join(root, "tests/e2e/test_server_page.py")).read(),
+                           _re.M))
+    assert cited - defined - page == set()
+    assert defined - cited == set()
