@@ -170,7 +170,7 @@ def _auto_tokenizer(path: str, **kwargs: Any) -> Any:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, **kwargs)  # an auto_map is never run
     finally:
         hf_logging.set_verbosity(verbosity)
 

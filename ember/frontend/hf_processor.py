@@ -14,7 +14,7 @@ def load_processor(path: str) -> Any:
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, trust_remote_code=False)  # an auto_map is never run
     except ImportError as e:
         if "orchvision" not in str(e):
             raise
@@ -36,6 +36,7 @@ def _without_video(path: str) -> Any:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tokenizer,
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    images = AutoImageProcessor.from_pretrained(path, trust_remote_code=False)
+    return ImagesOnly(image_processor=images, tokenizer=tokenizer,
                       video_processor=None, chat_template=getattr(tokenizer, "chat_template", None))

@@ -220,8 +220,9 @@ def _read_local(path: str, field: str, shown: str, policy: MediaPolicy) -> bytes
                               "has a NUL character")
     root = os.path.realpath(policy.allowed_local_media_path)
     target = os.path.realpath(os.path.join(root, path))  # an absolute path stays itself
-    outside = BadRequestError(f"{field}={shown} is not supported: it is outside allowed_local_media_path="
-                              f"{policy.allowed_local_media_path!r}")
+    # the folder itself is not named: the message goes to HTTP clients, who learn nothing of the server's files
+    outside = BadRequestError(f"{field}={shown} is not supported: it is outside allowed_local_media_path=(the "
+                              "server's image folder; give a path relative to it)")
     if not _inside(target, root):
         raise outside
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)

@@ -47,7 +47,9 @@ def image_parts(conversation: list[dict[str, Any]], images: "ImageInputs | None"
                 continue
             field = f"messages[{i}].content[{j}]"
             if images is None:
-                raise BadRequestError(f"{field} is an image part: model {model} takes text only")
+                # the model's file name, not its path: the message may go to an HTTP client
+                raise BadRequestError(f"{field} is an image part: model {os.path.basename(model.rstrip(os.sep))} "
+                                      "takes text only")
             source = part.get(kind)
             if kind == "image_url" and isinstance(source, dict):
                 source = source.get("url")

@@ -30,7 +30,7 @@ def load_hf_config(path: str) -> Any:
     from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs as strict dataclasses
 
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)  # an auto_map is never run
     except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError, StrictDataclassError) as e:
         raise ConfigError(f"model={path!r}: config.json could not be read ({type(e).__name__}: {e})") from None
 

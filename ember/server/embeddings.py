@@ -6,7 +6,7 @@ the other routes' requests (``RequestGroup``)."""
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -16,12 +16,13 @@ from ember.outputs import EmbeddingRequestOutput
 from ember.protocol import PoolingParams
 from ember.server.errors import APIError, engine_errors
 from ember.server.group import RequestGroup
+from ember.server.bounds import MAX_INPUTS, prompts_at_most
 from ember.server.http_io import unless_left
 from ember.server.protocol import _Body
 
 
 class EmbeddingRequest(_Body):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[int] | list[list[int]], prompts_at_most(MAX_INPUTS, "inputs")]
     model: str | None = None  # None: the served model
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # Matryoshka: the first ``dimensions`` values, normalised again

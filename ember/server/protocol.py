@@ -4,14 +4,19 @@ Strict types (a string is not a number, a float is not an int), no NaN or infini
 body that breaks any of these is answered 400 with the field named. OpenAI fields ember does not implement are
 declared with the type ``None`` so that they are refused by name ("... is not supported"), while a client that
 sends them as ``null`` still works. Ranges are checked where ember checks them for every API: ``SamplingParams``
-and the input processor.
+and the input processor. Every list and mapping has a count limit and every free-form JSON value a nesting
+limit (``bounds.py``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ember.sampling_params import MAX_LOGPROBS
+from ember.server import bounds as B
+from ember.server.bounds import at_most, nested_at_most, prompts_at_most
 
 # OpenAI / vLLM fields with no implementation in ember; only null is accepted for them
 UNSUPPORTED = frozenset({
@@ -39,7 +44,7 @@ class JsonSchemaFormat(_Body):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
     name: str
     description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
+    schema_: Annotated[dict | None, nested_at_most()] = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -56,7 +61,7 @@ class _Sampling(_Body):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, at_most(B.MAX_STOP)] = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
@@ -68,16 +73,16 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int] | None, at_most(B.MAX_TOKEN_IDS)] = None
     skip_special_tokens: bool = True
     # structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs
     # (StructuredOutputsParams' fields); at most one of them
     response_format: ResponseFormat | None = None
-    guided_json: str | dict | None = None
+    guided_json: Annotated[str | dict | None, nested_at_most(text=True)] = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str] | None, at_most(B.MAX_CHOICES)] = None
     guided_grammar: str | None = None
-    structured_outputs: dict | None = None
+    structured_outputs: Annotated[dict | None, nested_at_most(keys=B.MAX_KEYS, text_keys=("json",))] = None
     # declared only to be refused by name when not null
     logit_bias: None = None
     service_tier: None = None
@@ -118,9 +123,9 @@ class ChatMessage(_Body):
     answers one of them by its id."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImageURLPart] | None = None
+    content: Annotated[str | list[TextPart | ImageURLPart] | None, at_most(B.MAX_CONTENT_PARTS)] = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall] | None, at_most(B.MAX_TOOL_CALLS)] = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -148,7 +153,7 @@ class ChatMessage(_Body):
 class FunctionDefinition(_Body):
     name: str
     description: str | None = None
-    parameters: dict | None = None  # a JSON schema (None: no parameters)
+    parameters: Annotated[dict | None, nested_at_most()] = None  # a JSON schema (None: no parameters)
     strict: bool | None = None  # accepted: with tool_choice required / a named function every call follows it
 
 
@@ -171,19 +176,19 @@ class Prediction(_Body):
     (docs/speculative.md), and usage reports how many of them were kept."""
 
     type: Literal["content"]
-    content: str | list[TextPart]
+    content: Annotated[str | list[TextPart], at_most(B.MAX_CONTENT_PARTS)]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], at_most(B.MAX_MESSAGES)] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context length, as OpenAI does
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None  # refused by its own name
+    tools: Annotated[list[Tool] | None, at_most(B.MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: None = None  # the deprecated forms of tools and tool_choice
@@ -191,14 +196,15 @@ class ChatCompletionRequest(_Sampling):
     modalities: None = None
     audio: None = None
     prediction: Prediction | None = None
-    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (enable_thinking, ...)
+    # vLLM's: extra variables for the chat template (enable_thinking, ...)
+    chat_template_kwargs: Annotated[dict | None, nested_at_most(keys=B.MAX_KEYS)] = None
     thinking_token_budget: int | None = None  # vLLM's: tokens a <think> block may take before </think> is forced
     reasoning_effort: None = None
     web_search_options: None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], prompts_at_most(B.MAX_PROMPTS)]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the chosen token plus this many top ones
     echo: bool = False  # the prompt comes back before the completion
@@ -209,11 +215,11 @@ class CompletionRequest(_Sampling):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage] | None, at_most(B.MAX_MESSAGES)] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[int], at_most(B.MAX_TOKEN_IDS)]

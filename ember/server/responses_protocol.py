@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, StringConstraints, Tag
 
+from ember.server import bounds as B
+from ember.server.bounds import at_most, nested_at_most
 from ember.server.protocol import _Body
+
+
+# OpenAI's metadata: string pairs, keys of at most 64 characters, values of at most 512
+_MetadataKey = Annotated[str, StringConstraints(max_length=B.MAX_METADATA_KEY)]
+_MetadataValue = Annotated[str, StringConstraints(max_length=B.MAX_METADATA_VALUE)]
+
 
 class InputText(_Body):
     type: Literal["input_text"]
@@ -34,14 +42,15 @@ class OutputText(_Body):
 
     type: Literal["output_text"]
     text: str
-    annotations: list[dict] | None = None
-    logprobs: list[dict] | None = None
+    annotations: Annotated[list[dict] | None, at_most(B.MAX_ANNOTATIONS), nested_at_most()] = None
+    logprobs: Annotated[list[dict] | None, at_most(B.MAX_ANNOTATIONS), nested_at_most()] = None
 
 
 class Message(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]]
+    content: Annotated[str | list[Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]],
+                       at_most(B.MAX_CONTENT_PARTS)]
     id: str | None = None
     status: str | None = None
     phase: str | None = None
@@ -88,7 +97,7 @@ class FunctionTool(_Body):
     type: Literal["function"]
     name: str
     description: str | None = None
-    parameters: dict | None = None
+    parameters: Annotated[dict | None, nested_at_most()] = None
     strict: bool | None = None
 
 
@@ -103,7 +112,7 @@ class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
+    schema_: Annotated[dict | None, nested_at_most()] = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -114,7 +123,7 @@ class TextConfig(_Body):
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | list[InputItem]
+    input: Annotated[str | list[InputItem], at_most(B.MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -124,14 +133,15 @@ class ResponsesRequest(_Body):
     background: bool = False
     previous_response_id: str | None = None
     text: TextConfig | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool] | None, at_most(B.MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[_MetadataKey, _MetadataValue] | None, at_most(B.MAX_METADATA)] = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
-    stream_options: dict | None = None
-    include: list[str] | None = None  # extra output fields: none are offered (an empty list is what clients send)
+    stream_options: Annotated[dict | None, nested_at_most(keys=B.MAX_KEYS)] = None
+    # extra output fields: none are offered (an empty list is what clients send)
+    include: Annotated[list[str] | None, at_most(B.MAX_INCLUDE)] = None
     # declared only to be refused by name when not null
     reasoning: None = None
     prompt: None = None
