@@ -235,6 +235,8 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   size(fn, "w", w, 1, x.size(1), "x's K");
   TORCH_CHECK(w_scales.numel() == w.size(0), fn, ": w_scales must hold one scale a weight row, ", w.size(0),
               ", got shape ", w_scales.sizes());
+  TORCH_CHECK(x.size(1) >= 2, fn, ": x's K must be at least 2 (torch._int_mm, which the GEMM calls, returns wrong "
+              "products for K = 1 on CPU, torch 2.13), got K = ", x.size(1));
   if (x.size(0) == 0 || w.size(0) == 0) return torch::zeros({x.size(0), w.size(0)}, x.options());
   x = x.contiguous();
   w = w.contiguous();

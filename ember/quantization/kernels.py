@@ -31,8 +31,9 @@ batch_invariant=False, runs in float32 where the CPU has no native bf16 matmul).
 the dense path unpacks with the block found on the machine (``torch_int4_block_rows``).
 torch's packed ops check little and some crash on shapes they do not take, so ``select_path`` picks a path only where
 its kernel's preconditions hold, at load: ``_weight_int8pack_mm`` only for K % 16 == 0 (other K segfault or return
-garbage), ``_weight_int4pack_mm_for_cpu`` only for groups of 32-256; a weight outside them runs ember's kernel
-(any K; int4 groups a multiple of 4) or the portable path, so such a model still loads and runs.
+garbage), ``_weight_int4pack_mm_for_cpu`` only for groups of 32-256, ``torch._int_mm`` only for K >= 2 (K = 1 gives
+wrong products); a weight outside them runs ember's kernel (any K; int4 groups a multiple of 4) or the portable
+path, so such a model still loads and runs.
 The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
 process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
 and that path is not used again in the process (its weights run the portable path).
@@ -67,6 +68,7 @@ _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more tha
 # error), so only K % 16 == 0 reaches it (CUDA: the same bound, unverified there).
 TORCH_INT8PACK_K_MULTIPLE = 16
 TORCH_INT4_GROUPS = (32, 64, 128, 256)  # _weight_int4pack_mm_for_cpu raises at the call for any other group
+INT_MM_MIN_K = 2  # torch._int_mm on CPU (torch 2.13) returns wrong products for K = 1, at every row count
 _CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
 
 
@@ -93,7 +95,7 @@ def select_path(method: str, device: torch.device, n: int, k: int, group_size: i
         if method == "int8" and _has_kernel("_weight_int8pack_mm", "CPU") and (
                 _torch_int8pack_ok(k) or _ember_gemm() is not None):  # ember's int8 kernels take any K
             return "cpu-int8"
-        if method == "w8a8" and _has_kernel("_int_mm", "CPU"):
+        if method == "w8a8" and _has_kernel("_int_mm", "CPU") and k >= INT_MM_MIN_K:
             return "cpu-w8a8"
     elif device.type == "cuda":
         if (method == "int4" and _has_kernel("_weight_int4pack_mm", "CUDA")

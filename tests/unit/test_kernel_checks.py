@@ -297,6 +297,8 @@ def test_int8_gemm_takes_any_width_strided_weights_and_no_rows(k, invariant):
     ("w K 35", r"w8a8_linear: w.size\(1\) must be 36 \(x's K\), got 35"),
     ("w_scales 2 per row", r"w8a8_linear: w_scales must hold one scale a weight row, 70, got shape \[140\]"),
     ("w_scales float64", r"w8a8_linear: w_scales must be Float, got Double"),
+    ("K 1", r"w8a8_linear: x's K must be at least 2 \(torch._int_mm, which the GEMM calls, returns wrong products "
+            r"for K = 1"),
 ])
 def test_w8a8_linear_rejects(k, case, match):
     (x, w, s), _ = _int8_args()
@@ -313,6 +315,8 @@ def test_w8a8_linear_rejects(k, case, match):
         s = s.repeat(2)
     elif case == "w_scales float64":
         s = s.double()
+    elif case == "K 1":
+        x, w = torch.randn(13, 1), w[:, :1].contiguous()
     _raises(k.w8a8_linear, x, w, s, match=match)
 
 

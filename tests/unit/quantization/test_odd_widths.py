@@ -67,6 +67,24 @@ def test_int4_weights_of_any_group_match_the_dequantized_weight(kernels, invaria
         assert ((y - ref).norm() / ref.norm()).item() < 0.02, (mm.path, rows)
 
 
+@pytest.mark.parametrize("k", [1, 2, 36])
+def test_w8a8_weights_of_one_input_take_the_exact_float_products(kernels, k):
+    """torch._int_mm returns wrong products for K = 1: such a weight takes the portable path, whose float32
+    products are exact; every width against the integer products (int64) rescaled as the path documents."""
+    from ember.quantization.tensor import quantize_int8_symmetric
+
+    assert qk.select_path("w8a8", CPU, 129, k, k) == ("portable" if k == 1 else "cpu-w8a8")
+    torch.manual_seed(k)
+    qt = quantize_int8(torch.randn(129, k))
+    mm = QuantizedMatmul("w8a8", qt)
+    for rows in (1, 13, 64):
+        x = torch.randn(rows, k)
+        xq, xs = quantize_int8_symmetric(x, dim=1)
+        ref = (xq.long() @ qt.data.long().t()).double() * xs.double() * qt.scales.view(-1).double()
+        y = mm(x).double()
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-6, (mm.path, rows)
+
+
 def test_the_packed_ops_refuse_a_shape_they_cannot_take_instead_of_crashing():
     """The last guard, should a path be forced (``path=``) past select_path: a RuntimeError, not a crash."""
     qt = quantize_int8(torch.randn(64, 36))
