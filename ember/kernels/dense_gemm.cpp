@@ -199,6 +199,13 @@ void grouped_gemm(const typename E::T* x, const int64_t* off, int64_t experts, i
 }  // namespace
 EMBER_FIXED_ORDER_END
 
+// x and w both float32 or both bf16 (the two instantiations of the kernels)
+static void check_float_pair(const char* fn, const torch::Tensor& x, const torch::Tensor& w) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == w.scalar_type() && (t == at::kFloat || t == at::kBFloat16), fn,
+              ": x and w must be both float32 or both bf16, got x ", t, " and w ", w.scalar_type());
+}
+
 // x [M, K] and w [N, K], both float32 or both bf16. Returns y [M, N] in their dtype, every output one fixed-order
 // chain over K whatever M is (batch invariant).
 torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w) {
@@ -206,8 +213,7 @@ torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w) {
   constexpr const char* fn = "dense_gemm";
   cpu(fn, "x", x);
   cpu(fn, "w", w);
-  dtype_in(fn, "x", x, {at::kFloat, at::kBFloat16});
-  same_dtype(fn, "w", w, "x", x);
+  check_float_pair(fn, x, w);
   dims(fn, "x", x, 2, "[M, K]");
   dims(fn, "w", w, 2, "[N, K]");
   size(fn, "w", w, 1, x.size(1), "x's K");
@@ -233,14 +239,13 @@ torch::Tensor grouped_dense_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor
   cpu(fn, "x", x);
   cpu(fn, "w", w);
   cpu(fn, "offsets", offsets);
-  dtype_in(fn, "x", x, {at::kFloat, at::kBFloat16});
-  same_dtype(fn, "w", w, "x", x);
+  check_float_pair(fn, x, w);
   dims(fn, "x", x, 2, "[P, K]");
   dims(fn, "w", w, 3, "[E, N, K]");
   size(fn, "w", w, 2, x.size(1), "x's K");
-  dtype(fn, "offsets", offsets, at::kLong);
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1, fn, ": offsets must be [E + 1] = [",
-              w.size(0) + 1, "], got shape ", offsets.sizes());
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1, fn,
+              ": offsets must be int64 [E + 1] = [", w.size(0) + 1, "], got ", offsets.scalar_type(), " of shape ",
+              offsets.sizes());
   x = x.contiguous();
   auto wc = w.contiguous();
   auto off = offsets.contiguous();

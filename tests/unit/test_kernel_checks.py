@@ -476,8 +476,8 @@ def test_add_rms_norm_rejects(k, case, match):
 
 
 @pytest.mark.parametrize("case,match", [
-    ("x int32", r"dense_gemm: x must be one of Float, BFloat16, got Int"),
-    ("w bf16", r"dense_gemm: w must have x's dtype Float, got BFloat16"),
+    ("x int32", r"dense_gemm: x and w must be both float32 or both bf16, got x Int and w Float"),
+    ("w bf16", r"dense_gemm: x and w must be both float32 or both bf16, got x Float and w BFloat16"),
     ("w on meta", r"dense_gemm: w must be a CPU tensor"),
     ("w K 5", r"dense_gemm: w.size\(1\) must be 6 \(x's K\), got 5"),
     ("x 1 dim", r"dense_gemm: x must be \[M, K\] \(2 dims\)"),
@@ -491,8 +491,8 @@ def test_dense_gemm_rejects(k, case, match):
 
 
 @pytest.mark.parametrize("case,match", [
-    ("offsets int32", r"grouped_dense_gemm: offsets must be Long, got Int"),
-    ("offsets short", r"grouped_dense_gemm: offsets must be \[E \+ 1\] = \[3\], got shape \[2\]"),
+    ("offsets int32", r"grouped_dense_gemm: offsets must be int64 \[E \+ 1\] = \[3\], got Int of shape \[3\]"),
+    ("offsets short", r"grouped_dense_gemm: offsets must be int64 \[E \+ 1\] = \[3\], got Long of shape \[2\]"),
     ("offsets past x", r"grouped_dense_gemm: offsets must run from 0 to the 4 rows of x, got 0 to 9"),
     ("offsets decreasing", r"grouped_dense_gemm: offsets must not decrease, got offsets\[0\] = 0 > offsets\[1\] "
                            r"= -2"),
