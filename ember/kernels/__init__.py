@@ -7,9 +7,13 @@ there), w8a8's per-token quantization and rescale fused around torch's int8 GEMM
 SiLU-and-mul and residual add + RMSNorm (eager torch spends several small ops on each, every layer).
 The AVX512-BF16 kernels compile only where the build machine has the instructions (``has_avx512_bf16()``).
 Every kernel has a torch fallback: no compiler, a CUDA device or EMBER_CPU_KERNELS=0 select it, so the kernels
-are an optimisation, never a requirement. ``emulated_kernels()`` (and EMBER_EMULATE_AVX512=1 for the engine) builds
-the AVX512-BF16 kernels over scalar stand-ins of the instructions (``avx512_emulation.h``), so that a machine
-without AVX-512 can test what they compute.
+are an optimisation, never a requirement. A build that fails is logged as a warning naming what was lost, the
+first lines of the reason and the file with the full output; only build and load errors fall back, a bug in
+ember's own code propagates. Every kernel checks its arguments at entry (``checks.h``: device, dtype, rank, sizes
+agreeing, contiguity where it reads in place, block tables, slots and lengths inside the pool) and raises a
+RuntimeError naming the kernel, the argument and the value before it reads memory.
+``emulated_kernels()`` (and EMBER_EMULATE_AVX512=1 for the engine) builds the AVX512-BF16 kernels over scalar
+stand-ins of the instructions (``avx512_emulation.h``), so that a machine without AVX-512 can test what they compute.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import subprocess
 import threading
+import traceback
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -34,7 +40,7 @@ _failed = False
 _emulated: ModuleType | None = None
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp", "elementwise.cpp",
             "prefill_attention.cpp", "w8a8.cpp", "dense_gemm.cpp")
-_HEADERS = ("avx512_util.h", "avx512_emulation.h", "amx.h")  # part of the cache key only
+_HEADERS = ("avx512_util.h", "avx512_emulation.h", "amx.h", "checks.h")  # part of the cache key only
 _READY = "ready"  # written once a build has loaded: holds the library's path
 # reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the
@@ -44,7 +50,8 @@ _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fa
 
 
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None where it cannot be built (the reason is logged once)."""
+    """The compiled module, or None where it cannot be built here (the reason is logged once, loudly). Only a
+    failed build or load falls back (``KernelBuildError``); a bug in ember's own code propagates."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
@@ -56,10 +63,39 @@ def cpu_kernels() -> ModuleType | None:
             return None
         try:
             _module = _build(envs.emulate_avx512())
-        except Exception as e:  # no compiler, no ninja, headers missing: fall back to torch
+        except KernelBuildError as e:
             _failed = True
-            logger.warning("ember CPU kernels unavailable (%s); using the torch fallback", str(e).splitlines()[0])
+            logger.warning("%s", _lost_message(e))
     return _module
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels cannot be built or loaded on this machine: no compiler or ninja, a compile or link failure, a
+    library that does not load. ``log``: the file holding the full output."""
+
+    def __init__(self, reason: str, log: str | None) -> None:
+        super().__init__(reason)
+        self.log = log
+
+
+# what "cannot build here" raises: torch's builder turns a failed compiler / ninja run into RuntimeError (its
+# output in the message), a missing compiler or an unwritable cache folder is an OSError, a library that does not
+# load is an ImportError; anything else (NameError, TypeError, AttributeError in ember's code) is a bug and propagates
+_BUILD_ERRORS = (RuntimeError, OSError, subprocess.CalledProcessError, ImportError)
+_LOST = ("paged decode / prefill attention, the int4 / int8 / w8a8 GEMMs, the batch-invariant dense GEMM, RoPE, "
+         "K/V writes, SiLU-and-mul and add + RMSNorm")
+
+
+def _lost_message(e: KernelBuildError) -> str:
+    """The warning for a failed build: what was lost, what it costs, why (first lines) and how to fix or silence."""
+    lines = str(e).strip().splitlines() or [type(e.__cause__).__name__]
+    # the first line (torch's: the failing compiler command, long) and the first compiler errors after it
+    errors = [line for line in lines[1:] if "error" in line.lower()][:2] or lines[1:3]
+    reason = "\n    ".join(line if len(line) <= 300 else line[:300] + " ..." for line in [lines[0], *errors])
+    where = f"; full output in {e.log}" if e.log else ""
+    return (f"ember CPU kernels UNAVAILABLE, running torch's fallbacks instead ({_LOST}): decode is about 3x "
+            f"slower. Reason:\n    {reason}{where}\nFix: install a C++ compiler (g++) and ninja, then restart; or "
+            "set EMBER_CPU_KERNELS=0 to choose the torch path and silence this warning.")
 
 
 def emulated_kernels() -> ModuleType:
@@ -89,20 +125,40 @@ def _build(emulate: bool = False) -> ModuleType:
         with open(path, "rb") as f:
             digest.update(f.read())
     name = f"ember_cpu_{digest.hexdigest()[:12]}"
-    build = cache_dir("kernels", name)
-    built = _load_built(build, name)
-    if built is not None:
-        return built
-    from torch.utils.cpp_extension import load
+    build = None
+    try:
+        build = cache_dir("kernels", name)
+        built = _load_built(build, name)
+        if built is not None:
+            return built
+        from torch.utils.cpp_extension import load
 
-    os.makedirs(build, exist_ok=True)
-    with _build_lock(build):
-        logger.info("building ember CPU kernels in %s (once)", build)
-        module = load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=cflags,
-                      extra_ldflags=["-fopenmp"])
-        with open(os.path.join(build, _READY), "w") as f:
-            f.write(module.__file__)
-    return module
+        os.makedirs(build, exist_ok=True)
+        with _build_lock(build):
+            logger.info("building ember CPU kernels in %s (once)", build)
+            module = load(name=name, sources=sources, build_directory=build, verbose=False, extra_cflags=cflags,
+                          extra_ldflags=["-fopenmp"])
+            with open(os.path.join(build, _READY), "w") as f:
+                f.write(module.__file__)
+        return module
+    except _BUILD_ERRORS as e:
+        if isinstance(e, (NotImplementedError, RecursionError)) or (
+                isinstance(e, ImportError) and (e.name or "").split(".")[0] == "ember"):
+            raise  # a bug, or ember's own import (the built library is ember_cpu_<hash>, not ember)
+        log = _write_log(os.path.join(build, "build-error.log"), e) if build else None
+        raise KernelBuildError(f"{type(e).__name__}: {e}", log) from e
+
+
+def _write_log(path: str, e: BaseException) -> str | None:
+    """The full text of a failed build (torch puts the compiler's output in its exception) where the warning can
+    point to it; None where the folder cannot be written either."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("".join(traceback.format_exception(e)))
+        return path
+    except OSError:
+        return None
 
 
 def _load_built(build: str, name: str) -> ModuleType | None:

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "avx512_util.h"
+#include "checks.h"
 
 #ifdef EMBER_AVX512_BF16
 EMBER_FIXED_ORDER_BEGIN
@@ -198,14 +199,24 @@ void grouped_gemm(const typename E::T* x, const int64_t* off, int64_t experts, i
 }  // namespace
 EMBER_FIXED_ORDER_END
 
+// x and w both float32 or both bf16 (the two instantiations of the kernels)
+static void check_float_pair(const char* fn, const torch::Tensor& x, const torch::Tensor& w) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == w.scalar_type() && (t == at::kFloat || t == at::kBFloat16), fn,
+              ": x and w must be both float32 or both bf16, got x ", t, " and w ", w.scalar_type());
+}
+
 // x [M, K] and w [N, K], both float32 or both bf16. Returns y [M, N] in their dtype, every output one fixed-order
 // chain over K whatever M is (batch invariant).
 torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_gemm: x [M, K], w [N, K]");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "dense_gemm: CPU tensors");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "dense_gemm: x and w both float32 or both bf16");
+  using namespace ember_check;
+  constexpr const char* fn = "dense_gemm";
+  cpu(fn, "x", x);
+  cpu(fn, "w", w);
+  check_float_pair(fn, x, w);
+  dims(fn, "x", x, 2, "[M, K]");
+  dims(fn, "w", w, 2, "[N, K]");
+  size(fn, "w", w, 1, x.size(1), "x's K");
   x = x.contiguous();
   auto wc = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = wc.size(0);
@@ -223,22 +234,28 @@ torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w) {
 // from 0 to P, never decreasing); w [E, N, K]. Returns y [P, N], row p = x[p] . w[e]^T for its expert e, the same
 // bits dense_gemm(x[p:p+1], w[e]) gives: a Mixture-of-Experts projection in one call for every expert hit.
 torch::Tensor grouped_dense_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor offsets) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "grouped_dense_gemm: x [P, K], w [E, N, K]");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && offsets.device().is_cpu(),
-              "grouped_dense_gemm: CPU tensors");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "grouped_dense_gemm: x and w both float32 or both bf16");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1,
-              "grouped_dense_gemm: offsets int64 [E + 1]");
+  using namespace ember_check;
+  constexpr const char* fn = "grouped_dense_gemm";
+  cpu(fn, "x", x);
+  cpu(fn, "w", w);
+  cpu(fn, "offsets", offsets);
+  check_float_pair(fn, x, w);
+  dims(fn, "x", x, 2, "[P, K]");
+  dims(fn, "w", w, 3, "[E, N, K]");
+  size(fn, "w", w, 2, x.size(1), "x's K");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1, fn,
+              ": offsets must be int64 [E + 1] = [", w.size(0) + 1, "], got ", offsets.scalar_type(), " of shape ",
+              offsets.sizes());
   x = x.contiguous();
   auto wc = w.contiguous();
   auto off = offsets.contiguous();
   const int64_t P = x.size(0), K = x.size(1), E = wc.size(0), N = wc.size(1);
   const int64_t* o = off.data_ptr<int64_t>();
-  TORCH_CHECK(o[0] == 0 && o[E] == P, "grouped_dense_gemm: offsets must run from 0 to the ", P, " rows of x");
+  TORCH_CHECK(o[0] == 0 && o[E] == P, fn, ": offsets must run from 0 to the ", P, " rows of x, got ", o[0], " to ",
+              o[E]);
   for (int64_t e = 0; e < E; ++e)
-    TORCH_CHECK(o[e + 1] >= o[e], "grouped_dense_gemm: offsets must not decrease (expert ", e, ")");
+    TORCH_CHECK(o[e + 1] >= o[e], fn, ": offsets must not decrease, got offsets[", e, "] = ", o[e], " > offsets[",
+                e + 1, "] = ", o[e + 1]);
   auto y = torch::empty({P, N}, x.options());
   if (P == 0 || N == 0) return y;
   if (K == 0) return y.zero_();

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "avx512_util.h"
+#include "checks.h"
 
 namespace {
 
@@ -51,10 +52,24 @@ static void rotary_bf16(c10::BFloat16* xp, const c10::BFloat16* cp, const c10::B
 // x [T, H, D] (any row stride; heads and dims contiguous) rotated in place by rotate-half RoPE with cos/sin [T, D]:
 // x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype (as eager).
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, H, D], heads contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
-              sin.sizes() == cos.sizes(), "cos/sin must be contiguous [T, D]");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtype mismatch");
+  using namespace ember_check;
+  constexpr const char* fn = "rotary_";
+  cpu(fn, "x", x);
+  cpu(fn, "cos", cos);
+  cpu(fn, "sin", sin);
+  dtype_in(fn, "x", x, {at::kFloat, at::kBFloat16, at::kHalf});
+  same_dtype(fn, "cos", cos, "x", x);
+  same_dtype(fn, "sin", sin, "x", x);
+  dims(fn, "x", x, 3, "[T, H, D]");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2) && x.stride(0) >= 0, fn,
+              ": x's heads must be contiguous (strides [>= 0, D, 1]), got strides ", x.strides(), " for shape ",
+              x.sizes());
+  TORCH_CHECK(x.size(2) % 2 == 0, fn, ": x's head_dim must be even (rotate-half), got ", x.size(2));
+  contiguous(fn, "cos", cos);
+  contiguous(fn, "sin", sin);
+  TORCH_CHECK(cos.numel() == x.size(0) * x.size(2), fn, ": cos must be [T, D] = [", x.size(0), ", ", x.size(2),
+              "], got shape ", cos.sizes());
+  TORCH_CHECK(sin.sizes() == cos.sizes(), fn, ": sin must have cos's shape ", cos.sizes(), ", got ", sin.sizes());
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, stride = x.stride(0);
 #ifdef EMBER_AVX512_BF16
   if (x.scalar_type() == at::kBFloat16 && half % 16 == 0) {
@@ -91,13 +106,33 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // k, v [T, Hkv, D] (rows may be strided: views into the QKV output) -> the pools [num_blocks * block_size, Hkv, D]
 // at slots [T], both in one pass (eager torch runs two index_copy_ calls a layer).
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "pools");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && slots.scalar_type() == torch::kLong, "k/v");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(), "dtype");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
-              "heads of a row must be contiguous");
+  using namespace ember_check;
+  constexpr const char* fn = "write_kv_";
+  cpu(fn, "k_cache", k_cache);
+  cpu(fn, "v_cache", v_cache);
+  cpu(fn, "k", k);
+  cpu(fn, "v", v);
+  cpu(fn, "slots", slots);
+  contiguous(fn, "k_cache", k_cache);
+  contiguous(fn, "v_cache", v_cache);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), fn, ": v_cache must have k_cache's shape ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  same_dtype(fn, "v_cache", v_cache, "k_cache", k_cache);
+  same_dtype(fn, "k", k, "k_cache", k_cache);
+  same_dtype(fn, "v", v, "k_cache", k_cache);
+  dims(fn, "k", k, 3, "[T, kv_heads, head_dim]");
+  TORCH_CHECK(v.sizes() == k.sizes(), fn, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2), fn,
+              ": the heads of a k/v row must be contiguous (strides [any, D, 1]), got ", k.strides(), " and ",
+              v.strides());
+  TORCH_CHECK(k_cache.dim() >= 3 && k_cache.size(-2) == k.size(1) && k_cache.size(-1) == k.size(2), fn,
+              ": k_cache must end in k's [kv_heads, head_dim] = [", k.size(1), ", ", k.size(2), "], got shape ",
+              k_cache.sizes());
+  dtype(fn, "slots", slots, torch::kLong);
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0), fn, ": slots must be [", k.size(0),
+              "] (one slot a row of k), got shape ", slots.sizes());
   const int64_t T = k.size(0), row = k.size(1) * k.size(2), elem = k.element_size();
-  TORCH_CHECK(k_cache.numel() % row == 0, "pool rows");
+  if (T == 0 || row == 0) return;
   auto sl = slots.contiguous();
   const int64_t* s = sl.data_ptr<int64_t>();
   char* kc = static_cast<char*>(k_cache.data_ptr());
@@ -105,7 +140,8 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   const int64_t rows = k_cache.numel() / row;
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < rows, "slot out of range");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < rows, fn, ": slots[", t, "] = ", s[t], " is outside the pool's ", rows, " slots");
   at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       std::memcpy(kc + s[t] * row * elem, kp + t * k.stride(0) * elem, row * elem);
@@ -119,8 +155,14 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
 // product as eager rounds it. The exp is Cephes' (within 2 ulp of float32's), so a result can differ from eager's
 // in the last bf16 bit where the float32 silu lands on a rounding boundary.
 torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == at::kBFloat16 &&
-              gate_up.size(1) % 32 == 0, "gate_up must be contiguous bf16 [rows, 2I], I % 16 == 0");
+  using namespace ember_check;
+  constexpr const char* fn = "silu_and_mul_bf16";
+  cpu(fn, "gate_up", gate_up);
+  dtype(fn, "gate_up", gate_up, at::kBFloat16);
+  dims(fn, "gate_up", gate_up, 2, "[rows, 2I]");
+  contiguous(fn, "gate_up", gate_up);
+  TORCH_CHECK(gate_up.size(1) % 32 == 0, fn, ": gate_up's width 2I must be a multiple of 32 (I % 16 == 0), got ",
+              gate_up.size(1));
   using namespace ember_avx512;
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto out = torch::empty({rows, inter}, gate_up.options());

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "avx512_util.h"
+#include "checks.h"
 #ifdef __FMA__
 #include <immintrin.h>
 #endif
@@ -501,6 +502,45 @@ bool avx512_attention(at::ScalarType dtype, int64_t d) {
 #endif
 }
 
+// The checks decode and prefill share: q [T, Hq, D] and the pools [num_blocks, block_size, Hkv, D], CPU, one float
+// dtype, contiguous pools (read in place), Hq a multiple of Hkv.
+void check_paged_pool(const char* fn, const torch::Tensor& q, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache) {
+  using namespace ember_check;
+  cpu(fn, "q", q);
+  cpu(fn, "k_cache", k_cache);
+  cpu(fn, "v_cache", v_cache);
+  dtype_in(fn, "q", q, {at::kFloat, at::kBFloat16, at::kHalf});
+  same_dtype(fn, "k_cache", k_cache, "q", q);
+  same_dtype(fn, "v_cache", v_cache, "q", q);
+  dims(fn, "q", q, 3, "[tokens, query_heads, head_dim]");
+  dims(fn, "k_cache", k_cache, 4, "[num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), fn, ": v_cache must have k_cache's shape ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  contiguous(fn, "k_cache", k_cache);
+  contiguous(fn, "v_cache", v_cache);
+  positive(fn, "block_size (k_cache.size(1))", k_cache.size(1));
+  positive(fn, "kv_heads (k_cache.size(2))", k_cache.size(2));
+  size(fn, "q", q, 2, k_cache.size(3), "k_cache's head_dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, fn, ": q's ", q.size(1), " query heads must be a multiple of the ",
+              k_cache.size(2), " KV heads");
+}
+
+// Every block a sequence reads (the first ceil(len / block_size) of its table row) inside the pool, every length
+// within its table: one pass over the small index tensors before any K/V row is addressed.
+void check_block_tables(const char* fn, const int64_t* tables, const int64_t* lens, int64_t n, int64_t max_blocks,
+                        int64_t bs, int64_t num_blocks) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = lens[i];
+    TORCH_CHECK(len >= 0 && len <= max_blocks * bs, fn, ": context_lens[", i, "] = ", len, " is outside 0..",
+                max_blocks * bs, " (", max_blocks, " table entries of ", bs, " tokens)");
+    const int64_t* row = tables + i * max_blocks;
+    for (int64_t j = 0, used = (len + bs - 1) / bs; j < used; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, fn, ": block_tables[", i, ", ", j, "] = ", row[j],
+                  " is outside the pool of ", num_blocks, " blocks");
+  }
+}
+
 // q [nd, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [nd, max_blocks] int64;
 // context_lens [nd] int64; window <= 0: full attention. Returns [nd, Hq, D]. invariant: each row computed exactly
 // as paged_prefill_attention computes the same query (batch invariance); false: the bf16 decode kernel above,
@@ -508,23 +548,25 @@ bool avx512_attention(at::ScalarType dtype, int64_t d) {
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t window,
                                      double scale, bool invariant) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong, "int64 index");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
-              "one block table and one context length a query");
+  check_paged_pool("paged_decode_attention", q, k_cache, v_cache);
+  using namespace ember_check;
+  constexpr const char* fn = "paged_decode_attention";
+  cpu(fn, "block_tables", block_tables);
+  cpu(fn, "context_lens", context_lens);
+  dtype(fn, "block_tables", block_tables, torch::kLong);
+  dtype(fn, "context_lens", context_lens, torch::kLong);
+  dims(fn, "block_tables", block_tables, 2, "[num_queries, max_blocks]");
+  size(fn, "block_tables", block_tables, 0, q.size(0), "one table a query");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0), fn, ": context_lens must be [",
+              q.size(0), "] (one length a query), got shape ", context_lens.sizes());
   q = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
   const int64_t nd = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), hkv = k_cache.size(2);
-  TORCH_CHECK(hq % hkv == 0, "query heads must be a multiple of KV heads");
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < nd; ++i)
-    TORCH_CHECK(lp[i] >= 0 && lp[i] <= tables.size(1) * bs, "context length ", lp[i], " outside the block table");
+  check_block_tables(fn, tables.data_ptr<int64_t>(), lp, nd, tables.size(1), bs, k_cache.size(0));
 #ifdef EMBER_AVX512_BF16
   if (avx512_attention(q.scalar_type(), d)) {
     const auto* qp = q.data_ptr<c10::BFloat16>();

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "avx512_util.h"
+#include "checks.h"
 
 #ifdef EMBER_AVX512_BF16
 EMBER_FIXED_ORDER_BEGIN
@@ -318,6 +319,8 @@ void decode_bf16_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, cons
 #endif
 
 bool avx512_attention(at::ScalarType dtype, int64_t d);
+void check_paged_pool(const char* fn, const torch::Tensor& q, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache);
 torch::Tensor paged_prefill_attention_portable(const torch::Tensor& q, const torch::Tensor& k_cache,
                                                const torch::Tensor& v_cache, const torch::Tensor& table,
                                                int64_t context_len, int64_t window, double scale);
@@ -329,19 +332,21 @@ torch::Tensor paged_prefill_attention_portable(const torch::Tensor& q, const tor
 // computes a query exactly as paged_decode_attention (invariant) does.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.dim() == 1, "int64 block table");
-  const int64_t D = q.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && q.size(1) % k_cache.size(2) == 0, "head shapes");
-  TORCH_CHECK(context_len >= q.size(0) && block_table.numel() * k_cache.size(1) >= context_len, "context");
+  constexpr const char* fn = "paged_prefill_attention";
+  check_paged_pool(fn, q, k_cache, v_cache);
+  ember_check::cpu(fn, "block_table", block_table);
+  ember_check::dtype(fn, "block_table", block_table, torch::kLong);
+  ember_check::dims(fn, "block_table", block_table, 1, "[blocks]");
+  const int64_t D = q.size(2), bs = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(context_len >= q.size(0) && context_len <= block_table.numel() * bs, fn, ": context_len = ",
+              context_len, " must cover the chunk's ", q.size(0), " queries and fit the block table's ",
+              block_table.numel(), " blocks of ", bs, " tokens");
   q = q.contiguous();
   auto table = block_table.contiguous();
   const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t used = (context_len + k_cache.size(1) - 1) / k_cache.size(1);
-  for (int64_t i = 0; i < used; ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "block ", tp[i], " outside the pool");
+  for (int64_t i = 0, used = (context_len + bs - 1) / bs; i < used; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, fn, ": block_table[", i, "] = ", tp[i], " is outside the pool of ",
+                num_blocks, " blocks");
   if (!avx512_attention(q.scalar_type(), D))
     return paged_prefill_attention_portable(q, k_cache, v_cache, table, context_len, window, scale);
 #ifdef EMBER_AVX512_BF16

@@ -20,6 +20,7 @@
 
 #include "amx.h"
 #include "avx512_util.h"
+#include "checks.h"
 
 #ifdef EMBER_AVX512_BF16
 EMBER_FIXED_ORDER_BEGIN
@@ -959,6 +960,23 @@ void int8_gemm_inv(const c10::BFloat16* xp, int64_t M, int64_t K, const int8_t* 
 EMBER_FIXED_ORDER_END
 #endif
 
+// x bf16 [M, K], w int8 [N, K], scales float32 [N], all on the CPU: what both int8 GEMMs read.
+[[maybe_unused]] static void check_int8_args(const char* fn, const torch::Tensor& x, const torch::Tensor& w,
+                                             const torch::Tensor& scales) {
+  using namespace ember_check;
+  cpu(fn, "x", x);
+  cpu(fn, "w", w);
+  cpu(fn, "scales", scales);
+  dtype(fn, "x", x, at::kBFloat16);
+  dtype(fn, "w", w, at::kChar);
+  dtype(fn, "scales", scales, at::kFloat);
+  dims(fn, "x", x, 2, "[M, K]");
+  dims(fn, "w", w, 2, "[N, K]");
+  size(fn, "w", w, 1, x.size(1), "x's K");
+  TORCH_CHECK(scales.numel() == w.size(0), fn, ": scales must hold one scale a weight row, ", w.size(0),
+              ", got shape ", scales.sizes());
+}
+
 bool has_amx() {
 #ifdef EMBER_AMX
   return ember_amx::granted();
@@ -984,18 +1002,30 @@ bool has_avx512_bf16() {
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
                         bool amx) {
 #ifdef EMBER_AVX512_BF16
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.dim() == 4 && scale_zeros.size(2) == NB &&
-                  scale_zeros.size(3) == 2,
-              "scale_zeros bf16 [N/64, G, 64, 2]");
+  using namespace ember_check;
+  constexpr const char* fn = "int4_gemm";
+  cpu(fn, "x", x);
+  cpu(fn, "w", w);
+  cpu(fn, "scale_zeros", scale_zeros);
+  dtype(fn, "x", x, at::kBFloat16);
+  dtype(fn, "w", w, at::kByte);
+  dtype(fn, "scale_zeros", scale_zeros, at::kBFloat16);
+  dims(fn, "x", x, 2, "[M, K]");
+  dims(fn, "scale_zeros", scale_zeros, 4, "[N/64, K/group, 64, 2]");
+  size(fn, "scale_zeros", scale_zeros, 2, NB, "64 output rows a block");
+  size(fn, "scale_zeros", scale_zeros, 3, 2, "a (scale, zero) pair");
   x = x.contiguous();
   const int64_t K = x.size(1), N = scale_zeros.size(0) * NB;
-  TORCH_CHECK(group % 4 == 0 && K % group == 0 && scale_zeros.size(1) == K / group && w.numel() == N * K / 2,
-              "int4_gemm: bad shapes");
+  TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, fn, ": group = ", group,
+              " must be a positive multiple of 4 that divides x's K = ", K);
+  size(fn, "scale_zeros", scale_zeros, 1, K / group, "K / group");
+  TORCH_CHECK(w.numel() == N * K / 2, fn, ": w must hold N * K / 2 = ", N * K / 2, " bytes (N = ", N,
+              " from scale_zeros, K = ", K, " from x), got shape ", w.sizes());
   auto wc = w.contiguous();
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
+  if (x.size(0) == 0) return torch::empty({0, N}, x.options());
 #ifdef EMBER_AMX
   if (amx && group % 32 == 0 && group <= 128 && ember_amx::granted()) {
     auto y = torch::empty({x.size(0), N}, x.options());
@@ -1022,13 +1052,14 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
 // N % 64 == 0 and an even K).
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant) {
 #ifdef EMBER_AVX512_BF16
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  TORCH_CHECK(w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat, "int8 weight, float32 scales");
+  using namespace ember_check;
+  constexpr const char* fn = "int8_gemm";
+  check_int8_args(fn, x, w, scales);
   x = x.contiguous();
   const int64_t K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && scales.numel() == N, "int8_gemm: bad shapes");
-  TORCH_CHECK(invariant || x.size(0) <= INT8_ROWS_MAX || (N % NB == 0 && K % 2 == 0),
-              "int8_gemm: panels need N % 64, even K");
+  TORCH_CHECK(invariant || x.size(0) <= INT8_ROWS_MAX || (N % NB == 0 && K % 2 == 0), fn,
+              ": the panels (invariant=False, more than ", INT8_ROWS_MAX, " rows) need N % 64 == 0 and an even K, "
+              "got N = ", N, ", K = ", K);
   auto wc = w.contiguous();
   auto sc = scales.contiguous();
   const int8_t* wp = wc.data_ptr<int8_t>();
@@ -1039,6 +1070,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, 
       int8_gemm_inv(x.data_ptr<c10::BFloat16>(), M, K, wp, sc.data_ptr<float>(), N, y.data_ptr<c10::BFloat16>());
     return y;
   }
+  if (M == 0) return torch::empty({M, N}, x.options());
   if (M <= INT8_ROWS_MAX) {
     auto y = torch::empty({M, N}, x.options());
     const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
@@ -1065,13 +1097,15 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, 
 torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales) {
 #ifdef EMBER_AMX
   TORCH_CHECK(ember_amx::granted(), "int8_exact_gemm needs AMX (has_amx())");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && row_sums.scalar_type() == at::kInt &&
-                  scales.scalar_type() == at::kFloat, "int8 weight [N, K], int32 row sums, float32 scales");
+  constexpr const char* fn = "int8_exact_gemm";
+  check_int8_args(fn, x, w, scales);
+  ember_check::cpu(fn, "row_sums", row_sums);
+  ember_check::dtype(fn, "row_sums", row_sums, at::kInt);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && row_sums.numel() == N && scales.numel() == N && K > 0 && K < 65536,
-              "int8_exact_gemm: bad shapes (K must be 1 to 65535)");
+  TORCH_CHECK(row_sums.numel() == N, fn, ": row_sums must hold one sum a weight row, ", N, ", got shape ",
+              row_sums.sizes());
+  TORCH_CHECK(K > 0 && K < 65536, fn, ": K must be 1 to 65535 (the limb sums stay in int32), got ", K);
   auto wc = w.contiguous();
   auto rs = row_sums.contiguous();
   auto sc = scales.contiguous();

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "avx512_util.h"
+#include "checks.h"
 
 namespace {
 
@@ -68,12 +69,24 @@ void add_rms_norm_kernel(T* x, T* residual, const T* w, int64_t rows, int64_t di
 // x [rows, dim] (overwritten with the normed result); residual [rows, dim] or undefined: when given,
 // residual <- x + residual first and the norm is taken of that sum.
 void add_rms_norm_(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "weight mismatch");
+  using namespace ember_check;
+  constexpr const char* fn = "add_rms_norm_";
+  cpu(fn, "x", x);
+  cpu(fn, "weight", weight);
+  dtype_in(fn, "x", x, {at::kFloat, at::kBFloat16, at::kHalf});
+  same_dtype(fn, "weight", weight, "x", x);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, fn, ": x must be [..., dim] with dim >= 1, got shape ", x.sizes());
+  contiguous(fn, "x", x);
+  contiguous(fn, "weight", weight);
+  TORCH_CHECK(weight.numel() == x.size(-1), fn, ": weight must hold x's dim = ", x.size(-1), " values, got shape ",
+              weight.sizes());
   const bool add = residual.has_value();
   if (add) {
-    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
-                residual->scalar_type() == x.scalar_type(), "residual mismatch");
+    cpu(fn, "residual", *residual);
+    same_dtype(fn, "residual", *residual, "x", x);
+    TORCH_CHECK(residual->sizes() == x.sizes(), fn, ": residual must have x's shape ", x.sizes(), ", got ",
+                residual->sizes());
+    contiguous(fn, "residual", *residual);
   }
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {

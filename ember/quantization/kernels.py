@@ -26,9 +26,14 @@ Batch invariance (``batch_invariant=True``, the default; docs/batch_invariance.m
 depend on the rows beside it, so a path never switches kernels by row count: ember's kernels run their invariant
 variants at every row count, and without them torch's packed ops serve every row count (their rows are independent;
 measured on AVX2) instead of switching to a dense matmul at DENSE_MIN_ROWS (that dense matmul, with
-batch_invariant=False, runs in float32 where the CPU has no native bf16 matmul). ember's int4 kernel reads its own 64-row
-pack (``pack_cpu_int4``), which is torch's on AVX512 CPUs; torch's pack follows the CPU (32 rows on AVX2), so the
-dense path unpacks with the block found on the machine (``torch_int4_block_rows``).
+batch_invariant=False, runs in float32 where the CPU has no native bf16 matmul). ember's int4 kernel reads its own
+64-row pack (``pack_cpu_int4``), which is torch's on AVX512 CPUs; torch's pack follows the CPU (32 rows on AVX2), so
+the dense path unpacks with the block found on the machine (``torch_int4_block_rows``).
+torch's packed ops check little and some crash on shapes they do not take, so ``select_path`` picks a path only where
+its kernel's preconditions hold, at load: ``_weight_int8pack_mm`` only for K % 16 == 0 (other K segfault or return
+garbage), ``_weight_int4pack_mm_for_cpu`` only for groups of 32-256, ``torch._int_mm`` only for K >= 2 (K = 1 gives
+wrong products); a weight outside them runs ember's kernel (any K; int4 groups a multiple of 4) or the portable
+path, so such a model still loads and runs.
 The CUDA paths have not yet run on a GPU in this project's sessions, so the first weight of each CUDA path in a
 process is checked against the portable result on a random input; a kernel that fails or disagrees is logged
 and that path is not used again in the process (its weights run the portable path).
@@ -58,6 +63,12 @@ EMBER_INT8_MIN_ROWS = 5  # from 5 rows the int8 panels beat torch's op (49152x57
 EMBER_INT8_ROWS_MAX = 4  # up to 4 rows ember's kernel dots the weight rows as they lie: 1.2-2.5x torch's op (below)
 _INT4_BLOCK_N = 64  # ember's CPU int4 pack interleaves 64 output rows; other row counts take the portable path
 _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more than 16 rows
+# torch's _weight_int8pack_mm (CPU, torch 2.13, AVX512) reads K 16 values at a time with no tail and checks nothing:
+# other K crash the process or return garbage (measured: K 12, 36, 70 segfault; K 8, 24 give inf; K 1000 an 8%
+# error), so only K % 16 == 0 reaches it (CUDA: the same bound, unverified there).
+TORCH_INT8PACK_K_MULTIPLE = 16
+TORCH_INT4_GROUPS = (32, 64, 128, 256)  # _weight_int4pack_mm_for_cpu raises at the call for any other group
+INT_MM_MIN_K = 2  # torch._int_mm on CPU (torch 2.13) returns wrong products for K = 1, at every row count
 _CHECKED: dict[tuple[str, str], bool] = {}  # (path, device) -> whether its self-check passed
 
 
@@ -75,24 +86,40 @@ def _has_kernel(op: str, key: str) -> bool:
 
 
 def select_path(method: str, device: torch.device, n: int, k: int, group_size: int) -> str:
-    """The fastest path this device and shape allow (``portable`` when none does)."""
+    """The fastest path this device and shape allow (``portable`` when none does). A path is only chosen where its
+    kernel's preconditions hold for the shape (``_torch_int8pack_ok``, ``_cpu_int4_ok``), so a model whose widths
+    torch's packed ops do not take still loads and runs, on the portable path."""
     if device.type == "cpu":
-        if method == "int4" and _has_kernel("_weight_int4pack_mm_for_cpu", "CPU") and n % _INT4_BLOCK_N == 0:
+        if method == "int4" and _has_kernel("_weight_int4pack_mm_for_cpu", "CPU") and _cpu_int4_ok(n, k, group_size):
             return "cpu-int4"
-        if method == "int8" and _has_kernel("_weight_int8pack_mm", "CPU"):
+        if method == "int8" and _has_kernel("_weight_int8pack_mm", "CPU") and (
+                _torch_int8pack_ok(k) or _ember_gemm() is not None):  # ember's int8 kernels take any K
             return "cpu-int8"
-        if method == "w8a8" and _has_kernel("_int_mm", "CPU"):
+        if method == "w8a8" and _has_kernel("_int_mm", "CPU") and k >= INT_MM_MIN_K:
             return "cpu-w8a8"
     elif device.type == "cuda":
         if (method == "int4" and _has_kernel("_weight_int4pack_mm", "CUDA")
                 and torch.cuda.get_device_capability(device) >= (8, 0) and n % 8 == 0 and k % 32 == 0
                 and group_size in (32, 64, 128, 256)):
             return "cuda-int4"
-        if method == "int8" and _has_kernel("_weight_int8pack_mm", "CUDA"):
+        if method == "int8" and _has_kernel("_weight_int8pack_mm", "CUDA") and _torch_int8pack_ok(k):
             return "cuda-int8"
         if method == "w8a8" and _has_kernel("_int_mm", "CUDA") and n % 8 == 0 and k % 8 == 0:
             return "cuda-w8a8"
     return "portable"
+
+
+def _torch_int8pack_ok(k: int) -> bool:
+    """Whether torch's ``_weight_int8pack_mm`` may be called with this K (TORCH_INT8PACK_K_MULTIPLE)."""
+    return k % TORCH_INT8PACK_K_MULTIPLE == 0
+
+
+def _cpu_int4_ok(n: int, k: int, group_size: int) -> bool:
+    """The CPU int4 path's shapes: 64-row blocks, and a group that the kernel it will run takes (ember's: a multiple
+    of 4; torch's packed op: TORCH_INT4_GROUPS), dividing K."""
+    if n % _INT4_BLOCK_N or group_size <= 0 or k % group_size:
+        return False
+    return group_size in TORCH_INT4_GROUPS or (_ember_gemm() is not None and group_size % 4 == 0)
 
 
 @functools.cache
@@ -299,6 +326,9 @@ class _Int8PackPath(_WeightOnlyPath):
         self.w, self.s = qt.data.contiguous(), qt.scales.view(-1).bfloat16()  # the op's scale dtype is x's
 
     def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        if not _torch_int8pack_ok(self.k):  # select_path keeps such weights off this op; it would crash the process
+            raise RuntimeError(f"_weight_int8pack_mm cannot take K={self.k} (a multiple of "
+                               f"{TORCH_INT8PACK_K_MULTIPLE} only)")
         return torch.ops.aten._weight_int8pack_mm(xb, self.w, self.s)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -326,8 +356,9 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
         if self.row_sums is not None:
             return kernels.int8_exact_gemm(xb, self.w, self.row_sums, self.s32)
-        if not self.invariant and self.n % _INT4_BLOCK_N and xb.shape[0] > EMBER_INT8_ROWS_MAX:  # 64-row panels
-            return self.packed_mm(xb)
+        if not self.invariant and xb.shape[0] > EMBER_INT8_ROWS_MAX and (self.n % _INT4_BLOCK_N or self.k % 2):
+            # no 64-row panels for this shape: torch's op where it takes K, else the invariant kernel
+            return self.packed_mm(xb) if _torch_int8pack_ok(self.k) else kernels.int8_gemm(xb, self.w, self.s32)
         return kernels.int8_gemm(xb, self.w, self.s32, self.invariant)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -367,6 +398,9 @@ class CpuInt4Path(_CpuWeightOnly):
             self.s = _scale_zeros(qt)
 
     def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        if self.group_size not in TORCH_INT4_GROUPS:  # select_path keeps such weights on ember's kernel
+            raise RuntimeError(f"_weight_int4pack_mm_for_cpu cannot take groups of {self.group_size} (one of "
+                               f"{TORCH_INT4_GROUPS})")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w, self.group_size, self.s)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
