@@ -17,6 +17,12 @@ Two policies (TensorRT-LLM's names):
 
 A sequence that cannot get a block even with every other sequence preempted can never finish: it is given up and
 ends with finish_reason "interrupted", keeping what it generated.
+
+LoRA: a prompt whose adapter finds no slot (every slot holds an adapter that running sequences use) keeps its place
+and the prompts behind it are still admitted, in order, when they need no adapter or a resident one (vLLM skips
+such requests the same way). So that it is not starved, one in-use slot is drained for it: the least recently used
+one when the first prompt is passed over; no prompt behind it is admitted with that slot's adapter until it has
+its slot. Its wait is thus bounded by the running sequences of one adapter, which all end.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class Scheduler:
         self.encoder = encoder  # vision-language models: the step's encoder budget and the workers' encodings
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.draining: int | None = None  # LoRA: the adapter whose slot a passed-over prompt waits for
         self.num_preemptions = 0
         self.num_interrupted = 0
 
@@ -164,13 +171,15 @@ class Scheduler:
                 return
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
-        """Admit waiting prompts in order while seats, budget, blocks and adapter slots allow; the budget left."""
+        """Admit waiting prompts in order while seats, budget and blocks allow, passing over (in place) those whose
+        adapter has no slot (the module's LoRA rule); the budget left."""
         seats = sum(s.seats() for s in self.running)
         reserved = self._reserved() if self.policy == "guaranteed_no_evict" else 0
-        while self.waiting:
-            seq = self.waiting[0]
+        i, passed = 0, False  # the queue position looked at; whether a prompt was passed over for its adapter
+        while i < len(self.waiting):
+            seq = self.waiting[i]
             if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:  # grew past the whole pool while preempted
-                self.waiting.popleft()
+                del self.waiting[i]
                 self._interrupt(seq, batch)
                 continue
             # prompt blocks already in the prefix cache; prompt logprobs and pooling (a mean reads every
@@ -183,8 +192,14 @@ class Scheduler:
                 break
             lora_id = seq.request.lora_id if self.loras is not None else 0
             in_use = {s.request.lora_id for s in self.running} if lora_id else set()
-            if lora_id and not self.loras.can_take(lora_id, in_use):
-                break  # every slot holds an adapter that running sequences use: first come, first served
+            if lora_id and (passed and lora_id == self.draining or not self.loras.can_take(lora_id, in_use)):
+                # every slot holds an adapter that running sequences use, or this one's slot is drained for a prompt
+                # ahead: it keeps its place; the first prompt passed over has a slot drained for it
+                if not passed and self.draining not in in_use:
+                    self.draining = self.loras.least_recent(in_use)
+                passed = True
+                i += 1
+                continue
             taken = self.bm.blocks_to_take(hit) if hit else 0
             if self.policy == "guaranteed_no_evict":  # the free blocks it takes now plus all it may take later
                 need = taken + self._reserve(seq) - (hit.num_blocks if hit else 0)
@@ -193,7 +208,7 @@ class Scheduler:
             new_blocks = self.bm.blocks_for(start + n) - len(seq.block_table) - (hit.num_blocks if hit else 0)
             if not self.bm.can_allocate(new_blocks + taken):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if hit is not None:
                 device, host = self.bm.take_cached(seq, hit)
                 seq.num_computed_tokens = device + host
@@ -215,6 +230,8 @@ class Scheduler:
             seats += seq.seats()
             if self.policy == "guaranteed_no_evict":
                 reserved += self._reserve(seq)  # what it may still take, next to the blocks it holds now
+        if not passed:
+            self.draining = None
         return budget
 
     def _victim(self) -> Sequence:
