@@ -159,12 +159,20 @@ class Scheduler:
     def _unblock(self, batch: ScheduledBatch, budget: int) -> None:
         """Nothing runs and a prompt waits: the running sequences are beams that answered and wait for siblings that
         cannot get blocks (two searches can hold the pool so, each waiting on the other). Such beams are preempted,
-        other requests' first, most recent first, each behind the queue's head, until the head is admitted; their
-        answers stay with their search, which recomputes the KV its next beams need."""
+        other requests' first, most recent first, each behind the queue's head and its waiting siblings, until the
+        head is admitted; their answers stay with their search, which recomputes the KV its next beams need. The
+        siblings move up behind the head first: put right behind the head, a victim would be the next head, and two
+        searches could take turns for ever, each preempting the other's answered beam before its own second beam
+        got a turn."""
         head = self.waiting[0].request
+        siblings = [s for s in self.waiting if s.request is head]
+        for s in siblings[1:]:
+            self.waiting.remove(s)
+        for at, s in enumerate(siblings[1:], start=1):
+            self.waiting.insert(at, s)
         idle = [s for s in reversed(self.running) if _answered(s)]
         for victim in [s for s in idle if s.request is not head] + [s for s in idle if s.request is head]:
-            self._preempt(victim, at=1)
+            self._preempt(victim, at=len(siblings))
             batch.preempted.append(victim)
             self._admit(batch, budget)
             if batch.seqs or batch.interrupted:
