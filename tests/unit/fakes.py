@@ -22,14 +22,15 @@ __all__ = ["EOS", "ScriptedExecutor", "add", "default_script", "make_core", "req
 def make_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int = 256,
               max_num_batched_tokens: int = 256, chunked_prefill: bool = True, prefix_caching: bool = True,
               policy: str = "max_utilization", script: Callable[[SamplingRow], int] = default_script,
-              speculative: SpeculativeConfig | None = None, max_loras: int = 0) -> EngineCore:
+              speculative: SpeculativeConfig | None = None, max_loras: int = 0,
+              num_host_blocks: int = 0) -> EngineCore:
     """An engine core over a ``ScriptedExecutor`` (``core.executor``) with these limits; max_loras > 0: that many
-    adapter slots (the scripted worker loads nothing)."""
+    adapter slots (the scripted worker loads nothing); num_host_blocks: a host tier for evicted prefix blocks."""
     sched, resolved = scripted_configs(max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
                                        chunked_prefill, prefix_caching, policy)
     model = dataclasses.replace(resolved.model, lora=LoRAConfig(max_loras, 8)) if max_loras else resolved.model
     resolved = dataclasses.replace(resolved, speculative=speculative, model=model)
-    return EngineCore(ScriptedExecutor(num_blocks, block_size, script=script), sched, resolved)
+    return EngineCore(ScriptedExecutor(num_blocks, block_size, num_host_blocks, script), sched, resolved)
 
 
 def request(request_id: str, prompt: list[int], max_model_len: int = 256, lora_id: int = 0,

@@ -48,17 +48,17 @@ class CoreMachine(RuleBasedStateMachine):
         self.ended: set[str] = set()
         self.requests: dict[str, object] = {}  # every core request ever added, ended ones too
 
-    @initialize(num_blocks=st.integers(3, 24), max_loras=st.sampled_from([0, 1, 2]), caching=st.booleans(),
+    @initialize(num_blocks=st.integers(3, 20), max_loras=st.sampled_from([0, 1, 2]), caching=st.booleans(),
                 chunked=st.booleans(), budget=st.sampled_from([16, 64]), max_num_seqs=st.integers(1, 6),
                 policy=st.sampled_from(["max_utilization", "max_utilization", "guaranteed_no_evict"]),
-                speculative=st.booleans())
-    def start(self, num_blocks, max_loras, caching, chunked, budget, max_num_seqs, policy, speculative) -> None:
+                speculative=st.booleans(), host=st.sampled_from([0, 0, 6]))
+    def start(self, num_blocks, max_loras, caching, chunked, budget, max_num_seqs, policy, speculative, host) -> None:
         spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2) \
             if speculative else None
         self.core = make_core(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
                               max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget if chunked else 64,
                               chunked_prefill=chunked, prefix_caching=caching, policy=policy, script=script,
-                              speculative=spec, max_loras=max_loras)
+                              speculative=spec, max_loras=max_loras, num_host_blocks=host)
         # the front end's check of what may be queued at all (the pool can never hold it: refused before queueing)
         self.fits = SimpleNamespace(info=self.core.model_info, window=None)
 
@@ -121,10 +121,11 @@ class CoreMachine(RuleBasedStateMachine):
         self.finishes[cid][0] += 1
         self.settle()
 
-    @rule()
-    def step(self) -> None:
-        if self.core.has_work():
-            self.take(self.core.step())
+    @rule(k=st.integers(1, 6))
+    def step(self, k) -> None:
+        for _ in range(k):  # several steps per rule: sequences grow into each other and the pool runs out
+            if self.core.has_work():
+                self.take(self.core.step())
 
     # ----- bookkeeping of what came out -----
 
@@ -195,6 +196,11 @@ class CoreMachine(RuleBasedStateMachine):
         assert {b: h for h, b in bm.cached.items()} == bm.block_hash
         assert set(bm.block_tokens) == set(bm.block_hash)
         assert all(len(t) == BLOCK for t in bm.block_tokens.values())
+        host = bm.host
+        if host is not None:  # exclusive tiers: a hash lives on the device or on the host, never both
+            assert {b: h for h, b in host.cached.items()} == host.block_hash
+            assert set(host.block_tokens) == set(host.block_hash) and set(host.free) == set(range(host.num_blocks))
+            assert not set(host.cached) & set(bm.cached)
         for seq in self.live_sequences():
             for i in range(seq.num_hashed_blocks):
                 block = seq.block_table[i]
@@ -226,7 +232,7 @@ class CoreMachine(RuleBasedStateMachine):
             return
         target(float(core.scheduler.num_preemptions), label="preemptions")  # steer towards KV pressure
         event(f"preempted: {core.scheduler.num_preemptions > 0}")  # shown by --hypothesis-show-statistics
-        event(f"interrupted: {core.scheduler.num_interrupted > 0}")
+        event(f"swapped to the host tier: {core.block_manager.swapped_out > 0}")
         for _ in range(1000):
             if not core.has_work():
                 break
