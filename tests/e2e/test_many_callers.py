@@ -160,3 +160,54 @@ def test_200_async_streams_with_random_cancellations(llama_dir, reference):
         assert asyncio.run(fresh()) == reference(prompts[0])
     finally:
         engine.shutdown()
+
+
+def test_async_callers_with_n_and_stop_strings_on_the_core_process(llama_dir, monkeypatch):
+    """The core in its own process hears of a stop string one step late and sends the stopped sample one more
+    token: a request of n = 2 with a stop string used to wait for ever. Every request ends here, each sample with
+    a final status, no text past its stop string, and the pool is whole after."""
+    monkeypatch.setenv("EMBER_ENGINE_CORE_PROCESS", "1")
+    prompts = random_prompts(60, 3, 30, 49152, seed=74)
+    stops = ["e", "a", "o", "s"]  # in most tokens' text: the samples stop early and at different steps
+    engine = AsyncLLM(llama_dir, dtype="float32", max_num_seqs=16, max_model_len=128, kv_cache_memory="192KiB")
+    try:
+        async def one(i: int):
+            params = SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=16, stop=stops,
+                                    output_kind=OutputKind.FINAL_ONLY)
+            outs = [o async for o in engine.generate(prompts[i], params, request_id=f"p{i}")]
+            return outs[-1]
+
+        async def main() -> list:
+            tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+            for task in tasks[::7]:
+                asyncio.get_running_loop().call_soon(task.cancel)  # some callers leave at once
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(main())
+        stopped = 0
+        for i, r in enumerate(results):
+            if isinstance(r, asyncio.CancelledError):
+                continue
+            assert not isinstance(r, BaseException), (i, r)
+            assert r.finished and sorted(c.index for c in r.outputs) == [0, 1]
+            for c in r.outputs:
+                assert c.finish_reason in ("stop", "length"), (i, c)
+                if c.finish_reason == "stop":  # cut before the stop string it reports (vLLM: the first of the list)
+                    assert c.stop_reason in stops and c.stop_reason not in c.text, (i, c)
+                    stopped += 1
+                else:
+                    assert not any(s in c.text for s in stops), (i, c)
+        assert stopped > 0
+        # the client's output thread tells the core of a stop string after it has handed the output over: once the
+        # answer to one stats call has come back through that thread, the stops it sent before are in the core's
+        # queue ahead of a second call
+        engine.stats()
+        stats = engine.stats()
+        assert stats["kv_cache_usage"] == 0.0 and stats["running"] == 0 and stats["waiting"] == 0, stats
+
+        async def fresh() -> list[int]:
+            return [o async for o in engine.generate(prompts[0], greedy(), request_id="p0")][-1].outputs[0].token_ids
+
+        assert len(asyncio.run(fresh())) == MAX_TOKENS
+    finally:
+        engine.shutdown()
