@@ -34,7 +34,7 @@ from ember.config import SCHEDULING_POLICIES
 from ember.core.block_manager import BlockManager
 from ember.core.encoder_cache import EncoderCache
 from ember.core.lora_slots import LoRASlots
-from ember.core.request import Sequence
+from ember.core.request import CoreRequest, Sequence
 from ember.errors import ConfigError
 from ember.protocol import BlockCopy, FinishReason, MultiModalInput, RequestStatus
 
@@ -133,7 +133,8 @@ class Scheduler:
                     i = batch.seqs.index(victim)
                     budget += batch.num_tokens.pop(i)
                     batch.seqs.pop(i)
-                self._preempt(victim)
+                # another request's sequence queues behind seq's waiting beams, which advance together with seq
+                self._preempt(victim, at=0 if victim.request is seq.request else self._siblings_first(seq.request))
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
@@ -159,24 +160,29 @@ class Scheduler:
     def _unblock(self, batch: ScheduledBatch, budget: int) -> None:
         """Nothing runs and a prompt waits: the running sequences are beams that answered and wait for siblings that
         cannot get blocks (two searches can hold the pool so, each waiting on the other). Such beams are preempted,
-        other requests' first, most recent first, each behind the queue's head and its waiting siblings, until the
-        head is admitted; their answers stay with their search, which recomputes the KV its next beams need. The
-        siblings move up behind the head first: put right behind the head, a victim would be the next head, and two
-        searches could take turns for ever, each preempting the other's answered beam before its own second beam
-        got a turn."""
+        other requests' first, most recent first, each behind the queue's head and its waiting siblings
+        (``_siblings_first``), until the head is admitted; their answers stay with their search, which recomputes
+        the KV its next beams need."""
         head = self.waiting[0].request
-        siblings = [s for s in self.waiting if s.request is head]
-        for s in siblings[1:]:
-            self.waiting.remove(s)
-        for at, s in enumerate(siblings[1:], start=1):
-            self.waiting.insert(at, s)
+        at = self._siblings_first(head)
         idle = [s for s in reversed(self.running) if _answered(s)]
         for victim in [s for s in idle if s.request is not head] + [s for s in idle if s.request is head]:
-            self._preempt(victim, at=len(siblings))
+            self._preempt(victim, at=at)
             batch.preempted.append(victim)
             self._admit(batch, budget)
             if batch.seqs or batch.interrupted:
                 return
+
+    def _siblings_first(self, req: CoreRequest) -> int:
+        """Move req's waiting sequences (beams of one search) to the front of the queue, in their order; how many.
+        A search advances only once all its beams have answered, so they are admitted together: a victim queued
+        between them became the next head, and two searches could take turns for ever, each preempting the other's
+        answered beam before its own second beam got a turn."""
+        siblings = [s for s in self.waiting if s.request is req]
+        for s in siblings:
+            self.waiting.remove(s)
+        self.waiting.extendleft(reversed(siblings))
+        return len(siblings)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Admit waiting prompts in order while seats, budget and blocks allow, passing over (in place) those whose

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, event, settings, target
+from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from unit.fakes import EOS, add, make_core, request
@@ -230,9 +231,10 @@ class CoreMachine(RuleBasedStateMachine):
         core = self.core
         if core is None:
             return
-        target(float(core.scheduler.num_preemptions), label="preemptions")  # steer towards KV pressure
-        event(f"preempted: {core.scheduler.num_preemptions > 0}")  # shown by --hypothesis-show-statistics
-        event(f"swapped to the host tier: {core.block_manager.swapped_out > 0}")
+        if currently_in_test_context():  # not in a replayed case
+            target(float(core.scheduler.num_preemptions), label="preemptions")  # steer towards KV pressure
+            event(f"preempted: {core.scheduler.num_preemptions > 0}")  # shown by --hypothesis-show-statistics
+            event(f"swapped to the host tier: {core.block_manager.swapped_out > 0}")
         for _ in range(1000):
             if not core.has_work():
                 break
@@ -244,6 +246,65 @@ class CoreMachine(RuleBasedStateMachine):
         assert not core.executor.live
         for cid, counts in self.finishes.items():
             assert all(v == 1 for v in counts.values()), (cid, counts)
+
+
+# found by the machine: beam searches preempting each other's answered beams in the normal (not _unblock) path,
+# under chunked prefill, one adapter slot and speculative decoding; (plen, shared, max_tokens, n, beam, lora_id,
+# ignore_eos) of each request, added before the first step
+TURNS = [
+    (17, 0, 1, 3, 0, 2, False),
+    (5, 4, 5, 2, 2, 0, True),
+    (42, 47, 6, 3, 2, 3, False),
+    (25, 0, 4, 1, 0, 2, True),
+    (30, 0, 14, 2, 0, 2, False),
+    (8, 0, 3, 1, 0, 2, False),
+    (7, 4, 8, 2, 0, 3, True),
+    (15, 47, 10, 3, 2, 0, False),
+    (37, 8, 11, 3, 2, 0, False),
+    (40, 0, 5, 1, 2, 3, True),
+    (11, 8, 14, 2, 0, 1, False),
+    (1, 0, 12, 1, 0, 1, False),
+    (31, 0, 6, 1, 0, 0, False),
+    (31, 16, 14, 3, 0, 1, False),
+    (27, 4, 14, 1, 0, 2, False),
+    (45, 47, 16, 1, 0, 3, True),
+    (14, 47, 2, 1, 2, 1, False),
+    (30, 47, 11, 2, 0, 1, False),
+    (42, 8, 2, 1, 0, 2, False),
+    (23, 0, 5, 1, 0, 1, True),
+    (37, 0, 12, 3, 0, 0, True),
+    (44, 47, 11, 1, 0, 3, False),
+    (4, 0, 7, 2, 0, 2, True),
+    (33, 16, 9, 1, 2, 1, True),
+    (48, 8, 5, 3, 2, 1, False),
+    (19, 8, 1, 1, 0, 0, False),
+    (21, 0, 16, 2, 2, 3, True),
+    (14, 16, 6, 3, 2, 2, False),
+    (43, 47, 13, 1, 0, 0, False),
+    (22, 8, 11, 1, 0, 0, False),
+    (31, 4, 9, 3, 0, 1, False),
+    (27, 47, 1, 1, 0, 2, False),
+    (2, 47, 12, 3, 0, 1, True),
+    (30, 8, 16, 3, 0, 2, False),
+    (14, 0, 10, 3, 0, 0, False),
+    (28, 0, 13, 1, 0, 2, False),
+    (45, 8, 3, 1, 2, 0, False),
+    (41, 0, 5, 1, 0, 2, True),
+    (37, 47, 10, 1, 2, 2, True),
+]
+
+
+def test_beam_searches_preempted_by_a_chunked_prefill_do_not_take_turns_for_ever():
+    """Replayed case: a running search's prefill preempted the other search's answered beam to the front of the
+    queue, ahead of its own waiting beam, so each search in turn lost its answered beam. The victim now queues
+    behind the waiting beams of the search it gave way to (``Scheduler._siblings_first``)."""
+    machine = CoreMachine()
+    machine.start(max_loras=1, num_blocks=20, policy='max_utilization', budget=16, host=6, chunked=True,
+                  speculative=True, caching=False, max_num_seqs=5)
+    for plen, shared, max_tokens, n, beam, lora_id, ignore_eos in TURNS:
+        machine.add_request(plen=plen, shared=shared, max_tokens=max_tokens, n=n, beam=beam, lora_id=lora_id,
+                            ignore_eos=ignore_eos)
+    machine.teardown()  # every request ends, once, and the pool is whole
 
 
 FAST = settings(max_examples=100, stateful_step_count=40, deadline=None,
