@@ -10,8 +10,9 @@ Two policies (TensorRT-LLM's names):
 - ``max_utilization`` admits greedily. When the pool cannot give a running sequence its next block, a beam that
   has answered and waits for its siblings is preempted, else the most recently admitted sequence: its blocks are
   freed (their full blocks stay in the prefix cache, and on an engine with a host tier they move there when the
-  device needs the room: a swap) and it goes back to the front of the queue, ahead of new arrivals, to be
-  recomputed (prompt plus what it generated so far), so greedy output is the same as without preemption.
+  device needs the room: a swap) and it goes back to the front of the queue (behind the waiting beams of a search
+  it gave way to: a search's beams advance together), ahead of new arrivals, to be recomputed (prompt plus what it
+  generated so far), so greedy output is the same as without preemption.
 - ``guaranteed_no_evict`` admits a request only when the blocks for its prompt plus max_tokens (for every one of
   its n samples) can be reserved on top of what the running requests have reserved; nothing is ever preempted.
 
