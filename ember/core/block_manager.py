@@ -246,6 +246,9 @@ class BlockManager:
                     self.cached[h] = block
                     self.block_hash[block] = h
                     self.block_tokens[block] = tokens
+                    if self.host is not None and (hb := self.host.cached.get(h)) is not None:
+                        self.host.release(hb)  # computed again where lookup could not reach it (a prompt's last
+                        # block): the tiers stay exclusive and the host block is free for another
                 else:
                     seq.num_hashed_blocks = i  # a private block breaks the chain for the blocks after it
                     return

@@ -30,6 +30,12 @@ class LoRASlots:
         """The adapter is resident, or a slot is free or holds an adapter nothing running uses."""
         return lora_id in self.resident or any(r is None or r not in in_use for r in self.resident)
 
+    def least_recent(self, in_use: set[int]) -> int:
+        """The adapter, of those running sequences use, whose slot was taken least recently: the one to drain for
+        a request that finds no slot (``Scheduler._admit``)."""
+        slot = min((s for s, r in enumerate(self.resident) if r in in_use), key=self.last_used.__getitem__)
+        return self.resident[slot]
+
     def take(self, lora: LoRARequest, in_use: set[int]) -> int:
         """The adapter's slot, loading it (into a free slot, else over the least recently used idle one) if it is
         not resident; ``can_take`` must hold."""

@@ -10,13 +10,20 @@ Two policies (TensorRT-LLM's names):
 - ``max_utilization`` admits greedily. When the pool cannot give a running sequence its next block, a beam that
   has answered and waits for its siblings is preempted, else the most recently admitted sequence: its blocks are
   freed (their full blocks stay in the prefix cache, and on an engine with a host tier they move there when the
-  device needs the room: a swap) and it goes back to the front of the queue, ahead of new arrivals, to be
-  recomputed (prompt plus what it generated so far), so greedy output is the same as without preemption.
+  device needs the room: a swap) and it goes back to the front of the queue (behind the waiting beams of a search
+  it gave way to: a search's beams advance together), ahead of new arrivals, to be recomputed (prompt plus what it
+  generated so far), so greedy output is the same as without preemption.
 - ``guaranteed_no_evict`` admits a request only when the blocks for its prompt plus max_tokens (for every one of
   its n samples) can be reserved on top of what the running requests have reserved; nothing is ever preempted.
 
 A sequence that cannot get a block even with every other sequence preempted can never finish: it is given up and
 ends with finish_reason "interrupted", keeping what it generated.
+
+LoRA: a prompt whose adapter finds no slot (every slot holds an adapter that running sequences use) keeps its place
+and the prompts behind it are still admitted, in order, when they need no adapter or a resident one (vLLM skips
+such requests the same way). So that it is not starved, one in-use slot is drained for it: the least recently used
+one when the first prompt is passed over; no prompt behind it is admitted with that slot's adapter until it has
+its slot. Its wait is thus bounded by the running sequences of one adapter, which all end.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from ember.config import SCHEDULING_POLICIES
 from ember.core.block_manager import BlockManager
 from ember.core.encoder_cache import EncoderCache
 from ember.core.lora_slots import LoRASlots
-from ember.core.request import Sequence
+from ember.core.request import CoreRequest, Sequence
 from ember.errors import ConfigError
 from ember.protocol import BlockCopy, FinishReason, MultiModalInput, RequestStatus
 
@@ -65,6 +72,7 @@ class Scheduler:
         self.encoder = encoder  # vision-language models: the step's encoder budget and the workers' encodings
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.draining: int | None = None  # LoRA: the adapter whose slot a passed-over prompt waits for
         self.num_preemptions = 0
         self.num_interrupted = 0
 
@@ -126,7 +134,8 @@ class Scheduler:
                     i = batch.seqs.index(victim)
                     budget += batch.num_tokens.pop(i)
                     batch.seqs.pop(i)
-                self._preempt(victim)
+                # another request's sequence queues behind seq's waiting beams, which advance together with seq
+                self._preempt(victim, at=0 if victim.request is seq.request else self._siblings_first(seq.request))
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
@@ -152,25 +161,40 @@ class Scheduler:
     def _unblock(self, batch: ScheduledBatch, budget: int) -> None:
         """Nothing runs and a prompt waits: the running sequences are beams that answered and wait for siblings that
         cannot get blocks (two searches can hold the pool so, each waiting on the other). Such beams are preempted,
-        other requests' first, most recent first, each behind the queue's head, until the head is admitted; their
-        answers stay with their search, which recomputes the KV its next beams need."""
+        other requests' first, most recent first, each behind the queue's head and its waiting siblings
+        (``_siblings_first``), until the head is admitted; their answers stay with their search, which recomputes
+        the KV its next beams need."""
         head = self.waiting[0].request
+        at = self._siblings_first(head)
         idle = [s for s in reversed(self.running) if _answered(s)]
         for victim in [s for s in idle if s.request is not head] + [s for s in idle if s.request is head]:
-            self._preempt(victim, at=1)
+            self._preempt(victim, at=at)
             batch.preempted.append(victim)
             self._admit(batch, budget)
             if batch.seqs or batch.interrupted:
                 return
 
+    def _siblings_first(self, req: CoreRequest) -> int:
+        """Move req's waiting sequences (beams of one search) to the front of the queue, in their order; how many.
+        A search advances only once all its beams have answered, so they are admitted together: a victim queued
+        between them became the next head, and two searches could take turns for ever, each preempting the other's
+        answered beam before its own second beam got a turn."""
+        siblings = [s for s in self.waiting if s.request is req]
+        for s in siblings:
+            self.waiting.remove(s)
+        self.waiting.extendleft(reversed(siblings))
+        return len(siblings)
+
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
-        """Admit waiting prompts in order while seats, budget, blocks and adapter slots allow; the budget left."""
+        """Admit waiting prompts in order while seats, budget and blocks allow, passing over (in place) those whose
+        adapter has no slot (the module's LoRA rule); the budget left."""
         seats = sum(s.seats() for s in self.running)
         reserved = self._reserved() if self.policy == "guaranteed_no_evict" else 0
-        while self.waiting:
-            seq = self.waiting[0]
+        i, passed = 0, False  # the queue position looked at; whether a prompt was passed over for its adapter
+        while i < len(self.waiting):
+            seq = self.waiting[i]
             if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:  # grew past the whole pool while preempted
-                self.waiting.popleft()
+                del self.waiting[i]
                 self._interrupt(seq, batch)
                 continue
             # prompt blocks already in the prefix cache; prompt logprobs and pooling (a mean reads every
@@ -183,8 +207,14 @@ class Scheduler:
                 break
             lora_id = seq.request.lora_id if self.loras is not None else 0
             in_use = {s.request.lora_id for s in self.running} if lora_id else set()
-            if lora_id and not self.loras.can_take(lora_id, in_use):
-                break  # every slot holds an adapter that running sequences use: first come, first served
+            if lora_id and (passed and lora_id == self.draining or not self.loras.can_take(lora_id, in_use)):
+                # every slot holds an adapter that running sequences use, or this one's slot is drained for a prompt
+                # ahead: it keeps its place; the first prompt passed over has a slot drained for it
+                if not passed and self.draining not in in_use:
+                    self.draining = self.loras.least_recent(in_use)
+                passed = True
+                i += 1
+                continue
             taken = self.bm.blocks_to_take(hit) if hit else 0
             if self.policy == "guaranteed_no_evict":  # the free blocks it takes now plus all it may take later
                 need = taken + self._reserve(seq) - (hit.num_blocks if hit else 0)
@@ -193,7 +223,7 @@ class Scheduler:
             new_blocks = self.bm.blocks_for(start + n) - len(seq.block_table) - (hit.num_blocks if hit else 0)
             if not self.bm.can_allocate(new_blocks + taken):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if hit is not None:
                 device, host = self.bm.take_cached(seq, hit)
                 seq.num_computed_tokens = device + host
@@ -215,6 +245,8 @@ class Scheduler:
             seats += seq.seats()
             if self.policy == "guaranteed_no_evict":
                 reserved += self._reserve(seq)  # what it may still take, next to the blocks it holds now
+        if not passed:
+            self.draining = None
         return budget
 
     def _victim(self) -> Sequence:

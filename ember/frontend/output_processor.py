@@ -140,6 +140,8 @@ class OutputProcessor:
             ss = st.samples.get(index)
             if ss is None:
                 ss = st.samples[index] = SampleState(self._detokenizer(st))
+            elif ss.finish_reason is not None:  # it ended here (a stop string) and a core in its own process,
+                continue  # told one step late, sent one more token: not the answer, and the sample stays ended
             reason, stop_reason, stop_str = so.finish_reason, so.stop_reason, None
             metrics.num_draft_tokens += so.num_draft_tokens
             metrics.num_accepted_draft_tokens += so.num_accepted_draft_tokens

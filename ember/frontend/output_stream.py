@@ -28,11 +28,15 @@ class OutputStream:
         self.on_close: Callable[[str], None] | None = None  # the client's abort, for a consumer that leaves early
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if self.loop is not None:
-            if not self.loop.is_closed():
-                self.loop.call_soon_threadsafe(self.q.put_nowait, item)
-        else:
+        """Called on the engine's thread: it must not raise there (that would stop the engine for every request)."""
+        if self.loop is None:
             self.q.put(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop has closed (also between a check and the call): nobody
+            if not getattr(item, "finished", True):  # reads this stream any more, so the request is aborted
+                self._close()
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         item = self.q.get(timeout=timeout)

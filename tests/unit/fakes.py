@@ -7,10 +7,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ember.config import SpeculativeConfig
+from ember.config import LoRAConfig, SpeculativeConfig
 from ember.core.engine_core import EngineCore
 from ember.executor.scripted import EOS, ScriptedExecutor, default_script, scripted_configs
 from ember.frontend.parallel_sampling import fan_out
+from ember.lora.request import LoRARequest
 from ember.protocol import EngineOutput, EngineRequest, SamplingRow
 from ember.sampling_params import SamplingParams
 
@@ -21,19 +22,26 @@ __all__ = ["EOS", "ScriptedExecutor", "add", "default_script", "make_core", "req
 def make_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int = 256,
               max_num_batched_tokens: int = 256, chunked_prefill: bool = True, prefix_caching: bool = True,
               policy: str = "max_utilization", script: Callable[[SamplingRow], int] = default_script,
-              speculative: SpeculativeConfig | None = None) -> EngineCore:
-    """An engine core over a ``ScriptedExecutor`` (``core.executor``) with these limits."""
+              speculative: SpeculativeConfig | None = None, max_loras: int = 0,
+              num_host_blocks: int = 0) -> EngineCore:
+    """An engine core over a ``ScriptedExecutor`` (``core.executor``) with these limits; max_loras > 0: that many
+    adapter slots (the scripted worker loads nothing); num_host_blocks: a host tier for evicted prefix blocks."""
     sched, resolved = scripted_configs(max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
                                        chunked_prefill, prefix_caching, policy)
-    resolved = dataclasses.replace(resolved, speculative=speculative)
-    return EngineCore(ScriptedExecutor(num_blocks, block_size, script=script), sched, resolved)
+    model = dataclasses.replace(resolved.model, lora=LoRAConfig(max_loras, 8)) if max_loras else resolved.model
+    resolved = dataclasses.replace(resolved, speculative=speculative, model=model)
+    return EngineCore(ScriptedExecutor(num_blocks, block_size, num_host_blocks, script), sched, resolved)
 
 
-def request(request_id: str, prompt: list[int], max_model_len: int = 256, **params: Any) -> EngineRequest:
-    """A request as the front end would hand it over: parameters validated, EOS filled in."""
+def request(request_id: str, prompt: list[int], max_model_len: int = 256, lora_id: int = 0,
+            **params: Any) -> EngineRequest:
+    """A request as the front end would hand it over: parameters validated, EOS filled in; lora_id > 0: it runs with
+    that adapter (salted as the front end salts it)."""
     sp = SamplingParams(**params)
     sp.eos_token_ids = (EOS,)
-    return EngineRequest(request_id, list(prompt), sp, min(len(prompt) + sp.max_tokens, max_model_len))
+    lora = LoRARequest(f"adapter-{lora_id}", lora_id, f"/adapters/{lora_id}") if lora_id else None
+    return EngineRequest(request_id, list(prompt), sp, min(len(prompt) + sp.max_tokens, max_model_len),
+                         cache_salt=f"lora-{lora_id}" if lora_id else None, lora=lora)
 
 
 def add(core: EngineCore, record: EngineRequest) -> list[str]:

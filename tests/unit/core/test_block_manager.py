@@ -192,6 +192,28 @@ def test_host_tier_round_trip():
     assert len(bm.host.cached) == 2  # the scheduler sets num_computed_tokens from what take_cached returned
 
 
+def test_a_block_computed_again_on_the_device_leaves_the_host_tier():
+    """Found by the core state machine: a block that went to the host tier and was computed again on the device
+    (a prompt's last full block, which lookup never serves) was cached in both tiers. The host copy is dropped."""
+    bm = BlockManager(4, 4, num_host_blocks=4)
+    a = _seq([5] * 9)
+    bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.commit(a)
+    bm.free(a)
+    b = _seq([6] * 16)
+    bm.allocate(b, 16)  # a's two cached blocks move to the host tier
+    bm.free(b)
+    assert len(bm.host.cached) == 2
+    c = _seq([5] * 4)  # a's first block again, as the whole prompt: computed, not looked up
+    assert bm.lookup(c).num_blocks == 0
+    bm.allocate(c, 4)
+    c.num_computed_tokens = 4
+    bm.commit(c)
+    assert len(bm.host.cached) == 1 and not set(bm.host.cached) & set(bm.cached)
+    _check(bm, [c])
+
+
 def test_share_counts_references():
     bm = BlockManager(8, 4)
     parent, child = _seq([1] * 10), _seq([1] * 10)

@@ -147,6 +147,21 @@ def test_beam_searches_that_fill_a_small_pool_each_end():
         assert _all_free(core)
 
 
+def test_two_beam_searches_that_fit_one_at_a_time_do_not_take_turns_for_ever():
+    """Found by the state machine (test_core_state_machine.py): each search had one beam answered and one waiting;
+    the other search's answered beam was preempted to right behind the queue's head, became the next head, and
+    preempted this one's in turn, so neither second beam ever ran. The head's siblings now wait right behind it."""
+    core = make_core(num_blocks=16, block_size=4, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
+    core.add(request("a", [(j * 7) % 90 + 10 for j in range(30)], 64, beam_width=2, max_tokens=8, ignore_eos=True))
+    core.add(request("b", [(j * 13) % 90 + 200 for j in range(30)], 64, beam_width=2, max_tokens=8, ignore_eos=True))
+    out = run(core, max_steps=2000)
+    for rid in ("a", "b"):
+        tokens, reasons = samples(out[rid])[0]
+        assert reasons == [FinishReason.LENGTH] and len(tokens) == 8
+    assert core.stats().scheduler.preemptions > 0
+    assert _all_free(core)
+
+
 @settings(max_examples=60, deadline=None)
 @given(num_blocks=st.integers(6, 40),
        reqs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(1, 3),

@@ -91,3 +91,22 @@ def test_outputs_of_unknown_requests_are_ignored_and_fail_all_reaches_every_sink
     error = RuntimeError("engine stopped")
     proc.fail_all(error)
     assert got == [error] and not proc.states
+
+
+def test_a_step_after_a_stop_string_adds_nothing_to_the_stopped_sample(tok):
+    """A core in its own process hears of a stop string one step late: it sends the stopped sample one more token
+    (finish_reason None) before it finishes it. That token is not the answer, and the sample stays stopped: it
+    used to be appended and to clear the finish reason, so a request of n > 1 never finished (found by many
+    callers on the core process)."""
+    proc = OutputProcessor(tok)
+    got: list = []
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, stop=[" maybe"])
+    proc.register([RequestState("r", "The answer:", prompt, params, got.append, ["r#0", "r#1"])])
+    maybe, yes = tok.encode(" maybe", add_special_tokens=False), tok.encode(" yes", add_special_tokens=False)
+    assert proc.process([_step("r#0", SampleOutput(0, maybe))]) == [("r#0", 0)]
+    assert proc.process([_step("r#0", SampleOutput(0, yes)), _step("r#1", SampleOutput(0, yes))]) == []
+    assert all(c.index == 1 for o in got[1:] for c in o.outputs)  # nothing more for sample 0
+    proc.process([_step("r#1", SampleOutput(0, yes, finish_reason=FinishReason.LENGTH))])
+    assert got[-1].finished and "r" not in proc.states
+    assert got[0].outputs[0].finish_reason == "stop" and got[0].outputs[0].token_ids == maybe
