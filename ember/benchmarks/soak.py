@@ -122,10 +122,13 @@ class Server:
         import psutil
 
         self.cmd, self.lines, self.url = cmd, [], ""
+        self.tracebacks: list[str] = []  # the exception line of each traceback the server printed
+        self._in_traceback = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
         self.proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         ready = threading.Event()
-        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, args=(ready,), daemon=True)
+        self._pump_thread.start()
         if not ready.wait(timeout) or not self.url:
             self.stop()
             raise RuntimeError(f"ember serve did not get ready in {timeout} s:\n{self.log(40)}")
@@ -133,6 +136,11 @@ class Server:
     def _pump(self, ready: threading.Event) -> None:
         for line in self.proc.stdout:  # keep reading, so the pipe never fills
             self.lines.append(line)
+            if line.startswith("Traceback"):
+                self._in_traceback = True
+            elif self._in_traceback and line.strip() and not line.startswith((" ", "\t")):
+                self.tracebacks.append(line.strip())
+                self._in_traceback = False
             del self.lines[:-2000]
             m = READY.search(line)
             if m and not self.url:
@@ -147,8 +155,12 @@ class Server:
         """Resident bytes of the server and every process it started."""
         import psutil
 
+        try:
+            procs = [self.proc, *self.proc.children(recursive=True)]
+        except psutil.Error:  # the server is gone: the checks fail on what the clients and /metrics saw
+            return 0
         total = 0
-        for p in [self.proc, *self.proc.children(recursive=True)]:
+        for p in procs:
             try:
                 total += p.memory_info().rss
             except psutil.Error:
@@ -158,8 +170,11 @@ class Server:
     def stop(self) -> int | None:
         import psutil
 
-        children = self.proc.children(recursive=True)
-        self.proc.terminate()
+        try:  # a server that already exited has no children left to find
+            children = self.proc.children(recursive=True)
+            self.proc.terminate()
+        except psutil.NoSuchProcess:
+            children = []
         try:
             code = self.proc.wait(60)
         except psutil.TimeoutExpired:
@@ -168,6 +183,7 @@ class Server:
         for child in children:
             if child.is_running():
                 child.kill()
+        self._pump_thread.join(10)  # the output to its end, so the log and the tracebacks are whole
         return code
 
 
@@ -288,7 +304,7 @@ def windows(run: Run, cfg: SoakConfig) -> list[dict]:
     return out
 
 
-def checks(run: Run, cfg: SoakConfig, wins: list[dict]) -> dict[str, dict]:
+def checks(run: Run, cfg: SoakConfig, wins: list[dict], tracebacks: list[str]) -> dict[str, dict]:
     """Each check: ok, the value found and the limit."""
     codes = Counter(o.status for o in run.outcomes)
     five = {c: k for c, k in codes.items() if c >= 500 and c != 503}
@@ -307,6 +323,8 @@ def checks(run: Run, cfg: SoakConfig, wins: list[dict]) -> dict[str, dict]:
         "no_5xx_but_503": {"ok": not five, "value": five, "limit": "none"},
         # a stream left after its first events was admitted: its engine request must have ended as "abort"
         "left_streams_aborted": {"ok": aborted >= left_streams, "value": aborted, "limit": f">= {left_streams}"},
+        "no_traceback_in_server_log": {"ok": not tracebacks, "value": len(tracebacks), "limit": 0,
+                                       "first": tracebacks[:5]},
         "every_answer_right": {"ok": not wrong, "value": len(wrong), "limit": 0,
                                "first": [f"{o.kind}: {o.problem}" for o in wrong[:5]]},
         "kv_usage_back_to_zero": {"ok": idle.get("kv_usage") == 0.0, "value": idle.get("kv_usage"), "limit": 0},
@@ -327,7 +345,7 @@ def summarize(run: Run, cfg: SoakConfig, model: str, adapters: tuple[str, ...], 
     for o in run.outcomes:
         by_kind.setdefault(o.kind, Counter())["left" if o.left else str(o.status)] += 1
     wins = windows(run, cfg)
-    found = checks(run, cfg, wins)
+    found = checks(run, cfg, wins, server.tracebacks)
     return {
         "mode": "soak", "machine": machine(), "model": model, "adapters": list(adapters),
         "settings": asdict(cfg), "server_command": server.cmd[1:],

@@ -25,10 +25,10 @@ def report(tmp_path_factory):
 
 @pytest.mark.timeout(1800)
 def test_soak_checks_pass(report):
-    checks = report["checks"]
-    for name in ("no_5xx_but_503", "every_answer_right", "left_streams_aborted", "kv_usage_back_to_zero",
-                 "nothing_in_flight_at_end", "rss_growth_after_warmup"):
-        assert checks[name]["ok"], (name, checks[name])
+    latency = "p99_last_over_first_window"  # the long run's check: a timing, not asserted here
+    assert latency in report["checks"]
+    for name, check in report["checks"].items():
+        assert name == latency or check["ok"], (name, check)
     assert report["server_exit_code"] == 0, report["server_log_tail"]
 
 

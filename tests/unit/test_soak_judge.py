@@ -62,3 +62,21 @@ def test_kinds_draw_every_kind_and_cycle_bad_bodies():
     assert {s.model for s in shots} == {"base", "a", "b"}
     bad = [s for s in shots if s.kind == "bad_request"]
     assert len({s.body if isinstance(s.body, bytes) else json.dumps(s.body) for s in bad}) == len(bad_requests(512))
+
+
+def test_server_output_tracebacks_are_counted():
+    """A traceback the server prints (a failure its clients may never see) is found by its exception line."""
+    import sys
+
+    from ember.benchmarks.soak import Server
+
+    script = ("print('[ember] serving x: ready on http://127.0.0.1:1', flush=True)\n"
+              "import traceback\n"
+              "try:\n    raise KeyError('slot')\nexcept KeyError:\n    traceback.print_exc()\n"
+              "print('after', flush=True)")
+    server = Server([sys.executable, "-c", script], threads=1, timeout=60)
+    assert server.url == "http://127.0.0.1:1"
+    server.proc.wait(60)
+    server.stop()
+    assert server.tracebacks == ["KeyError: 'slot'"]
+    assert "after" in server.log(5)
