@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from ember.benchmarks.soak_load import Kinds, Outcome, fire
+from ember.benchmarks.soak_report import chart, tables
 from ember.errors import ConfigError
 
 READY = re.compile(r"ready on (http://\S+)")
@@ -376,49 +377,6 @@ def run_soak(cfg: SoakConfig) -> dict:
     return report
 
 
-def chart(report: dict, path: str) -> None:
-    """RSS and KV usage over time above p50 / p99 latency per window."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    load = [s for s in report["samples"] if s["phase"] == "load"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-    t = [s["t"] / 60 for s in load]
-    top.plot(t, [s["rss_bytes"] / 2**20 for s in load], color="tab:blue")
-    top.set_ylabel("server RSS (MiB)")
-    top.axvline(report["settings"]["duration"] * report["settings"]["warmup_frac"] / 60, color="grey", ls=":")
-    kv = top.twinx()
-    kv.plot(t, [100 * s.get("kv_usage", 0) for s in load], color="tab:orange", alpha=0.5, lw=0.8)
-    kv.set_ylabel("KV usage (%)", color="tab:orange")
-    wins = [w for w in report["latency_windows"] if w["p50_s"] is not None]
-    mid = [(w["start_s"] + w["end_s"]) / 120 for w in wins]
-    bottom.plot(mid, [w["p50_s"] for w in wins], "o-", label="p50")
-    bottom.plot(mid, [w["p99_s"] for w in wins], "s-", label="p99")
-    bottom.set_ylabel("latency (s)")
-    bottom.set_xlabel("minutes")
-    bottom.legend()
-    fig.suptitle(f"ember serve soak: {report['requests']} requests, {report['settings']['concurrency']} clients")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-def text_summary(report: dict) -> str:
-    lines = [f"soak: {report['requests']} requests in {report['settings']['duration']:.0f} s; status codes "
-             f"{report['status_codes']}"]
-    for kind, codes in report["requests_by_kind"].items():
-        lines.append(f"  {kind:18s} {codes}")
-    for w in report["latency_windows"]:
-        p50, p99 = (f"{w[k]:.3f}" if w[k] is not None else "-" for k in ("p50_s", "p99_s"))
-        lines.append(f"  {w['start_s']:6.0f}-{w['end_s']:<6.0f} s  {w['requests']:5d} answers  p50 {p50} s  "
-                     f"p99 {p99} s")
-    for name, c in report["checks"].items():
-        lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'} {name}: {c['value']} (limit {c['limit']})")
-    return "\n".join(lines)
-
-
 def add_parser(modes) -> None:
     d = SoakConfig()
     p = modes.add_parser("soak", help="a long mixed load on ember serve: RSS, KV, status codes, p99 over time",
@@ -442,6 +400,7 @@ def add_parser(modes) -> None:
     p.add_argument("--workdir", default=None, help="keep the tiny model and adapters here (default: a temp dir)")
     p.add_argument("--out", default=None, help="the JSON report (e.g. docs/bench/soak-DATE.json)")
     p.add_argument("--chart", default=None, help="a PNG of RSS and latency over time (matplotlib)")
+    p.add_argument("--report", default=None, help="no run: print the tables (and draw --chart) of this JSON report")
 
 
 def config_from(args: argparse.Namespace) -> SoakConfig:
@@ -457,11 +416,15 @@ def config_from(args: argparse.Namespace) -> SoakConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run_soak(config_from(args))
-    if args.out:
+    if args.report:
+        with open(args.report) as f:
+            report = json.load(f)
+    else:
+        report = run_soak(config_from(args))
+    if args.out and not args.report:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if args.chart:
         chart(report, args.chart)
-    print(text_summary(report))
+    print(tables(report))
     return 0 if report["passed"] else 1

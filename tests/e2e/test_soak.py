@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from ember.benchmarks.soak import SoakConfig, run_soak, text_summary
+from ember.benchmarks.soak import SoakConfig, run_soak
+from ember.benchmarks.soak_report import tables
 from ember.benchmarks.soak_load import Kinds
 
 
@@ -19,7 +20,7 @@ def report(tmp_path_factory):
     cfg = SoakConfig(duration=seconds, window=seconds / 6, burst_every=seconds / 6, sample_every=3.0,
                      workdir=str(tmp_path_factory.mktemp("soak")))
     out = run_soak(cfg)
-    print(text_summary(out))
+    print(tables(out))
     return out
 
 
