@@ -220,10 +220,13 @@ def inspect_adapter(path: str, shape: ModelShape, max_lora_rank: int) -> Adapter
 def read_adapter(path: str, name: str, shape: ModelShape, max_lora_rank: int,
                  dtype: torch.dtype = torch.float32) -> LoRAAdapter:
     """Every A and B of the adapter, as ``dtype`` on CPU, checked against the model's shapes."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     layout = inspect_adapter(path, shape, max_lora_rank)
-    tensors = load_file(weights_file(path))
+    # from bytes: safetensors 0.8's load_file / get_tensor keep ~1.8 KiB a call for good, and a server whose
+    # requests alternate between more adapters than max_loras reads one at every swap (docs/reliability.md)
+    with open(weights_file(path), "rb") as f:
+        tensors = load(f.read())
     weights = {module: LoRAWeights(tensors[ka].to(dtype).contiguous(), tensors[kb].to(dtype).contiguous(),
                                    layout.scalings[module])
                for module, (ka, kb) in layout.keys.items()}
