@@ -31,11 +31,12 @@ def add_bench_parser(sub) -> None:
     lat = modes.add_parser("latency", help="one request at a time: TTFT and time per output token")
     srv = modes.add_parser("serving", help="Poisson arrivals through AsyncLLM: TTFT/TPOT/ITL/E2E, goodput")
     sc = modes.add_parser("scaling", help="output tokens/s as concurrency and prompt length grow, one engine a point")
-    from ember.benchmarks import current, scaling
+    from ember.benchmarks import current, scaling, soak
 
     scaling.add_arguments(sc)
 
     current.add_parser(modes)
+    soak.add_parser(modes)
     for p in (tp, lat, srv, sc):
         g = p.add_argument_group("common")
         g.add_argument("--model", default=None, help=".gguf file or Hugging Face folder (default: the embedded "
@@ -304,6 +305,14 @@ def main(args: argparse.Namespace) -> int:
         from ember.benchmarks import current
 
         return current.main(args)
+    if args.mode == "soak":
+        from ember.benchmarks import soak
+
+        try:
+            return soak.main(args)
+        except ValueError as e:
+            print(f"ember bench: error: {e}", file=sys.stderr)
+            return 2
     try:
         if args.mode == "serving" and args.rates is not None:
             from ember.benchmarks.curve import parse_rates, run_curve

@@ -251,11 +251,14 @@ def inspect_adapter(path: str, shape: ModelShape, max_lora_rank: int) -> Adapter
 def read_adapter(path: str, name: str, shape: ModelShape, max_lora_rank: int,
                  dtype: torch.dtype = torch.float32) -> LoRAAdapter:
     """Every A and B of the adapter, as ``dtype`` on CPU, checked against the model's shapes."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     layout = inspect_adapter(path, shape, max_lora_rank)
+    # from bytes: safetensors 0.8's load_file / get_tensor keep ~1.8 KiB a call for good, and a server whose
+    # requests alternate between more adapters than max_loras reads one at every swap (docs/reliability.md)
     try:
-        tensors = load_file(weights_file(path))
+        with open(weights_file(path), "rb") as f:
+            tensors = load(f.read())
     except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for a damaged file)
         raise _bad(path, f"adapter_model.safetensors cannot be read: {e}") from None
     weights = {}

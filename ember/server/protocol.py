@@ -75,6 +75,8 @@ class _Sampling(_Body):
     min_tokens: int = 0
     stop_token_ids: Annotated[list[int] | None, at_most(B.MAX_TOKEN_IDS)] = None
     skip_special_tokens: bool = True
+    use_beam_search: bool = False  # n beams (beam_width = n, as vLLM reads it), one final answer; decoding.md
+    length_penalty: float = 1.0  # beam scores: summed logprobs / generated length ** length_penalty
     # structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs
     # (StructuredOutputsParams' fields); at most one of them
     response_format: ResponseFormat | None = None

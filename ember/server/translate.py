@@ -23,6 +23,8 @@ from ember.server.reply import ReplyFormat
 _COPIED = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "stop")
 
+_BEAM_OFF = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None}
+
 
 def _params(req: _Sampling, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
             prompt_logprobs: int | None = None) -> SamplingParams:
@@ -31,6 +33,9 @@ def _params(req: _Sampling, defaults: SamplingParams, max_tokens: int | None, lo
         changes["top_k"] = 0
     changes.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                    output_kind=OutputKind.DELTA, structured_outputs=_structured(req))
+    if req.use_beam_search:  # the model's default draws (top_p, ...) have no beam meaning; the client's are refused
+        changes.update({k: off for k, off in _BEAM_OFF.items() if getattr(req, k) is None},
+                       beam_width=req.n, length_penalty=req.length_penalty)
     return defaults.clone(**changes)
 
 

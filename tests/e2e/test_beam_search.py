@@ -160,3 +160,32 @@ def test_beams_with_tensor_parallel_ranks(llama_dir, setup):
     finally:
         llm.shutdown()
     assert got == [hf_beams(hf, p, 4, eos[0]) for p in prompts[:2]]
+
+
+def test_beams_over_http_match_transformers(setup, llama_dir):
+    """`ember serve`: vLLM's use_beam_search with n beams answers transformers' n beams, best first, streamed or
+    not; draws a beam has no meaning for are refused by name."""
+    import asyncio
+    import json
+
+    from server_utils import post, running_server
+    from transformers import AutoTokenizer
+
+    hf, _, prompts, _ = setup
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    eos = hf.config.eos_token_id
+    with running_server(llama_dir, "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "256") as srv:
+        for prompt in prompts:
+            want = [tok.decode(b, skip_special_tokens=True) for b in hf_beams(hf, prompt, 3, eos, length_penalty=0.5)]
+            body = {"prompt": prompt, "max_tokens": NEW, "n": 3, "use_beam_search": True, "length_penalty": 0.5}
+            r = asyncio.run(post(srv.url, "/v1/completions", body))
+            assert r.status == 200, r.body
+            assert [c["text"] for c in json.loads(r.body)["choices"]] == want
+            streamed = asyncio.run(post(srv.url, "/v1/completions", {**body, "stream": True}))
+            texts = [""] * 3
+            for event in streamed.events[:-1]:
+                for c in json.loads(event)["choices"]:
+                    texts[c["index"]] += c["text"]
+            assert streamed.events[-1] == "[DONE]" and texts == want
+        refused = asyncio.run(post(srv.url, "/v1/completions", {**body, "top_p": 0.5}))
+        assert refused.status == 400 and b"top_p" in refused.body
