@@ -81,10 +81,12 @@ class Decoding:
         self.strategy_of(req).end(req, FinishReason.ABORT, out)
         return out
 
-    def fail(self, req: CoreRequest, why: str) -> EngineOutput:
-        """End the request (all of it) with ERROR: the engine could not run it; the output says why and carries no
-        tokens of the step that found out."""
+    def fail(self, req: CoreRequest, why: str, step_output: EngineOutput | None) -> EngineOutput:
+        """End the request (all of it) with ERROR: the engine could not run it. The output replaces this step's
+        (``step_output``), whose tokens are dropped; a sample that step ended ends with ERROR instead."""
         out = EngineOutput(req.request_id, error=why)
         self.strategy_of(req).end(req, FinishReason.ERROR, out)
-        out.samples.clear()
+        for s in step_output.samples if step_output is not None else ():
+            if s.finish_reason is not None:
+                out.sample(s.index).finish_reason = FinishReason.ERROR
         return out

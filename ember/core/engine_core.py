@@ -246,7 +246,7 @@ class EngineCore:
             lora_id = self.loras.resident[slot]
             self.loras.forget(lora_id)
             for req in [r for r in self.requests.values() if r.lora_id == lora_id]:
-                outputs[req.request_id] = self.decoding.fail(req, why)
+                outputs[req.request_id] = self.decoding.fail(req, why, outputs.get(req.request_id))
 
     def _forget_finished(self, reqs: Any) -> None:
         for req in list(reqs):

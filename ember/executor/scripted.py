@@ -41,6 +41,7 @@ class ScriptedExecutor:
         self.input_batch = InputBatch(block_size)
         self.live: set[int] = set()  # sample handles whose sampling state a worker would hold
         self.closed = False
+        self.unreadable: set[str] = set()  # adapter paths whose loads fail (a folder removed after acceptance)
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         if method == "init_cache":
@@ -60,8 +61,10 @@ class ScriptedExecutor:
         self.live.difference_update(message.finished)
         self.input_batch.update(message)
         self.input_batch.take_table_writes()
+        failures = {load.slot: f"lora adapter {load.path}: no such folder" for load in message.lora_loads
+                    if load.path in self.unreadable}
         if not message.handles:
-            return WorkerOutput([], [], {})
+            return WorkerOutput([], [], {}, lora_failures=failures)
         batch = self.input_batch.plan(message)
         if self.keep:
             self.steps.append(batch)
@@ -77,7 +80,7 @@ class ScriptedExecutor:
                 beams[i] = (ids, [-0.1 * (j + 1) - 0.01 * (t % 7) for j, t in enumerate(ids)])
         prompt_lps = {rows.handle: [TokenLogprobs(-2.0, 1, [], []) for _ in rows.targets]
                       for rows in batch.prompt_logprobs}
-        return WorkerOutput(tokens, lps, prompt_lps, beams)
+        return WorkerOutput(tokens, lps, prompt_lps, beams, lora_failures=failures)
 
     def shutdown(self) -> None:
         self.closed = True

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import psutil
-import pytest
 
 from conftest import hf_float32, hf_greedy, random_prompts
 from server_utils import running_server

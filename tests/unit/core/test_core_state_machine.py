@@ -48,6 +48,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.tokens: dict[str, Counter] = {}  # core request id -> sample index -> tokens seen
         self.ended: set[str] = set()
         self.requests: dict[str, object] = {}  # every core request ever added, ended ones too
+        self.errors = 0  # requests ended because their adapter could not be read
 
     @initialize(num_blocks=st.integers(3, 20), max_loras=st.sampled_from([0, 1, 2]), caching=st.booleans(),
                 chunked=st.booleans(), budget=st.sampled_from([16, 64]), max_num_seqs=st.integers(1, 6),
@@ -122,6 +123,14 @@ class CoreMachine(RuleBasedStateMachine):
         self.finishes[cid][0] += 1
         self.settle()
 
+    @rule(lora_id=st.integers(1, 3), lost=st.booleans())
+    def lose_adapter(self, lora_id, lost) -> None:
+        """An adapter's folder removed after its requests were accepted (or put back): the next load into a slot
+        fails, and only the requests needing that adapter end, with ERROR."""
+        path = f"/adapters/{lora_id}"
+        unreadable = self.core.executor.unreadable
+        unreadable.add(path) if lost else unreadable.discard(path)
+
     @rule(k=st.integers(1, 6))
     def step(self, k) -> None:
         for _ in range(k):  # several steps per rule: sequences grow into each other and the pool runs out
@@ -135,6 +144,11 @@ class CoreMachine(RuleBasedStateMachine):
             cid = out.request_id
             assert cid not in self.ended, f"output for {cid} after it ended: {out}"
             assert cid in self.expected, f"output for a request never added: {out}"
+            if out.error is not None:  # its adapter could not be read: every sample ends here, no tokens
+                lora = self.requests[cid].record.lora
+                assert lora is not None and lora.lora_path in self.core.executor.unreadable, out
+                assert all(s.finish_reason is FinishReason.ERROR and not s.new_token_ids for s in out.samples), out
+                self.errors += 1
             for s in out.samples:
                 self.tokens[cid][s.index] += len(s.new_token_ids)
                 assert self.tokens[cid][s.index] <= self.max_tokens[cid], (cid, s.index, self.tokens[cid])
@@ -235,6 +249,7 @@ class CoreMachine(RuleBasedStateMachine):
             target(float(core.scheduler.num_preemptions), label="preemptions")  # steer towards KV pressure
             event(f"preempted: {core.scheduler.num_preemptions > 0}")  # shown by --hypothesis-show-statistics
             event(f"swapped to the host tier: {core.block_manager.swapped_out > 0}")
+            event(f"a request ended with ERROR: {self.errors > 0}")
         for _ in range(1000):
             if not core.has_work():
                 break

@@ -195,3 +195,26 @@ def test_every_sample_ends_exactly_once_and_the_pool_is_whole_after(num_blocks, 
         for tokens, reasons in got.values():
             assert len(reasons) == 1 and len(tokens) <= max_tokens
     assert _all_free(core)
+
+
+def test_an_adapter_that_cannot_be_read_ends_only_its_requests():
+    """The worker reports an adapter load it could not do (its folder removed after acceptance): the requests that
+    need it end with ERROR and the reason, their blocks and slot freed; the base model's and another adapter's
+    requests in the same steps run to their length; a later request reads the adapter again."""
+    core = make_core(max_loras=2)
+    core.executor.unreadable.add("/adapters/2")
+    for rid, lora_id in (("a1", 1), ("a2", 2), ("base", 0), ("a2-again", 2)):
+        add(core, request(rid, [5, 6, 7, 8], lora_id=lora_id, max_tokens=6, ignore_eos=True))
+    outs = run(core)
+    for rid in ("a2", "a2-again"):
+        last = outs[rid][-1]
+        assert last.error == "lora adapter /adapters/2: no such folder"
+        assert [s.finish_reason for s in last.samples] == [FinishReason.ERROR] and not last.samples[0].new_token_ids
+    for rid in ("a1", "base"):
+        assert sum(len(s.new_token_ids) for o in outs[rid] for s in o.samples) == 6
+        assert outs[rid][-1].samples[0].finish_reason is FinishReason.LENGTH and outs[rid][-1].error is None
+    assert not core.requests and core.block_manager.num_used == 0 and 2 not in core.loras.resident
+    core.executor.unreadable.clear()
+    add(core, request("later", [5, 6, 7, 8], lora_id=2, max_tokens=3, ignore_eos=True))
+    out = run(core)["later"]
+    assert out[-1].samples[0].finish_reason is FinishReason.LENGTH and 2 in core.loras.resident
