@@ -166,9 +166,14 @@ async def fire(url: str, shot: Shot, timeout: float) -> Outcome:
 def judge(shot: Shot, status: int, body: bytes, events: list[str]) -> tuple[bool, str]:
     """Whether the answer is right for its request: the expected status, an OpenAI error object for errors, and for
     whole answers every choice with a final status (finish_reason) and, for JSON schema, JSON that follows it."""
-    if status == 503 or status not in shot.expect:
-        allowed = status == 503
-        return allowed, "" if allowed else f"status {status} (expected {shot.expect}): {body[:200]!r}"
+    if status == 503:  # right only when the server is at capacity; an engine that died or restarted is not
+        try:
+            code = json.loads(body)["error"].get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            code = None
+        return (True, "") if code == "server_overloaded" else (False, f"503 {code}: {body[:200]!r}")
+    if status not in shot.expect:
+        return False, f"status {status} (expected {shot.expect}): {body[:200]!r}"
     if status != 200:
         try:
             error = json.loads(body)["error"]

@@ -93,7 +93,7 @@ class EngineLoop:
 
     @property
     def model_info(self) -> ModelInfo:
-        return self.core.model_info
+        return self._model_info
 
     def add(self, requests: list[EngineRequest]) -> None:
         if self.dead is not None:
@@ -137,6 +137,7 @@ class EngineLoop:
     def _main(self, config: EngineConfig, resolved: ResolvedConfig, grammars: GrammarSource | None) -> None:
         try:
             self.core = EngineCore.start(config, resolved, grammars)
+            self._model_info = self.core.model_info
         except BaseException as e:
             self._init_error = e
             self._ready.set()
@@ -153,6 +154,7 @@ class EngineLoop:
             self._cancel_calls()
         finally:
             self.core.shutdown()  # a split model's other ranks end with the loop, however it ends
+            self.core = None  # its model and KV pool go with it (a server starting the engine again needs the memory)
 
     def _run_once(self) -> bool:
         """Take every pending command (waiting for one when idle), then run one step. False: shut down."""

@@ -154,7 +154,11 @@ class EngineClient:
     def add_lora(self, lora: LoRARequest) -> bool:
         """Check an adapter and load it now (into a free or idle slot) rather than at its first request."""
         lora = self.adapters.check(lora)
-        self._loop.utility("add_lora", lora)
+        try:
+            self._loop.utility("add_lora", lora)
+        except BaseException:
+            self.adapters.remove(lora.lora_int_id)  # not loadable: not accepted either
+            raise
         return True
 
     def remove_lora(self, lora_id: int) -> bool:

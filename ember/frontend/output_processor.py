@@ -9,6 +9,7 @@ of its samples have a finish reason; then its id is free again.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from ember.outputs import (
 from ember.protocol import EngineOutput, FinishReason, TokenLogprobs
 from ember.sampling_params import SamplingParams
 from ember.tokenizer import Tokenizer
+
+logger = logging.getLogger("ember")
 
 OutputSink = Callable[[RequestOutput | EmbeddingRequestOutput | BaseException], None]
 
@@ -110,6 +113,7 @@ class OutputProcessor:
             if route is None:
                 continue
             if out.error is not None:  # the request could not run: it ends with the reason (its other samples too)
+                logger.warning("request %s could not be run: %s", route[0].request_id, out.error)
                 self.forget([route[0].request_id])
                 route[0].sink(RequestFailedError(f"request {route[0].request_id!r}: {out.error}"))
             else:

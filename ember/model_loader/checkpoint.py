@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,8 @@ from ember.model_loader.gguf import GGUFCheckpoint
 from ember.model_loader.hf import HFCheckpoint
 from ember.model_loader.trtllm import TRTLLMCheckpoint, trtllm_folder_kind
 from ember.quantization import QuantConfig
+
+logger = logging.getLogger("ember")
 
 Checkpoint = HFCheckpoint | GGUFCheckpoint | AsModelCheckpoint | TRTLLMCheckpoint
 
@@ -71,7 +74,9 @@ def file_errors(path: str) -> Iterator[None]:
         raise
     except (SafetensorError, StrictDataclassError, OSError, ValueError, KeyError, IndexError, TypeError,
             AttributeError, ZeroDivisionError, OverflowError, RecursionError, RuntimeError) as e:
-        raise ConfigError(f"model={path!r} cannot be loaded: {type(e).__name__}: {e}") from e
+        logger.debug("loading %s failed", path, exc_info=True)  # EMBER_LOG_LEVEL=DEBUG shows where
+        raise ConfigError(f"model={path!r} cannot be loaded: {type(e).__name__}: {e} (a damaged or inconsistent "
+                          "file; if the file is sound, this is a bug in ember: the traceback is chained)") from e
 
 
 def needs_calibration(ckpt: Checkpoint, quant: QuantConfig | None) -> bool:

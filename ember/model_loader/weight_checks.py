@@ -3,7 +3,7 @@
 A NaN or inf weight (a bit-flipped exponent, a diverged training run) makes every output NaN, which the sampler
 turns into token 0 forever without any error; refusing the file at load names it instead. The check runs over
 every float tensor and every quantized tensor's scales (quantized data are integers), a sum each: measured in
-docs/hostile_files.md at about 1% of the load time.
+docs/hostile_files.md at 0.4% of the default model's load time and 7% of Qwen2.5-Coder-1.5B Q4_K_M's.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ def from_engine(e: Exception, prompt_field: str) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine has stopped: {e}", code="engine_dead")
     if isinstance(e, RequestFailedError):  # the server's files, not the request, were at fault; a retry may work
-        return APIError(503, str(e), code="request_failed")
+        return APIError(503, "the request could not be run: its LoRA adapter's files could not be read (the "
+                        "server's log says why)", code="request_failed")
     m = _FIELD.match(str(e))
     param = m.group(1) if m else None
     if param in ("prompt", "prompts"):

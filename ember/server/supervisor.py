@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ember.errors import EmberError
 from ember.frontend.client import EngineClient
 from ember.lora.request import LoRARequest
 
@@ -51,7 +52,7 @@ class EngineSupervisor:
         self.engine, self.start, self.loras = engine, start, tuple(loras)
         self.metrics, self.max_restarts = metrics, max_restarts
         self.recent: deque[float] = deque()  # monotonic times of the restarts in the window
-        self.started: list[EngineClient] = []  # the engines this supervisor started: it stops them at the end
+        self.started: EngineClient | None = None  # the engine this supervisor started last: it stops it at the end
         self.gave_up = False
 
     async def watch(self) -> None:
@@ -59,7 +60,10 @@ class EngineSupervisor:
         while not self.gave_up:
             await asyncio.sleep(POLL_S)
             if not self.engine.client.is_alive() and not self.engine.admission.closed:
-                await self.restart()
+                try:
+                    await self.restart()
+                except Exception:  # noqa: BLE001  (a watcher that ended would leave the engine unsupervised)
+                    logger.exception("[ember] restarting the engine of %s failed", self.engine.name)
 
     async def restart(self) -> None:
         e = self.engine
@@ -83,7 +87,7 @@ class EngineSupervisor:
             if client is None:
                 self.gave_up = True
                 return
-            e.client = client
+            e.client = client  # the dead engine is referenced no more: its memory is free for the next start
             self.metrics.engine_restarted(e.name)
             logger.warning("[ember] the engine of %s is serving again after %.1f s", e.name, time.monotonic() - now)
         finally:
@@ -93,7 +97,7 @@ class EngineSupervisor:
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 client = await asyncio.to_thread(self._started)
-                self.started.append(client)
+                self.started = client
                 return client
             except Exception as err:  # noqa: BLE001  (any failure to start is logged and tried again, boundedly)
                 logger.error("[ember] starting the engine of %s failed (attempt %d of %d): %r", self.engine.name,
@@ -106,16 +110,19 @@ class EngineSupervisor:
     def _started(self) -> EngineClient:
         """A fresh engine with the served adapters added (a thread's work: it loads the model)."""
         client = self.start()
-        try:
-            for lora in self.loras:
+        for lora in self.loras:
+            try:
                 client.add_lora(lora)
-        except BaseException:
-            client.shutdown()
-            raise
+            except (EmberError, OSError) as err:  # its requests fail one by one (request_failed); the rest serve
+                logger.error("[ember] the adapter %s of %s could not be loaded again: %s", lora.lora_name,
+                             self.engine.name, err)
+            except BaseException:
+                client.shutdown()
+                raise
         return client
 
     def close(self) -> None:
-        """Stop the engines this supervisor started (the first one is its owner's to stop)."""
-        for client in self.started:
-            client.shutdown()
+        """Stop the engine this supervisor started last (the first one is its owner's to stop)."""
+        if self.started is not None:
+            self.started.shutdown()
 

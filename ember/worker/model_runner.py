@@ -238,7 +238,8 @@ class ModelRunner:
         for load in loads:
             try:
                 self.load_lora(load)
-            except (EmberError, OSError) as e:  # the reader names the file and what is wrong with it
+            except (EmberError, OSError, KeyError) as e:  # the reader names the file (KeyError: rewritten between
+                # its check and this read)
                 for stack in self.model.lora_stacks():
                     stack.clear(load.slot)
                 failures[load.slot] = str(e)

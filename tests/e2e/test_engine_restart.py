@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import psutil
 
 from conftest import hf_float32, hf_greedy, random_prompts
@@ -174,3 +175,28 @@ def test_a_burst_beyond_the_kv_pool_ends_every_request_and_frees_every_block(lla
         assert rows["ember_kv_cache_usage_perc"] == 0.0 and rows["ember_num_preemptions_total"] > 0, rows
         assert _health(srv.url)[0] == 200
         assert os.path.exists(f"/proc/{srv.pid}")
+
+
+def test_a_stopped_engine_lets_go_of_its_model_and_kv_pool(llama_dir):
+    """An engine whose loop stopped after an error holds its model and KV pool no more (its client may still be
+    referenced): a server that starts the engine again has the memory for it."""
+    import gc
+    import weakref
+
+    from ember import LLM, SamplingParams
+    from ember.errors import EngineDeadError
+
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    core = llm.client._loop.core
+    executor = weakref.ref(core.executor)
+
+    def fault(*_):
+        raise RuntimeError("a fault inside a step")
+    core.step = fault
+    del core
+    with pytest.raises(EngineDeadError, match="a fault inside a step"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
+    gc.collect()
+    assert executor() is None and not llm.client.is_alive()
+    assert "a fault inside a step" in llm.client.stop_reason()
+    llm.shutdown()

@@ -25,7 +25,9 @@ def _chunk(index: int, reason: str | None) -> str:
 
 def test_statuses():
     assert judge(COMPLETION, 200, _body("stop", "length"), [])[0]
-    assert judge(COMPLETION, 503, b'{"error": {"message": "busy"}}', [])[0]
+    assert judge(COMPLETION, 503, b'{"error": {"message": "busy", "code": "server_overloaded"}}', [])[0]
+    for code in ("engine_dead", "engine_restarting", "request_failed"):  # 503s that are failures, not capacity
+        assert not judge(COMPLETION, 503, b'{"error": {"message": "x", "code": "%s"}}' % code.encode(), [])[0]
     ok, problem = judge(COMPLETION, 500, b'{"error": {"message": "boom"}}', [])
     assert not ok and "status 500" in problem
     bad = Shot("bad_request", "/v1/completions", {"n": 0}, expect=(400,))

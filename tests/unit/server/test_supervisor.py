@@ -106,3 +106,23 @@ def test_a_server_shutting_down_is_not_restarted():
 
     asyncio.run(run())
     assert not engine.client.stopped and not sup.recent
+
+
+def test_an_adapter_that_no_longer_loads_does_not_stop_the_restart(caplog):
+    """One of the served adapters' folders is gone by the time the engine restarts: the engine serves without it
+    (its requests fail one by one) rather than staying down."""
+    from ember.errors import BadRequestError
+
+    class NoAdapter(FakeClient):
+        def add_lora(self, lora: LoRARequest) -> bool:
+            if lora.lora_name == "gone":
+                raise BadRequestError(f"lora adapter {lora.lora_path}: no such folder")
+            return super().add_lora(lora)
+
+    engine = _engine(FakeClient())
+    loras = [LoRARequest("gone", 1, "/adapters/gone"), LoRARequest("a1", 2, "/adapters/a1")]
+    sup = EngineSupervisor(engine, NoAdapter, loras, Counted(), max_restarts=3)
+    engine.client.alive = False
+    asyncio.run(sup.restart())
+    assert isinstance(engine.client, NoAdapter) and engine.client.alive and not sup.gave_up
+    assert [lora.lora_name for lora in engine.client.loras] == ["a1"] and "could not be loaded again" in caplog.text
