@@ -25,7 +25,7 @@ MAX_CHOICES = 1024  # guided_choice
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
 MAX_KEYS = 64  # top-level keys of chat_template_kwargs, structured_outputs, Responses stream_options
-MAX_ANNOTATIONS = 1024  # annotations / logprobs of an output text sent back
+MAX_ANNOTATIONS = 1024  # annotations of an output text sent back (its logprobs: one a token, MAX_TOKEN_IDS)
 MAX_INCLUDE = 16  # Responses include
 MAX_METADATA = 16  # Responses metadata pairs, each key <= 64 and value <= 512 characters (OpenAI's limits)
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512

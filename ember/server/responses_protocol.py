@@ -43,7 +43,7 @@ class OutputText(_Body):
     type: Literal["output_text"]
     text: str
     annotations: Annotated[list[dict] | None, at_most(B.MAX_ANNOTATIONS), nested_at_most()] = None
-    logprobs: Annotated[list[dict] | None, at_most(B.MAX_ANNOTATIONS), nested_at_most()] = None
+    logprobs: Annotated[list[dict] | None, at_most(B.MAX_TOKEN_IDS), nested_at_most()] = None  # one a token
 
 
 class Message(_Body):
