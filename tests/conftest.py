@@ -83,6 +83,22 @@ def save_random_model(config_class: str, out_dir: str, tokenizer_dir: str, seed:
     return out_dir
 
 
+def edited_copy(src, dst, file: str, **changes):
+    """A copy of the model folder src at dst whose JSON file ``file`` has these keys changed: a checkpoint that
+    lies, or whose processor does not match its model."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, file)
+    with open(path) as f:
+        data = json.load(f)
+    data.update(changes)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return dst
+
+
 def make_tiny_model(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0, max_position: int = 512) -> str:
     cls_name, extra = TINY[kind]
     return save_random_model(cls_name, out_dir, tokenizer_dir, seed, max_position_embeddings=max_position, **extra)

@@ -108,16 +108,23 @@ def _restarts(url: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("ember_engine_restarts_total"))
 
 
+def _killed_under_load(srv, marker: str, n: int, llama_dir: str) -> float:
+    """SIGKILL the server's one child process named by marker while n requests run: each ends with engine_dead, the
+    engine comes back and answers with transformers' tokens; the seconds until /health said 200 again."""
+    results: list = []
+    threads = _load(srv.url, n, results)
+    _wait_running(srv.url, n)
+    (child,) = _children(srv.pid, marker)
+    child.send_signal(signal.SIGKILL)
+    _ended_with_errors(results, threads)
+    took = _back(srv.url)
+    _serves_again(srv.url, llama_dir)
+    return took
+
+
 def test_a_killed_tensor_parallel_rank_ends_its_requests_and_the_engine_restarts(llama_dir):
     with running_server(llama_dir, *ARGS, "--tensor-parallel-size", "2") as srv:
-        results: list = []
-        threads = _load(srv.url, 6, results)
-        _wait_running(srv.url, 6)
-        (rank,) = _children(srv.pid, "ember.executor.rank")
-        rank.send_signal(signal.SIGKILL)
-        _ended_with_errors(results, threads)
-        took = _back(srv.url)
-        _serves_again(srv.url, llama_dir)
+        took = _killed_under_load(srv, "ember.executor.rank", 6, llama_dir)
         assert _restarts(srv.url) == 1 and "restarting it" in srv.log() and "serving again" in srv.log()
         print(f"tp=2, rank 1 SIGKILLed under 6 requests: /health 200 again after {took:.1f} s")
         (rank,) = _children(srv.pid, "ember.executor.rank")  # the new engine's rank, killed while nothing runs:
@@ -133,14 +140,7 @@ def test_a_killed_core_process_restarts_within_its_bound(llama_dir):
     comes back; the second time it stays down, /health answers 503 engine_dead and requests get 503."""
     with running_server(llama_dir, *ARGS, "--max-engine-restarts", "1",
                         env={"EMBER_ENGINE_CORE_PROCESS": "1"}) as srv:
-        results: list = []
-        threads = _load(srv.url, 4, results)
-        _wait_running(srv.url, 4)
-        (core,) = _children(srv.pid, "ember.frontend.core_process")
-        core.send_signal(signal.SIGKILL)
-        _ended_with_errors(results, threads)
-        took = _back(srv.url)
-        _serves_again(srv.url, llama_dir)
+        took = _killed_under_load(srv, "ember.frontend.core_process", 4, llama_dir)
         print(f"core process SIGKILLed under 4 requests: /health 200 again after {took:.1f} s")
         (core,) = _children(srv.pid, "ember.frontend.core_process")
         core.send_signal(signal.SIGKILL)

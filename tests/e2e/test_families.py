@@ -166,15 +166,10 @@ def test_gguf_written_as_llama_cpp_does_matches_the_source_model(kind, tokenizer
     ("qwen3_moe", "num_experts_per_tok", 9),
 ])
 def test_bad_family_configs_name_the_field_before_any_weight_is_read(family_dirs, tmp_path, kind, field, value):
-    import json
-    import shutil
+    from conftest import edited_copy
 
-    bad = tmp_path / kind
-    shutil.copytree(family_dirs[kind], bad)
+    bad = edited_copy(family_dirs[kind], tmp_path / kind, "config.json", **{field: value})
     os.remove(bad / "model.safetensors")  # no weights at all: the error must come first
-    config = json.loads((bad / "config.json").read_text())
-    config[field] = value
-    (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=field.split("_parameters")[0]):
         LLM(str(bad), dtype="float32", kv_cache_memory="16MiB")
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from conftest import hf_float32, hf_greedy, random_prompts
+from conftest import edited_copy, hf_float32, hf_greedy, random_prompts
 from gguf_writer import write_gguf
 from internals import worker_of
 
@@ -277,12 +276,7 @@ def test_ggml_types_named_by_ember_match_the_gguf_package():
 def test_bad_model_files(tiny_models, tmp_path):
     src = tiny_models["llama"]
     # unknown architecture
-    bad = tmp_path / "arch"
-    shutil.copytree(src, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    cfg["model_type"] = "gpt2"
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = edited_copy(src, tmp_path / "arch", "config.json", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ValueError, match="architectures"):
         LLM(str(bad))
     # corrupt weights

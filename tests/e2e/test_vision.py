@@ -196,14 +196,9 @@ def test_adjacent_images_split_their_run_as_transformers_does(llava, llava_dir):
 def test_a_processor_that_does_not_match_its_model_fails_the_load(llava_dir, tmp_path):
     """A processor config giving 15 tokens an image to a tower that makes 16 (older llava-hf files lack
     num_additional_image_tokens): refused at load by name, never inside the engine."""
-    import json
-    import shutil
+    from conftest import edited_copy
 
-    bad = tmp_path / "llava-bad"
-    shutil.copytree(llava_dir, bad)
-    cfg = json.loads((bad / "processor_config.json").read_text())
-    cfg["num_additional_image_tokens"] = 0
-    (bad / "processor_config.json").write_text(json.dumps(cfg))
+    bad = edited_copy(llava_dir, tmp_path / "llava-bad", "processor_config.json", num_additional_image_tokens=0)
     with pytest.raises(ConfigError, match="15 tokens; the vision tower makes 16"):
         LLM(str(bad), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
 

@@ -143,13 +143,8 @@ def test_speculative_drafts_are_verified_at_their_m_rope_positions(qwen_dir, mon
 
 
 def test_a_processor_merging_otherwise_than_the_tower_fails_the_load(qwen_dir, tmp_path):
-    import json
-    import shutil
+    from conftest import edited_copy
 
-    bad = tmp_path / "bad"
-    shutil.copytree(qwen_dir, bad)
-    cfg = json.loads((bad / "preprocessor_config.json").read_text())
-    cfg["merge_size"] = 1
-    (bad / "preprocessor_config.json").write_text(json.dumps(cfg))
+    bad = edited_copy(qwen_dir, tmp_path / "bad", "preprocessor_config.json", merge_size=1)
     with pytest.raises(ConfigError, match="merges 1 x 1 patches a token, its vision tower 2 x 2"):
         LLM(str(bad), dtype="float32", kv_cache_memory="16MiB", max_model_len=512)

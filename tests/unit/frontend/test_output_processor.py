@@ -23,6 +23,16 @@ def _start(proc: OutputProcessor, tok: Tokenizer, rid: str = "r", **params) -> l
     return got
 
 
+def _two_samples(proc: OutputProcessor, tok: Tokenizer, max_tokens: int) -> list:
+    """A request of n = 2 stopping at " maybe", as ``parallel_sampling.fan_out`` hands it over: core requests r#0
+    and r#1 are its samples 0 and 1."""
+    got: list = []
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=max_tokens, stop=[" maybe"])
+    proc.register([RequestState("r", "The answer:", prompt, params, got.append, ["r#0", "r#1"])])
+    return got
+
+
 def _step(rid: str, *samples: SampleOutput) -> EngineOutput:
     return EngineOutput(rid, list(samples), num_cached_tokens=0)
 
@@ -46,10 +56,7 @@ def test_a_request_of_n_samples_ends_when_the_last_one_does(tok):
     """n = 2 reaches the core as two requests (``parallel_sampling.fan_out``); their outputs come back as the
     request's samples 0 and 1, a stop string found in one is reported under its core request's id."""
     proc = OutputProcessor(tok)
-    got: list = []
-    prompt = tok.encode("The answer:", add_special_tokens=False)
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=2, stop=[" maybe"])
-    proc.register([RequestState("r", "The answer:", prompt, params, got.append, ["r#0", "r#1"])])
+    got = _two_samples(proc, tok, max_tokens=2)
     a, b = tok.encode(" yes", add_special_tokens=False), tok.encode(" no", add_special_tokens=False)
     stops = proc.process([_step("r#0", SampleOutput(0, a + a, finish_reason=FinishReason.LENGTH)),
                           _step("r#1", SampleOutput(0, b))])
@@ -99,10 +106,7 @@ def test_a_step_after_a_stop_string_adds_nothing_to_the_stopped_sample(tok):
     used to be appended and to clear the finish reason, so a request of n > 1 never finished (found by many
     callers on the core process)."""
     proc = OutputProcessor(tok)
-    got: list = []
-    prompt = tok.encode("The answer:", add_special_tokens=False)
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, stop=[" maybe"])
-    proc.register([RequestState("r", "The answer:", prompt, params, got.append, ["r#0", "r#1"])])
+    got = _two_samples(proc, tok, max_tokens=8)
     maybe, yes = tok.encode(" maybe", add_special_tokens=False), tok.encode(" yes", add_special_tokens=False)
     assert proc.process([_step("r#0", SampleOutput(0, maybe))]) == [("r#0", 0)]
     assert proc.process([_step("r#0", SampleOutput(0, yes)), _step("r#1", SampleOutput(0, yes))]) == []
