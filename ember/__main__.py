@@ -1,5 +1,5 @@
 """``python -m ember`` is the ``ember`` command."""
 
-from ember.entrypoints.cli import run
+from ember.entrypoints.console import run
 
 run()

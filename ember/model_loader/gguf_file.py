@@ -23,6 +23,7 @@ _MAGIC = b"GGUF"
 # GGUF value types -> struct format (little-endian); 8 = string, 9 = array
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_SIZES = {k: struct.calcsize(f) for k, f in _SCALARS.items()}
+_U64 = struct.Struct("<Q")  # a string's length
 _STRING, _ARRAY = 8, 9
 # bounds a hostile header meets before anything is sized from it: ggml's GGML_MAX_DIMS; arrays of arrays (llama.cpp
 # has none; the gguf package reads them) at most this deep; the smallest metadata entry (a 0-length key, its type,
@@ -227,7 +228,16 @@ def _skip(mv: memoryview, pos: int, vtype: int, key: str, depth: int = 0) -> int
                    "left in the file")
     if itype in _SCALARS:
         return pos + count * smallest
-    for _ in range(count):  # strings or nested arrays: each says its own length
+    if itype == _STRING:  # a vocabulary: tens of thousands of strings, one bound check each, no call per string
+        end, length = len(mv), _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                _need(mv, pos, 8, key)
+            pos += 8 + length(mv, pos)[0]
+        if pos > end:
+            raise _Bad(f"metadata {key}: its strings run past the end of the file ({end} bytes)")
+        return pos
+    for _ in range(count):  # nested arrays: each says its own length
         pos = _skip(mv, pos, itype, key, depth + 1)
     return pos
 
