@@ -47,7 +47,8 @@ def add_bench_parser(sub) -> None:
                        "quantization='int8'; ember-w8a8: int8 weights and per-token int8 activations, "
                        "quantization='w8a8'; ember-variant: batch_invariant=False, kernels whose rounding depends "
                        "on the batch; ember-ngram: n-gram speculative decoding, up to 8 tokens; ember-suffix: "
-                       "suffix decoding, vLLM's defaults (up to 24 tokens); ember-draft: "
+                       "suffix decoding, vLLM's defaults (up to 24 tokens); ember-prediction: OpenAI's predicted "
+                       "outputs with --prompts text (copy and code prompts send their expected answer); ember-draft: "
                        "speculative decoding with --draft-model drafting; llamacpp-draft: llama.cpp's own, "
                        "latency only)")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
@@ -82,7 +83,8 @@ def add_bench_parser(sub) -> None:
                      help="random: --runs prompts of random tokens per length in --prompt-lens; text: --runs chat "
                           "prompts of each kind: copy (a passage to copy), code (a file to return with a docstring "
                           "added), chat (open questions), rendered with the model's chat template (speculative "
-                          "decoding's figures; ember-ngram and ember-suffix speculate)")
+                          "decoding's figures; ember-ngram and ember-suffix speculate, ember-prediction sends "
+                          "predictions)")
     lat.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     lat.add_argument("--runs", type=int, default=5, help="requests per prompt length and repeat (default 5)")
     srv.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
@@ -269,7 +271,8 @@ def _text_requests(tokenizer, runs: int, output_len: int, seed: int) -> tuple[li
     from ember.benchmarks.text_prompts import text_prompts
 
     prompts = text_prompts(tokenizer, runs, seed)
-    return [BenchRequest(ids, output_len) for _, ids in prompts], [f"prompt_{kind}" for kind, _ in prompts]
+    return ([BenchRequest(ids, output_len, predicted) for _, ids, predicted in prompts],
+            [f"prompt_{kind}" for kind, _, _ in prompts])
 
 
 def _figures(args: argparse.Namespace, done, groups: list[str] | None = None) -> dict:

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from ember import envs
 
 BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-json", "ember-lora", "ember-eager",
-            "ember-variant", "ember-ngram", "ember-suffix", "ember-draft", "hf", "vllm", "llamacpp", "llamacpp-draft")
+            "ember-variant", "ember-ngram", "ember-suffix", "ember-prediction", "ember-draft", "hf", "vllm", "llamacpp",
+            "llamacpp-draft")
 BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)",
                  "ember-int8": "ember (int8, bf16 activations)", "ember-w8a8": "ember (w8a8)",
                  "ember-json": "ember (JSON-schema guided)",
                  "ember-lora": "ember (4 LoRA adapters mixed)", "ember-eager": "ember (no CUDA graphs)",
                  "ember-variant": "ember (batch_invariant=False)", "ember-ngram": "ember (n-gram speculation)",
-                 "ember-suffix": "ember (suffix decoding)", "ember-draft": "ember (draft-model speculation)",
+                 "ember-suffix": "ember (suffix decoding)", "ember-prediction": "ember (predicted outputs)",
+                 "ember-draft": "ember (draft-model speculation)",
                  "hf": "transformers", "vllm": "vLLM-CPU",
                  "llamacpp": "llama.cpp", "llamacpp-draft": "llama.cpp (draft-model speculation)"}
 # variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
@@ -36,6 +38,8 @@ EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-i
                   "ember-variant": {"batch_invariant": False},
                   "ember-ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 8}},
                   "ember-suffix": {"speculative_config": {"method": "suffix"}},  # vLLM's defaults: up to 24 tokens
+                  # requests that carry a prediction send it (no speculative_config: predictions draft anyway)
+                  "ember-prediction": {"predictions": True},
                   "ember-draft": {}}  # its speculative_config names --draft-model
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
 DEFAULT_VENVS = envs.bench_venvs()

@@ -5,6 +5,10 @@ gets the same token ids. They measure what random-token prompts cannot: how much
 - copy: "Copy this text" over a passage of the shipped Constitution text (ember/quantization/data);
 - code: "Add a docstring to the first function and return the whole file" over a slice of one of ember's sources;
 - chat: open questions whose answers are new text.
+
+Each copy and code prompt also carries what OpenAI's predicted outputs would send with it (``prediction``): the
+passage, and the file as given (the answer is that file with a docstring added); a chat prompt carries none. The
+``ember-prediction`` backend sends them; the others never see them.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ _QUESTIONS = ("Write a short story about a lighthouse keeper who finds a message
 KINDS = ("copy", "code", "chat")
 
 
-def text_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[tuple[str, list[int]]]:
-    """``count`` prompts of each kind, as (kind, token ids); the same arguments give the same prompts."""
+def text_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[tuple[str, list[int], list[int] | None]]:
+    """``count`` prompts of each kind, as (kind, token ids, the prediction's token ids or None); the same arguments
+    give the same prompts."""
     rng = random.Random(seed)
     with open(_DATA, encoding="utf-8") as f:
         text = f.read()
@@ -38,16 +43,18 @@ def text_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[tuple[
         start = rng.randrange(0, len(text) - 1700)
         start = text.index("\n", start) + 1  # from the start of a line
         passage = text[start:start + 1500].rsplit(" ", 1)[0]  # whole words
-        out.append(("copy", f'Copy this text:\n\n"""{passage}"""'))
+        out.append(("copy", f'Copy this text:\n\n"""{passage}"""', passage))
         with open(os.path.join(here, _SOURCES[i % len(_SOURCES)]), encoding="utf-8") as f:
             source = f.read()
         at = min(i for i in (source.find("\ndef "), source.find("\n    def ")) if i >= 0)  # the first function
         code = source[at + 1:at + 1 + 1200].rsplit("\n", 1)[0]
+        block = f"```python\n{code}\n```"
         out.append(("code", "Add a docstring to the first function of this Python code and return the whole code:"
-                            f"\n\n```python\n{code}\n```"))
-        out.append(("chat", _QUESTIONS[i % len(_QUESTIONS)]))
+                            f"\n\n{block}", block))
+        out.append(("chat", _QUESTIONS[i % len(_QUESTIONS)], None))
     rendered = []
-    for kind, content in out:
+    for kind, content, predicted in out:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}])
-        rendered.append((kind, tokenizer.encode(prompt, add_special_tokens=False)))
+        prediction = tokenizer.encode(predicted, add_special_tokens=False) if predicted is not None else None
+        rendered.append((kind, tokenizer.encode(prompt, add_special_tokens=False), prediction))
     return rendered

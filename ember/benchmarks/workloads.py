@@ -15,9 +15,13 @@ from dataclasses import dataclass
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    prediction_token_ids: list[int] | None = None  # the answer's expected tokens (--prompts text): ember-prediction's
 
     def to_json(self) -> dict:
-        return {"prompt_token_ids": self.prompt_token_ids, "max_tokens": self.max_tokens}
+        out = {"prompt_token_ids": self.prompt_token_ids, "max_tokens": self.max_tokens}
+        if self.prediction_token_ids is not None:
+            out["prediction_token_ids"] = self.prediction_token_ids
+        return out
 
 
 @dataclass(slots=True, frozen=True)

@@ -97,11 +97,11 @@ def test_latency_reports_each_prompt_length(llama_dir, tmp_path):
 
 def test_latency_on_text_prompts_reports_each_kind(llama_dir, tmp_path):
     """--prompts text: chat prompts of three kinds rendered with the model's template, the same token ids for every
-    backend (here ember with and without n-gram speculation), figures per kind."""
-    record = _bench(tmp_path, "latency", "--model", llama_dir, "--backends", "ember,ember-ngram", "--dtype",
-                    "float32", "--prompts", "text", "--output-len", "6", "--runs", "1", "--repeats", "1")
+    backend (here ember with and without n-gram speculation, and sending predictions), figures per kind."""
+    record = _bench(tmp_path, "latency", "--model", llama_dir, "--backends", "ember,ember-ngram,ember-prediction",
+                    "--dtype", "float32", "--prompts", "text", "--output-len", "6", "--runs", "1", "--repeats", "1")
     assert record["prompts"] == "text"
-    for backend in ("ember", "ember-ngram"):
+    for backend in ("ember", "ember-ngram", "ember-prediction"):
         fig = record["median"][backend]
         assert [k for k in fig if k.startswith("prompt_")] == ["prompt_copy", "prompt_code", "prompt_chat"]
         assert all(fig[k]["runs"] == 1 and fig[k]["output_tokens"] == 6 for k in ("prompt_copy", "prompt_chat"))

@@ -14,8 +14,9 @@ def load(spec: dict):
 
     cls = AsyncLLM if spec["mode"] == "serving" else LLM
     opts = dict(spec.get("options", {}))
-    global _GUIDE, _LORAS
+    global _GUIDE, _LORAS, _PREDICT
     _GUIDE = opts.pop("guided_json", None)  # a sampling setting of the ember-json variant, not an engine argument
+    _PREDICT = bool(opts.pop("predictions", False))  # ember-prediction: requests send their predicted answers
     adapters = int(opts.pop("lora_adapters", 0))  # the ember-lora variant's adapters, made here
     if adapters:
         _LORAS = random_adapters(spec["model"], adapters, LORA_RANK)
@@ -47,6 +48,7 @@ def rank_figures(llm, wall: float) -> dict:
 
 
 _GUIDE: dict | None = None
+_PREDICT = False
 _LORAS: list = []  # the ember-lora variant's LoRARequests; request i runs with _LORAS[i % len(_LORAS)]
 LORA_RANK = 16  # vLLM's default max_lora_rank
 
@@ -122,11 +124,18 @@ def throughput(llm, spec: dict) -> dict:
     return result
 
 
+def _prompt(r: dict):
+    """The request's prompt: its token ids, with its prediction where it has one and the variant sends them."""
+    if _PREDICT and r.get("prediction_token_ids"):
+        return {"prompt_token_ids": r["prompt_token_ids"], "prediction_token_ids": r["prediction_token_ids"]}
+    return r["prompt_token_ids"]
+
+
 def latency(llm, spec: dict) -> dict:
     outputs, start = [], time.perf_counter()
     for r in spec["requests"]:
         clock, metrics = TokenClock(), None
-        for delta in llm.stream(r["prompt_token_ids"], _params(r)):
+        for delta in llm.stream(_prompt(r), _params(r)):
             clock.tick(len(delta.outputs[0].token_ids))
             metrics = delta.metrics
         record = output_record(len(r["prompt_token_ids"]), len(clock.times), clock.times)
