@@ -1,11 +1,13 @@
 """ember: a small, fast LLM inference engine with a vLLM-style API.
 
-The names below load on first use (PEP 562, as vLLM's package does): ``import ember`` alone imports neither torch
-nor the engine, so the ``ember`` command can set the interpreter up before they load (entrypoints/console.py)."""
+The names below, and the submodules as attributes (``ember.errors``), load on first use (PEP 562, as vLLM's package
+does): ``import ember`` alone imports neither torch nor the engine, so the ``ember`` command can set the interpreter
+up before they load (entrypoints/console.py)."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from ember.version import __version__
@@ -37,11 +39,14 @@ __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "Guid
 
 def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ember' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    # a submodule, reachable as an attribute as when this package imported the engine eagerly (ember.errors, ...)
+    if not name.startswith("_") and importlib.util.find_spec(f"ember.{name}") is not None:
+        return importlib.import_module(f"ember.{name}")  # the import sets the attribute
+    raise AttributeError(f"module 'ember' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -175,6 +175,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     if "llamacpp-draft" in backends and args.mode != "latency":
         raise ValueError(f"--backends llamacpp-draft runs in latency mode only (llama-speculative-simple serves one "
                          f"request a process), not {args.mode}")
+    if "ember-prediction" in backends and (args.mode != "latency" or args.prompts != "text"):
+        raise ValueError("--backends ember-prediction needs `ember bench latency --prompts text` (only its copy and "
+                         f"code prompts carry a prediction), not {args.mode}"
+                         + (f" with --prompts {args.prompts}" if args.mode == "latency" else ""))
     if args.draft_quantization is not None and "ember-draft" not in backends:
         raise ValueError("--draft-quantization is read by the ember-draft backend only: add it to --backends")
     drafting = [b for b in backends if b.endswith("-draft")]

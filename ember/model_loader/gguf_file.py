@@ -233,9 +233,11 @@ def _skip(mv: memoryview, pos: int, vtype: int, key: str, depth: int = 0) -> int
         for _ in range(count):
             if pos + 8 > end:
                 _need(mv, pos, 8, key)
-            pos += 8 + length(mv, pos)[0]
-        if pos > end:
-            raise _Bad(f"metadata {key}: its strings run past the end of the file ({end} bytes)")
+            (n,) = length(mv, pos)
+            pos += 8 + n
+            if pos > end:
+                raise _Bad(f"metadata {key}: a string of length {n} at offset {pos - 8 - n} runs past the end of "
+                           f"the file ({end} bytes)")
         return pos
     for _ in range(count):  # nested arrays: each says its own length
         pos = _skip(mv, pos, itype, key, depth + 1)

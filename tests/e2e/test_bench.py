@@ -175,6 +175,10 @@ def test_missing_baseline_environment_is_a_clear_error(llama_dir, tmp_path, caps
     assert main(["bench", "throughput", "--model", llama_dir, "--backends", "llamacpp", "--python",
                  f"llamacpp={sys.executable}", "--out", str(tmp_path / "o")]) == 2
     assert "needs a .gguf model" in capsys.readouterr().err
+    # predictions exist only on the text prompts' copy and code requests: elsewhere the variant would be plain ember
+    for mode in (["throughput"], ["latency"], ["latency", "--prompts", "random"]):
+        assert main(["bench", *mode, "--model", llama_dir, "--backends", "ember,ember-prediction"]) == 2
+        assert "ember-prediction needs `ember bench latency --prompts text`" in capsys.readouterr().err
 
 
 def _vocab(model: str) -> list[int]:

@@ -21,6 +21,7 @@ def test_import_ember_loads_neither_torch_nor_the_engine():
                   "llm = ember.LLM\n"
                   "print(json.dumps({'before': before, 'llm': llm.__module__, 'engine': 'torch' in sys.modules}))")
     assert seen == {"before": [], "llm": "ember.entrypoints.llm", "engine": True}
+    assert ember.errors.ConfigError is ember.ConfigError  # submodules stay reachable as attributes
 
 
 def test_every_exported_name_resolves():
@@ -35,12 +36,23 @@ def test_every_exported_name_resolves():
         raise AssertionError("an unknown name must raise AttributeError")
 
 
-def test_console_runs_the_command_with_the_collector_on_and_start_up_frozen():
-    seen = _child("import gc, json, sys\n"
+def test_console_imports_with_the_collector_off_and_runs_the_command_with_it_on():
+    seen = _child("import builtins, gc, json, sys\n"
+                  "at_import, real = {}, builtins.__import__\n"
+                  "def spy(name, *args, **kwargs):\n"
+                  "    at_import.setdefault(name, gc.isenabled())\n"
+                  "    return real(name, *args, **kwargs)\n"
+                  "builtins.__import__ = spy\n"
                   "from ember.entrypoints import console\n"
-                  "import ember.entrypoints.cli as cli\n"
-                  "cli.run = lambda: print(json.dumps({'enabled': gc.isenabled(), 'frozen': gc.get_freeze_count(),\n"
-                  "                                    'engine': 'ember.entrypoints.llm' in sys.modules}))\n"
-                  "console.run()")
-    assert seen["enabled"] and seen["engine"]
+                  "sys.argv = ['ember', '--help']\n"
+                  "try:\n"
+                  "    console.run()\n"
+                  "except SystemExit:\n"
+                  "    pass\n"
+                  "builtins.__import__ = real\n"
+                  "print(json.dumps({'torch': at_import.get('torch'), 'enabled': gc.isenabled(),\n"
+                  "                  'frozen': gc.get_freeze_count(),\n"
+                  "                  'engine': 'ember.entrypoints.llm' in sys.modules}))")
+    assert seen["torch"] is False  # torch (and the engine) imported with the collector off
+    assert seen["enabled"] and seen["engine"]  # on again for the command
     assert seen["frozen"] > 10_000  # torch's and ember's modules, functions and classes

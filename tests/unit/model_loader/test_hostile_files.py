@@ -97,6 +97,16 @@ def test_gguf_vocabulary_array_of_2_40_entries(tmp_path):
              "tokenizer.ggml.tokens", str(1 << 40))
 
 
+def test_gguf_vocabulary_string_length_near_2_64(tmp_path):
+    """A vocabulary entry (an array of strings: the path that skips them in one loop) whose length runs past the
+    file, or wraps a 64-bit offset, is refused naming the key and the length."""
+    for length in (1 << 40, (1 << 64) - 1):
+        words = struct.pack("<IQ", GGUF_STRING, 2) + gguf_string("a") + gguf_string("b", length=length)
+        data = raw_gguf([*small_gguf_kvs(), gguf_kv("tokenizer.ggml.tokens", GGUF_ARRAY, words)], [])
+        _refused(_write(tmp_path, f"vocab{length}.gguf", data), "tokenizer.ggml.tokens", f"length {length}",
+                 "past the end")
+
+
 def test_gguf_arrays_nested_10000_deep(tmp_path):
     nested = struct.pack("<IQ", GGUF_ARRAY, 1) * 10_000 + struct.pack("<IQ", GGUF_U32, 0)
     _refused(_write(tmp_path, "nested.gguf", raw_gguf([*small_gguf_kvs(), gguf_kv("x", GGUF_ARRAY, nested)], [])),
