@@ -9,6 +9,7 @@ of every later collection), the whole ``ember generate`` command on the default 
 the walks into the model's load. The price: the ~7,000 objects of cyclic garbage the imports leave are frozen too,
 once (collecting them first costs 0.12 s). The engine core's own process and a split model's ranks start fresh
 interpreters, without this.
+
 Only here, where the process is ember's: a program that imports ember as a library keeps its collector as it set
 it (frozen objects are never collected, so freezing a host program's objects could keep its garbage for good)."""
 
