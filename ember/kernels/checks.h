@@ -47,6 +47,26 @@ inline void size(const char* fn, const char* name, const torch::Tensor& t, int64
               " (shape ", t.sizes(), ")");
 }
 
+// x [M, K] of one of x_types, w int8 [N, K], a float32 scale a weight row (scales_name: the kernel's own name for
+// them), all on the CPU: what every int8-weight kernel (int8_gemm, int8_exact_gemm, w8a8_linear) reads.
+inline void int8_weight_args(const char* fn, const torch::Tensor& x, std::initializer_list<at::ScalarType> x_types,
+                             const torch::Tensor& w, const char* scales_name, const torch::Tensor& scales) {
+  cpu(fn, "x", x);
+  cpu(fn, "w", w);
+  cpu(fn, scales_name, scales);
+  if (x_types.size() == 1)
+    dtype(fn, "x", x, *x_types.begin());
+  else
+    dtype_in(fn, "x", x, x_types);
+  dtype(fn, "w", w, at::kChar);
+  dtype(fn, scales_name, scales, at::kFloat);
+  dims(fn, "x", x, 2, "[M, K]");
+  dims(fn, "w", w, 2, "[N, K]");
+  size(fn, "w", w, 1, x.size(1), "x's K");
+  TORCH_CHECK(scales.numel() == w.size(0), fn, ": ", scales_name, " must hold one scale a weight row, ", w.size(0),
+              ", got shape ", scales.sizes());
+}
+
 inline void positive(const char* fn, const char* name, int64_t v) {
   TORCH_CHECK(v > 0, fn, ": ", name, " must be at least 1, got ", v);
 }

@@ -963,18 +963,7 @@ EMBER_FIXED_ORDER_END
 // x bf16 [M, K], w int8 [N, K], scales float32 [N], all on the CPU: what both int8 GEMMs read.
 [[maybe_unused]] static void check_int8_args(const char* fn, const torch::Tensor& x, const torch::Tensor& w,
                                              const torch::Tensor& scales) {
-  using namespace ember_check;
-  cpu(fn, "x", x);
-  cpu(fn, "w", w);
-  cpu(fn, "scales", scales);
-  dtype(fn, "x", x, at::kBFloat16);
-  dtype(fn, "w", w, at::kChar);
-  dtype(fn, "scales", scales, at::kFloat);
-  dims(fn, "x", x, 2, "[M, K]");
-  dims(fn, "w", w, 2, "[N, K]");
-  size(fn, "w", w, 1, x.size(1), "x's K");
-  TORCH_CHECK(scales.numel() == w.size(0), fn, ": scales must hold one scale a weight row, ", w.size(0),
-              ", got shape ", scales.sizes());
+  ember_check::int8_weight_args(fn, x, {at::kBFloat16}, w, "scales", scales);
 }
 
 bool has_amx() {

@@ -224,17 +224,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const torch::T
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scales) {
   using namespace ember_check;
   constexpr const char* fn = "w8a8_linear";
-  cpu(fn, "x", x);
-  cpu(fn, "w", w);
-  cpu(fn, "w_scales", w_scales);
-  dtype_in(fn, "x", x, {at::kBFloat16, at::kFloat});
-  dtype(fn, "w", w, at::kChar);
-  dtype(fn, "w_scales", w_scales, at::kFloat);
-  dims(fn, "x", x, 2, "[M, K]");
-  dims(fn, "w", w, 2, "[N, K]");
-  size(fn, "w", w, 1, x.size(1), "x's K");
-  TORCH_CHECK(w_scales.numel() == w.size(0), fn, ": w_scales must hold one scale a weight row, ", w.size(0),
-              ", got shape ", w_scales.sizes());
+  int8_weight_args(fn, x, {at::kBFloat16, at::kFloat}, w, "w_scales", w_scales);
   TORCH_CHECK(x.size(1) >= 2, fn, ": x's K must be at least 2 (torch._int_mm, which the GEMM calls, returns wrong "
               "products for K = 1 on CPU, torch 2.13), got K = ", x.size(1));
   if (x.size(0) == 0 || w.size(0) == 0) return torch::zeros({x.size(0), w.size(0)}, x.options());
