@@ -496,7 +496,7 @@ void decode_bf16_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, cons
 // Whether a query of this dtype and head size runs the AVX512-BF16 kernels (decode and prefill alike).
 bool avx512_attention(at::ScalarType dtype, int64_t d) {
 #ifdef EMBER_AVX512_BF16
-  return dtype == at::kBFloat16 && (d == 64 || d == 128);
+  return dtype == at::kBFloat16 && (d == 64 || d == 128 || d == 256);
 #else
   return false;
 #endif
@@ -572,7 +572,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     const auto* qp = q.data_ptr<c10::BFloat16>();
     const auto *kp = k_cache.data_ptr<c10::BFloat16>(), *vp = v_cache.data_ptr<c10::BFloat16>();
     auto* op = out.data_ptr<c10::BFloat16>();
-    if (invariant) {
+    if (invariant || d == 256) {  // no faster decode kernel for 256 (Gemma): the invariant one
       decode_bf16_invariant(qp, kp, vp, tables.data_ptr<int64_t>(), lp, op, nd, hq, hkv, d, bs, tables.size(1),
                             window, static_cast<float>(scale));
     } else if (d == 64) {

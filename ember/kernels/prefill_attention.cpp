@@ -113,8 +113,12 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
                  int64_t key0, int64_t S, int64_t window, float scale, c10::BFloat16* const* orow) {
   using namespace ember_avx512;
   constexpr int64_t NV = D / 16;
+  // O in registers where MR x NV accumulators fit (D 64, 128); else (D 256) in memory, each vector loaded once a key
+  // tile, rescaled and updated over the tile's 16 key pairs in registers: every element gets the same operations in
+  // the same order either way
+  constexpr bool in_registers = MR * NV <= 16;
   __m512 o[MR][NV];
-  float m[MR], l[MR];
+  float m[MR], l[MR], corr_of[MR];
   const uint32_t* qw[MR];
   for (int r = 0; r < MR; ++r) {
     for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_setzero_ps();
@@ -156,6 +160,7 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
       const float m_new = ember_fixed::max(m[r], mx);
       if (m_new == -std::numeric_limits<float>::infinity()) {  // no visible key in this block for this row
         std::memset(pw[r], 0, sizeof(pw[r]));
+        corr_of[r] = 1.f;  // x * 1 is x: O as it was
         continue;
       }
       const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - m_new);
@@ -164,17 +169,33 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
       const __m512 p1 = _mm512_maskz_mov_ps(valid[1], exp_ps(_mm512_sub_ps(s[r][1], mv)));
       m[r] = m_new;
       l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      const __m512 cv = _mm512_set1_ps(corr);
-      for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_mul_ps(o[r][x], cv);
+      corr_of[r] = corr;
+      if constexpr (in_registers) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_mul_ps(o[r][x], cv);
+      }
       _mm512_store_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // 32 bf16 in key order = 16 key pairs
     }
     const uint32_t* v0 = vt + ((k0 - key0) / 2) * D;
-    for (int64_t kp = 0; kp < KB / 2; ++kp) {
-      __m512bh b[NV];
-      for (int64_t x = 0; x < NV; ++x) b[x] = (__m512bh)_mm512_loadu_si512(v0 + kp * D + 16 * x);
-      for (int r = 0; r < MR; ++r) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r][kp]));
-        for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_dpbf16_ps(o[r][x], a, b[x]);
+    if constexpr (in_registers) {
+      for (int64_t kp = 0; kp < KB / 2; ++kp) {
+        __m512bh b[NV];
+        for (int64_t x = 0; x < NV; ++x) b[x] = (__m512bh)_mm512_loadu_si512(v0 + kp * D + 16 * x);
+        for (int r = 0; r < MR; ++r) {
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r][kp]));
+          for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_dpbf16_ps(o[r][x], a, b[x]);
+        }
+      }
+    } else {
+      for (int64_t x = 0; x < NV; ++x) {
+        __m512 acc[MR];
+        for (int r = 0; r < MR; ++r) acc[r] = _mm512_mul_ps(o[r][x], _mm512_set1_ps(corr_of[r]));
+        for (int64_t kp = 0; kp < KB / 2; ++kp) {
+          const __m512bh b = (__m512bh)_mm512_loadu_si512(v0 + kp * D + 16 * x);
+          for (int r = 0; r < MR; ++r)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r][kp])), b);
+        }
+        for (int r = 0; r < MR; ++r) o[r][x] = acc[r];
       }
     }
   }
@@ -187,7 +208,7 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
 }
 
 template <int64_t D>
-constexpr int rows_a_pass() { return D == 64 ? 4 : 2; }  // O stays in registers: MR x D/16 accumulators
+constexpr int rows_a_pass() { return D == 128 ? 2 : 4; }  // D 64, 128: O in registers (MR x D/16 accumulators)
 
 // Rows [r0, r1) of KV head kh's rows (its g query heads at each of the chunk's L positions, position-major: a
 // drafted span of L tokens is ceil(L g / MR) passes instead of g ceil(L / MR)), MR at a time, against its keys laid
@@ -210,6 +231,38 @@ void attend_kv_rows(const uint16_t* qp, c10::BFloat16* op, int64_t hq, int64_t g
     }
     attend_rows<D, MR>(qrow, pos, rows, kt, vt, key0, S, window, scale, orow);
   }
+}
+
+// One sequence's L queries (positions S - L .. S - 1) in two parallel regions: its keys laid out in work items of (KV
+// head, 64 keys) from the first its window needs, so that 1, 2 or 3 KV heads still split evenly over the threads;
+// then its rows (each KV head's g query heads at each position) MR a task, or fewer where that leaves threads idle
+// (Gemma 3's one KV head at batch 1). Tasks go round-robin: later rows see more keys (causal), so every thread gets
+// early and late ones. A row's arithmetic does not depend on the rows beside it: the same bits however they split.
+template <int64_t D>
+void attend_split(const uint16_t* kp, const uint16_t* vp, const int64_t* table, int64_t bs, int64_t hkv,
+                  const uint16_t* qp, c10::BFloat16* op, int64_t hq, int64_t L, int64_t S, int64_t window,
+                  float scale) {
+  constexpr int MR = rows_a_pass<D>();
+  const int64_t g = hq / hkv, rows_kv = L * g, S32 = (S + KB - 1) / KB * KB;
+  const int64_t first = window > 0 ? ember_fixed::max<int64_t>(0, S - L - window + 1) : 0;
+  const int64_t key0 = first / KB * KB, n = S32 - key0, spans = (n + 63) / 64;
+  std::vector<uint32_t> kt(hkv * n * D / 2), vt(hkv * n / 2 * D);
+  at::parallel_for(0, hkv * spans, 1, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t h = item / spans, j0 = key0 + item % spans * 64, j1 = ember_fixed::min(S32, j0 + 64);
+      layout_kv<D>(kp, vp, table, bs, hkv, h, S, key0, j0, j1, kt.data() + h * n * D / 2, vt.data() + h * n / 2 * D);
+    }
+  });
+  const int64_t step = MR, tasks = hkv * ((rows_kv + step - 1) / step);
+  const int64_t nt = ember_fixed::max<int64_t>(1, ember_fixed::min<int64_t>(at::get_num_threads(), tasks));
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t tid = b; tid < e; ++tid)
+      for (int64_t t = tid; t < tasks; t += nt) {
+        const int64_t kh = t % hkv, r0 = t / hkv * step;
+        attend_kv_rows<D>(qp, op, hq, g, kh, L, S, r0, ember_fixed::min(rows_kv, r0 + step),
+                          kt.data() + kh * n * D / 2, vt.data() + kh * n / 2 * D, key0, window, scale);
+      }
+  });
 }
 
 // Chunks of up to SHORT_CHUNK tokens (a verify step's drafted span, a short chunk) run as decode does where there
@@ -243,27 +296,7 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
     });
     return;
   }
-  std::vector<uint32_t> kt(hkv * S32 * D / 2), vt(hkv * S32 / 2 * D);
-  // work items: (KV head, 64 keys), so that 2 KV heads or 3 still split evenly over the threads
-  const int64_t spans = S32 / 64 + (S32 % 64 != 0);
-  at::parallel_for(0, hkv * spans, 1, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; ++item) {
-      const int64_t h = item / spans, j0 = item % spans * 64, j1 = ember_fixed::min(S32, j0 + 64);
-      layout_kv<D>(kp, vp, table, bs, hkv, h, S, 0, j0, j1, kt.data() + h * S32 * D / 2,
-                   vt.data() + h * S32 / 2 * D);
-    }
-  });
-  const int64_t tasks = hkv * ((rows_kv + MR - 1) / MR);
-  // later row blocks see more keys (causal): tasks go round-robin so every thread gets early and late rows
-  const int64_t nt = ember_fixed::max<int64_t>(1, ember_fixed::min<int64_t>(at::get_num_threads(), tasks));
-  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
-    for (int64_t tid = b; tid < e; ++tid)
-      for (int64_t t = tid; t < tasks; t += nt) {
-        const int64_t kh = t % hkv, r0 = t / hkv * MR;
-        attend_kv_rows<D>(qp, op, hq, g, kh, L, S, r0, ember_fixed::min(rows_kv, r0 + MR),
-                          kt.data() + kh * S32 * D / 2, vt.data() + kh * S32 / 2 * D, 0, window, scale);
-      }
-  });
+  attend_split<D>(kp, vp, table, bs, hkv, qp, op, hq, L, S, window, scale);
 }
 
 // One query a sequence, each (sequence, KV head) a work item: its context laid out from the first key its window
@@ -276,6 +309,15 @@ void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16
   const int64_t g = hq / hkv;
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc);
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc);
+  if (nd * hkv < at::get_num_threads()) {  // fewer (sequence, KV head) items than threads: a sequence at a time
+    for (int64_t s = 0; s < nd; ++s) {
+      c10::BFloat16* o = out + s * hq * D;
+      if (lens[s] <= 0) std::memset(static_cast<void*>(o), 0, sizeof(c10::BFloat16) * hq * D);
+      else attend_split<D>(kp, vp, tables + s * max_blocks, bs, hkv, reinterpret_cast<const uint16_t*>(q + s * hq * D),
+                           o, hq, 1, lens[s], window, scale);
+    }
+    return;
+  }
   at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> kt, vt;
     int64_t pos[MR];
@@ -314,7 +356,8 @@ void decode_bf16_invariant(const c10::BFloat16* q, const c10::BFloat16* kc, cons
                            const int64_t* tables, const int64_t* lens, c10::BFloat16* out, int64_t nd, int64_t hq,
                            int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, int64_t window, float scale) {
   if (d == 64) decode<64>(q, kc, vc, tables, lens, out, nd, hq, hkv, bs, max_blocks, window, scale);
-  else decode<128>(q, kc, vc, tables, lens, out, nd, hq, hkv, bs, max_blocks, window, scale);
+  else if (d == 128) decode<128>(q, kc, vc, tables, lens, out, nd, hq, hkv, bs, max_blocks, window, scale);
+  else decode<256>(q, kc, vc, tables, lens, out, nd, hq, hkv, bs, max_blocks, window, scale);
 }
 #endif
 
@@ -327,8 +370,8 @@ torch::Tensor paged_prefill_attention_portable(const torch::Tensor& q, const tor
 
 // q [L, Hq, D]: the chunk's queries, at positions context_len - L .. context_len - 1; k_cache/v_cache
 // [num_blocks, block_size, Hkv, D] in q's dtype with the chunk's K/V already written; block_table
-// [>= ceil(context_len / bs)]; window <= 0: full causal attention. Returns [L, Hq, D]. bf16 with head size 64 or 128
-// on an AVX512-BF16 build runs the kernel above, everything else the portable one (paged_attention.cpp); each
+// [>= ceil(context_len / bs)]; window <= 0: full causal attention. Returns [L, Hq, D]. bf16 with head size 64, 128
+// or 256 on an AVX512-BF16 build runs the kernel above, everything else the portable one (paged_attention.cpp); each
 // computes a query exactly as paged_decode_attention (invariant) does.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, int64_t window, double scale) {
@@ -353,8 +396,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   auto out = torch::empty_like(q);
   if (D == 64)
     prefill<64>(q, k_cache, v_cache, tp, context_len, window, static_cast<float>(scale), out);
-  else
+  else if (D == 128)
     prefill<128>(q, k_cache, v_cache, tp, context_len, window, static_cast<float>(scale), out);
+  else
+    prefill<256>(q, k_cache, v_cache, tp, context_len, window, static_cast<float>(scale), out);
   return out;
 #else
   return torch::Tensor();  // not reached: avx512_attention is false without the build

@@ -275,9 +275,9 @@ class InPlaceAttention(TorchAttention):
 
 class CpuKernelAttention(InPlaceAttention):
     """CPU with ember's compiled kernels and a float pool. Decode and prefill rows run the same arithmetic (the
-    AVX512-BF16 kernels for bf16 with head size 64 or 128 where they were built, the portable kernel otherwise), so
-    batch invariance holds across decode, fresh prefill, chunks and prefix-cache hits. With batch_invariant=False
-    decode takes the faster bf16 decode kernel and prefill the portable shapes SDPA, as ``torch``."""
+    AVX512-BF16 kernels for bf16 with head size 64, 128 or 256 where they were built, the portable kernel otherwise),
+    so batch invariance holds across decode, fresh prefill, chunks and prefix-cache hits. With batch_invariant=False
+    decode takes the faster bf16 decode kernel (64 and 128) and prefill the portable shapes SDPA, as ``torch``."""
 
     __slots__ = ()
     name = "cpu-kernel"
@@ -313,7 +313,7 @@ class CpuKernelAttention(InPlaceAttention):
         return self._kernel_prefill(layer, dtype)
 
     def _kernel_prefill(self, layer: PagedAttention, dtype: torch.dtype) -> bool:
-        avx512 = dtype == torch.bfloat16 and layer.head_dim in (64, 128) and self.kernels.has_avx512_bf16()
+        avx512 = dtype == torch.bfloat16 and layer.head_dim in (64, 128, 256) and self.kernels.has_avx512_bf16()
         return self.batch_invariant or avx512
 
 

@@ -298,9 +298,13 @@ def _attention_cases(kernels, dtype, heads, kv_heads, d, bs, ctx=100):
         order = torch.randperm(ctx, generator=g)[:17]  # a decode batch in another order and size
         yield window, "a shuffled decode batch", kernels.paged_decode_attention(
             q[order], kc, vc, table[None].expand(17, -1).contiguous(), lens[order], window, d ** -0.5), fresh[order]
+        for i in (0, 36, ctx - 1):  # one sequence alone (fewer KV heads than threads: its layout split over them)
+            yield window, f"decode row {i} alone", kernels.paged_decode_attention(
+                q[i:i + 1], kc, vc, table[None], lens[i:i + 1], window, d ** -0.5), fresh[i:i + 1]
 
 
-@pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (14, 2, 64, 16), (4, 4, 128, 32), (8, 1, 64, 8)])
+@pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (14, 2, 64, 16), (4, 4, 128, 32), (8, 1, 64, 8),
+                                                (4, 1, 256, 16), (8, 2, 256, 32)])
 def test_avx512_attention_gives_a_query_the_same_bits_in_decode_prefill_and_chunks(avx512, heads, kv_heads, d, bs):
     for window, case, got, want in _attention_cases(avx512, torch.bfloat16, heads, kv_heads, d, bs):
         assert torch.equal(got, want), f"{case}, window {window}"

@@ -40,10 +40,11 @@ def _paged(nd, heads, kv_heads, D, bs, lens, dtype, g):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (8, 8, None), (4, 1, 20), (12, 6, 7), (14, 2, None)])
-@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("D", [32, 64, 128, 256])
 def test_cpu_kernel_matches_sdpa_on_the_block_pool(dtype, heads, kv_heads, window, D):
-    """ember's compiled paged decode attention against SDPA on the same context gathered by hand (bf16 with D 64 or
-    128 takes the AVX512-BF16 path where the machine has it)."""
+    """ember's compiled paged decode attention against SDPA on the same context gathered by hand (bf16 with D 64, 128
+    or 256 takes the AVX512-BF16 path where the machine has it), a batch of sequences and each alone (one sequence
+    with fewer KV heads than threads splits its keys' layout over the threads)."""
     kernels = kernels_for(torch.device("cpu"))
     if kernels is None:
         pytest.skip("the CPU kernels could not be built on this machine (the torch path is tested above)")
@@ -52,6 +53,9 @@ def test_cpu_kernel_matches_sdpa_on_the_block_pool(dtype, heads, kv_heads, windo
     lens = [1, 16, 17, 45, 70]
     q, kc, vc, tables, lens_t = _paged(len(lens), heads, kv_heads, D, bs, lens, dtype, g)
     out = kernels.paged_decode_attention(q, kc, vc, tables, lens_t, window or 0, 0.2)
+    alone = torch.cat([kernels.paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens_t[i:i + 1],
+                                                      window or 0, 0.2) for i in range(len(lens))])
+    torch.testing.assert_close(alone, out, atol=0, rtol=0)
     rep = heads // kv_heads
     for i, n in enumerate(lens):
         first = max(0, n - window) if window else 0
@@ -64,9 +68,9 @@ def test_cpu_kernel_matches_sdpa_on_the_block_pool(dtype, heads, kv_heads, windo
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,D,bs", [(9, 3, 64, 16), (14, 2, 64, 16), (4, 4, 128, 32), (8, 1, 64, 8),
-                                                 (6, 2, 48, 16)])
+                                                 (6, 2, 48, 16), (4, 1, 256, 16), (8, 2, 256, 32)])
 def test_cpu_prefill_kernel_matches_sdpa_over_the_paged_context(heads, kv_heads, D, bs, dtype):
-    """ember's prefill attention (the AVX512-BF16 kernel for bf16 with head size 64 / 128 where it is built, the
+    """ember's prefill attention (the AVX512-BF16 kernel for bf16 with head size 64 / 128 / 256 where it is built, the
     portable one otherwise) against SDPA with an explicit causal / window mask on the context gathered by hand:
     fresh prompts, chunks after cached context, windows cutting blocks."""
     kernels = kernels_for(torch.device("cpu"))
