@@ -28,7 +28,7 @@ from ember.layers.embedding import LMHead, VocabEmbedding, vocab_range
 from ember.layers.linear import Linear, MergedLinear, load_float, row_parallel_linear
 from ember.layers.lora import LoRABatch, LoRAStack
 from ember.layers.norm import RMSNorm
-from ember.layers.rotary import RotaryEmbedding, apply_rotary, rotate_in_place
+from ember.layers.rotary import RotaryEmbedding, rotate_in_place
 from ember.quantization import QuantConfig, QuantizedTensor
 
 
@@ -115,8 +115,9 @@ class Attention(Layer):
             qk = rotate_in_place(qkv[:, :(nq + nkv) * d].view(T, nq + nkv, d), *rope)
             q, k = qk[:, :nq], qk[:, nq:]
         else:
-            q = apply_rotary(self.q_norm(qkv[:, :nq * d].reshape(T, nq, d)), *rope)
-            k = apply_rotary(self.k_norm(qkv[:, nq * d:(nq + nkv) * d].reshape(T, nkv, d)), *rope)
+            # the norms' outputs are new tensors: rotated in place (one kernel pass each, eager's rounding)
+            q = rotate_in_place(self.q_norm(qkv[:, :nq * d].reshape(T, nq, d)), *rope)
+            k = rotate_in_place(self.k_norm(qkv[:, nq * d:(nq + nkv) * d].reshape(T, nkv, d)), *rope)
         return self.o_proj(self.attn(q, k, v, meta), lora)
 
 

@@ -24,7 +24,7 @@ from ember.layers.linear import Linear
 from ember.layers.lora import LoRABatch
 from ember.layers.moe import MoEShape, SparseMoE
 from ember.layers.norm import RMSNorm
-from ember.layers.rotary import apply_rotary
+from ember.layers.rotary import rotate_in_place
 from ember.models.llama import Attention, DecoderLayer, FamilySwitches, LlamaForCausalLM, LlamaModel
 from ember.quantization import QuantConfig, QuantizedTensor
 
@@ -88,8 +88,8 @@ class OlmoeAttention(Attention):
         v = qkv[:, (nq + nkv) * d:]
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        q = apply_rotary(q.reshape(T, nq, d), *rope)
-        k = apply_rotary(k.reshape(T, nkv, d), *rope)
+        q = rotate_in_place(q.reshape(T, nq, d), *rope)  # new tensors (the norms' outputs): rotated in place
+        k = rotate_in_place(k.reshape(T, nkv, d), *rope)
         return self.o_proj(self.attn(q, k, v.reshape(T, nkv, d), meta), lora)
 
 

@@ -131,10 +131,11 @@ def test_cpu_silu_and_mul_kernel_matches_eager_within_one_bf16_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128, 48])
+@pytest.mark.parametrize("d", [64, 128, 256, 48])
 def test_cpu_rotary_kernel_equals_eager_rope_bit_for_bit(dtype, d):
     """The in-place RoPE kernel on the Q/K slice of a fused QKV output (rows strided) against apply_rotary, bits
-    compared (signed zeros included); head sizes of the bf16 vector path (64, 128) and of the scalar loop (48)."""
+    compared (signed zeros included); head sizes of the vector path (64, 128, 256: Gemma) and of the scalar loop
+    (48)."""
     from ember.layers.rotary import apply_rotary, rotate_in_place
 
     if kernels_for(torch.device("cpu")) is None:
