@@ -20,12 +20,14 @@ class RMSNorm(Layer):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with ``residual``: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, overwrite: bool = False):
+        """norm(x); with ``residual``: (norm(x + residual), x + residual). overwrite: x is the caller's own new
+        tensor (a sublayer's output, a slice of its fresh projection), so the kernel may write norm(x) over it
+        instead of into a copy."""
         kernels = kernels_for(x.device)
         if kernels is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             if residual is None:
-                out = x.clone()
+                out = x if overwrite else x.clone()
                 kernels.add_rms_norm_(out, None, self.weight, self.eps)
                 return out
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)

@@ -48,10 +48,12 @@ _CHUNK = 1024
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first maximal index of each row, NaN counting as the maximum), faster on CPU:
     torch's CPU argmax does not vectorize (3 ms for 64 rows of 49k logits, 15x a sum), so the rows are cut into
-    1,024-logit chunks, the chunks' maxima (a fast reduction) pick each row's chunk, and argmax runs on that one."""
+    1,024-logit chunks, the chunks' maxima (a fast reduction) pick each row's chunk, and argmax runs on that one.
+    Faster from one row on (AMD Zen 5, 2 threads, one row: 262,144 float32 logits 139 -> 23 us, bf16 839 -> 46;
+    49,152 float32 27 -> 18 us)."""
     B, V = logits.shape
     n = V // _CHUNK
-    if logits.device.type != "cpu" or B < 4 or n < 2:
+    if logits.device.type != "cpu" or n < 2:
         return logits.argmax(dim=-1)
     head = logits[:, :n * _CHUNK].reshape(B, n, _CHUNK)
     chunk_max = head.amax(dim=-1)  # [B, n]

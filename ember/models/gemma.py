@@ -70,9 +70,10 @@ class GemmaDecoderLayer(Layer):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(rope, x, meta, lora))
+        # the sublayers' outputs are new tensors: normalised where they lie
+        x = self.post_attention_layernorm(self.self_attn(rope, x, meta, lora), overwrite=True)
         x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x, lora)), residual
+        return self.post_feedforward_layernorm(self.mlp(x, lora), overwrite=True), residual
 
 
 class GemmaModel(LlamaModel):

@@ -115,9 +115,10 @@ class Attention(Layer):
             qk = rotate_in_place(qkv[:, :(nq + nkv) * d].view(T, nq + nkv, d), *rope)
             q, k = qk[:, :nq], qk[:, nq:]
         else:
-            # the norms' outputs are new tensors: rotated in place (one kernel pass each, eager's rounding)
-            q = rotate_in_place(self.q_norm(qkv[:, :nq * d].reshape(T, nq, d)), *rope)
-            k = rotate_in_place(self.k_norm(qkv[:, nq * d:(nq + nkv) * d].reshape(T, nkv, d)), *rope)
+            # Q and K are slices of the projection's new output: normalised where they lie when contiguous (one
+            # token), then rotated in place (one kernel pass each, eager's rounding)
+            q = rotate_in_place(self.q_norm(qkv[:, :nq * d].reshape(T, nq, d), overwrite=True), *rope)
+            k = rotate_in_place(self.k_norm(qkv[:, nq * d:(nq + nkv) * d].reshape(T, nkv, d), overwrite=True), *rope)
         return self.o_proj(self.attn(q, k, v, meta), lora)
 
 

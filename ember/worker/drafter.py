@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.layers.attention import AttentionMetadata, PrefillSpan, bind_attention_backend
+from ember.layers.sampler import greedy_tokens
 from ember.model_loader import LoadedModel
 from ember.worker.input_batch import HeldSequence, InputBatch
 from ember.worker.startup import kv_bytes_per_block, kv_format
@@ -141,7 +142,7 @@ class Drafter:
     def _greedy(self, rows: list[_Row], tables: torch.Tensor) -> list[int]:
         """One pass over ``rows``; the greedy token after each row's last, in the rows' order."""
         hidden, order, last = self._pass(rows, tables)
-        tokens = self.model.compute_logits(hidden[self._tensor(last)]).argmax(dim=-1).tolist()
+        tokens = greedy_tokens(self.model.compute_logits(hidden[self._tensor(last)])).tolist()
         out = [0] * len(rows)
         for i, t in zip(order, tokens):
             out[i] = t

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ember.layers.attention import AttentionMetadata, PrefillSpan
-
+from ember.layers.sampler import greedy_tokens
 
 MAX_TIMED_DRAFT = 32  # longer drafts are not timed (start-up stays short): the cost model extrapolates
 
@@ -55,7 +55,7 @@ def measure_verify_costs(model: torch.nn.Module, device: torch.device, block_siz
     def step(k: int) -> float:
         ids, pos, meta = steps[k]
         start = time.perf_counter()
-        model.compute_logits(model(ids, pos, meta)).argmax(-1)
+        greedy_tokens(model.compute_logits(model(ids, pos, meta)))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
