@@ -177,7 +177,7 @@ def _setup_line(e: Entry) -> str:
     machine += [f"torch {m['torch']}" if m.get("torch") else None, f"Python {m['python']}" if m.get("python") else None]
     parts.append(", ".join(x for x in machine if x) or "machine not recorded")
     threads = r.get("threads")
-    parts.append(f"{threads} threads a backend" if threads else "threads not recorded")
+    parts.append(f"{threads} threads each" if threads else "threads not recorded")
     repeats = r.get("repeats")
     parts.append(("1 repeat" if repeats == 1 else f"{repeats} interleaved repeats, medians") if repeats
                  else "repeats not recorded")
@@ -213,13 +213,11 @@ def render(bench_dir: str, doc_path: str) -> str:
     chosen = current(load(bench_dir))
     out = [BEGIN, "", "## Results", "", _wrap(
            f"The newest record in [{_link(bench_dir, doc_dir)}/]({_link(bench_dir, doc_dir)}/) for each machine, "
-           "model, mode and workload (newest by the date the harness stamps in the record), leaving out ablations "
-           "(ember against nothing but its own variants, such as `ember-variant`, `ember-lora` or `ember-json`) and "
-           "speculative decoding's text-prompt runs: the docs that discuss them cite their records. Medians over "
-           "the repeats, each repeat's figure in parentheses; \"ember / backend\" is ember's median over the "
-           "backend's (output tokens/s, or batch-1 decode tokens/s); TPOT is the time per output token after the "
-           "first. Figures compare within one record: records of the same machine name may come from different "
-           "machines (a record names the CPU model, not its generation).")]
+           "model, mode and workload (by the harness's date stamp), leaving out ablations (ember against only its "
+           "own variants) and speculative decoding's text-prompt runs, which the docs that discuss them cite. "
+           "Medians over the repeats, each repeat's figure in parentheses; \"ember / backend\" is ember's median "
+           "over the backend's (output tok/s, or batch-1 decode tok/s); TPOT is the time per output token after the "
+           "first. Compare figures within one record only (a record names the CPU model, not its generation).")]
     kind = None
     for e in chosen:
         if e.kind != kind:
