@@ -234,10 +234,10 @@ void attend_kv_rows(const uint16_t* qp, c10::BFloat16* op, int64_t hq, int64_t g
 }
 
 // One sequence's L queries (positions S - L .. S - 1) in two parallel regions: its keys laid out in work items of (KV
-// head, 64 keys) from the first its window needs, so that 1, 2 or 3 KV heads still split evenly over the threads;
-// then its rows (each KV head's g query heads at each position) MR a task, or fewer where that leaves threads idle
-// (Gemma 3's one KV head at batch 1). Tasks go round-robin: later rows see more keys (causal), so every thread gets
-// early and late ones. A row's arithmetic does not depend on the rows beside it: the same bits however they split.
+// head, 64 keys) from the first its window needs, so that 1, 2 or 3 KV heads still split evenly over the threads
+// (Gemma 3 270M's one KV head at batch 1 too); then its rows (each KV head's g query heads at each position) MR a
+// task, round-robin: later rows see more keys (causal), so every thread gets early and late ones. Fewer rows a task
+// does not pay: a pass computes MR rows whatever it holds (4 rows of head size 256 split 2 + 2: 24 -> 53 us).
 template <int64_t D>
 void attend_split(const uint16_t* kp, const uint16_t* vp, const int64_t* table, int64_t bs, int64_t hkv,
                   const uint16_t* qp, c10::BFloat16* op, int64_t hq, int64_t L, int64_t S, int64_t window,
