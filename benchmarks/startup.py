@@ -2,7 +2,7 @@
 interpreter start to exit, after a first run has built the kernels and cached the tokenizer; llama.cpp's one-shot
 generation from the same GGUF (llama-cpp-python, as the harness drives it) in the same run as the baseline.
 
-    python benchmarks/startup.py [--trees before=/tmp/before after=.] [--repeats 7] [--out startup.json]
+    python benchmarks/startup.py [--trees before=/tmp/before after=.] [--model M.gguf] [--repeats 7] [--out F.json]
 
 Each repeat runs every tree's command (``python -m ember`` with that tree first on PYTHONPATH) and then llama.cpp's,
 one process each, so all see the same machine state; the figures are medians over the repeats. Bytecode is
@@ -39,6 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trees", nargs="*", default=[ROOT],
                    help="ember source trees to time, each PATH or LABEL=PATH (default: this one)")
+    p.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--llamacpp-python", default=os.path.join(ROOT, ".bench", "venvs", "llamacpp", "bin", "python"),
                    help="the llama.cpp environment's interpreter (benchmarks/setup_baselines.sh llamacpp); "
@@ -49,7 +50,7 @@ def main() -> None:
     from ember.benchmarks.report import machine
     from ember.config import default_model_path
 
-    model = default_model_path()
+    model = args.model or default_model_path()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     commands = {}
     for item in args.trees:
@@ -58,8 +59,8 @@ def main() -> None:
         tree_env = dict(env, PYTHONPATH=os.pathsep.join(x for x in (os.path.abspath(tree), env.get("PYTHONPATH"))
                                                         if x))
         # from the tree: ``-m`` puts the working folder first on sys.path
-        commands[label] = ([sys.executable, "-m", "ember", "generate", PROMPT, "--max-tokens", "8"], tree_env,
-                           os.path.abspath(tree))
+        commands[label] = ([sys.executable, "-m", "ember", "generate", PROMPT, "--max-tokens", "8", "--model", model],
+                           tree_env, os.path.abspath(tree))
     if os.path.isfile(args.llamacpp_python):
         commands["llama.cpp"] = ([args.llamacpp_python, "-c", _LLAMA_CPP, model, PROMPT], env, ROOT)
     for command in commands.values():  # the first run builds kernels, caches the tokenizer, writes bytecode

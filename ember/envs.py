@@ -8,6 +8,7 @@
 | ``EMBER_CPU_AMX`` | ``0`` keeps the int4 and int8 kernels off AMX where the CPU has it (AVX512-BF16 throughout) | on |
 | ``EMBER_MKLDNN_LINEAR`` | ``0`` turns oneDNN's pre-packed CPU linear weights off | on |
 | ``EMBER_CACHE_DIR`` | cache folder (compiled kernels, converted models) | ``$XDG_CACHE_HOME/ember`` |
+| ``EMBER_PREPARED_CACHE`` | ``0`` turns the prepared-model cache off; else a size bounding it (``model_loader/prepared.py``) | ``4GiB`` |
 | ``EMBER_HOST_TIER_ON_CPU`` | ``1`` runs the host KV tier on a CPU engine (tests of its bookkeeping) | off |
 | ``EMBER_DIST_TIMEOUT`` | seconds a collective of a split model may wait before it fails (a hung rank) | 600 |
 | ``EMBER_API_KEY`` | the key ``ember serve`` requires (``Bearer KEY``) when ``--api-key`` is not given | none |
@@ -42,6 +43,7 @@ DIST_TIMEOUT = "EMBER_DIST_TIMEOUT"
 API_KEY = "EMBER_API_KEY"
 ENGINE_CORE_PROCESS = "EMBER_ENGINE_CORE_PROCESS"
 LAUNCH_SHARED_STORE = "EMBER_LAUNCH_SHARED_STORE"
+PREPARED_CACHE = "EMBER_PREPARED_CACHE"
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -100,6 +102,17 @@ def host_tier_on_cpu() -> bool:
 def cache_root() -> str:
     return os.environ.get(CACHE_DIR) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
+
+
+def prepared_cache_bytes() -> int:
+    """EMBER_PREPARED_CACHE as bytes: 0 (off) or the size the prepared-model cache may take."""
+    from ember.config.cache import parse_bytes  # ember.config reads this module: imported when asked
+
+    raw = os.environ.get(PREPARED_CACHE, "4GiB")
+    value = parse_bytes(raw, PREPARED_CACHE)
+    if value < 0:
+        raise ConfigError(f"{PREPARED_CACHE}={raw!r} is out of range: use 0 (off) or a size such as '4GiB'")
+    return value
 
 
 def bench_venvs() -> str:

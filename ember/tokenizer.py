@@ -23,6 +23,8 @@ from ember.errors import ConfigError
 
 Message = dict[str, Any]
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_FAST_COPY = "ember-fast-tokenizer.json"  # a GGUF folder's pipeline as transformers builds it (_check_fast_copy)
+_FAST_CHECK = "ember-fast-tokenizer-check.json"  # {"transformers": version, "same": whether the copy matched}
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # tokenizer_config.json settings with which transformers changes the tokenizer it loads (add_bos_token / add_eos_token
 # whenever present): such folders load through it
@@ -61,9 +63,15 @@ class Tokenizer:
         """ConfigError naming the file when its tokenizer cannot be read (the tokenizers library and transformers'
         GGUF conversion raise their own types, some of them bare ``Exception``)."""
         try:
-            if gguf_file is not None:
-                path = _gguf_tokenizer_folder(gguf_file)
-            return cls._from_folder(path) or cls(_auto_tokenizer(path))
+            if gguf_file is None:
+                return cls._from_folder(path) or cls(_auto_tokenizer(path))
+            path = _gguf_tokenizer_folder(gguf_file)
+            tok = cls._from_folder(path) or cls._from_checked_copy(path)
+            if tok is None:
+                hf = _auto_tokenizer(path)
+                _check_fast_copy(path, hf)
+                tok = cls(hf)
+            return tok
         except (ConfigError, ImportError):
             raise
         except Exception as e:  # noqa: BLE001
@@ -86,15 +94,33 @@ class Tokenizer:
         from tokenizers import Tokenizer as FastTokenizer
 
         fast = FastTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        special = {}
-        for name in _SPECIAL_TOKENS:
-            token = config.get(name)
-            token = token.get("content") if isinstance(token, dict) else token
-            if token is not None:
-                special[name] = str(token)
         if (fast.post_processor is None or fast.padding is not None or fast.truncation is not None
-                or any(fast.token_to_id(t) is None for t in special.values())):
+                or any(fast.token_to_id(t) is None for t in _special_tokens(config).values())):
             return None  # transformers would rebuild the post-processor, add the tokens, or pad / truncate otherwise
+        return cls._with_config(fast, folder, config)
+
+    @classmethod
+    def _from_checked_copy(cls, folder: str) -> "Tokenizer | None":
+        """A GGUF tokenizer of a model-specific class (Qwen2Tokenizer, GemmaTokenizer: transformers builds their
+        pipeline in ``__init__``, 1-6 s with its import) from the copy of the pipeline transformers built, saved once
+        it gave transformers' ids and text on every probe (``_check_fast_copy``) with this transformers version."""
+        try:
+            with open(os.path.join(folder, _FAST_CHECK), encoding="utf-8") as f:
+                check = json.load(f)
+            with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(check, dict) and check.get("same") is True
+                and check.get("transformers") == _transformers_version()):
+            return None
+        from tokenizers import Tokenizer as FastTokenizer
+
+        return cls._with_config(FastTokenizer.from_file(os.path.join(folder, _FAST_COPY)), folder, config)
+
+    @classmethod
+    def _with_config(cls, fast: Any, folder: str, config: dict[str, Any]) -> "Tokenizer":
+        special = _special_tokens(config)
         template, named = config.get("chat_template"), os.path.isdir(os.path.join(folder, "additional_chat_templates"))
         jinja = os.path.join(folder, "chat_template.jinja")
         if os.path.isfile(jinja):
@@ -156,6 +182,64 @@ class Tokenizer:
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    special = {}
+    for name in _SPECIAL_TOKENS:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is not None:
+            special[name] = str(token)
+    return special
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # the installed version, without importing it
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return ""
+
+
+# what the copy must encode and decode as transformers does: normalisation (a combining accent), whitespace runs,
+# line ends, digits, scripts, emoji, code; every special token of the vocabulary is added to them
+_PROBES = ("Hello world", "  leading spaces,  double  spaces  ", "e\u0301 caf\u00e9 na\u00efve \uff21\u2460",
+           "\u6570\u5b57 123456 \u4e2d\u6587 \u65e5\u672c\u8a9e", "emoji \U0001f917\U0001f389", "\r\n\r\nwindows\ttab",
+           "def f(x):\n\treturn x**2  # comment\n\n\n", "")
+
+
+def _check_fast_copy(folder: str, hf: Any) -> None:
+    """Save the pipeline transformers built for a GGUF folder of a model-specific class (``_from_checked_copy``)
+    and whether it gave transformers' ids and text on every probe; once per transformers version. A cache that
+    cannot be written keeps the slow path."""
+    if type(hf).__name__ in _GENERIC_CLASSES or not hasattr(hf, "backend_tokenizer"):
+        return
+    try:
+        with open(os.path.join(folder, _FAST_CHECK), encoding="utf-8") as f:
+            if json.load(f).get("transformers") == _transformers_version():
+                return  # checked with this version already (and found different: else the copy had loaded)
+    except (OSError, ValueError, AttributeError):
+        pass
+    fast = hf.backend_tokenizer
+    specials = "".join(str(t) for t in getattr(hf, "all_special_tokens", ()))
+    config = {name: getattr(hf, name, None) for name in _SPECIAL_TOKENS}
+    same = len(hf) == fast.get_vocab_size(with_added_tokens=True) and all(
+        hf.convert_tokens_to_ids(str(token)) == fast.token_to_id(str(token)) for token in config.values() if token)
+    for text in (*_PROBES, specials + "x" + specials, f"{specials} hi {_PROBES[2]}"):
+        for add in (True, False):
+            ids = list(hf.encode(text, add_special_tokens=add))
+            same = same and ids == fast.encode(text, add_special_tokens=add).ids and all(
+                hf.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
+                for skip in (True, False))
+    try:
+        if same:
+            fast.save(os.path.join(folder, _FAST_COPY))
+        with open(os.path.join(folder, _FAST_CHECK), "w", encoding="utf-8") as f:
+            json.dump({"transformers": _transformers_version(), "same": same}, f)
+    except OSError:
+        pass
 
 
 def _token_id(fast: Any, token: str | None) -> int | None:

@@ -12,6 +12,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # tests that look inside an engine (tests/internals.py) need its core in this process, the default on CPU only; the
 # core's own process (CUDA's default) is tested on every device by tests/e2e/test_core_process.py
 os.environ.setdefault("EMBER_ENGINE_CORE_PROCESS", "0")
+# a model mapped from the prepared cache would skip what a test patches into the load (kernel choices, checks):
+# off here, on in the tests of the cache itself (tests/*/test_prepared*.py)
+os.environ.setdefault("EMBER_PREPARED_CACHE", "0")
 
 VOCAB_TOKENIZER_DIR = "tokenizer"
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: data/, the scripts and helper modules

@@ -94,13 +94,15 @@ class MediaPolicy:
         object.__setattr__(self, "formats", formats)
 
 
-def load_image(source: Any, field: str, policy: MediaPolicy = MediaPolicy()) -> Image.Image:
+def load_image(source: Any, field: str, policy: MediaPolicy | None = None) -> Image.Image:
     """``source`` as a fully decoded RGB image (a new object: the caller's image is never changed), or a
     ``BadRequestError`` naming ``field``. Sources: a PIL image; a numpy array (HxWx3 or HxW, uint8, or float in
     [0, 1]); bytes; a ``data:image/...;base64,`` URI; a ``file://`` URL or a path (relative ones are taken under
     ``policy.allowed_local_media_path``); an http(s) URL. Animated images give their first frame; transparent
     pixels are laid over white (as vLLM does). A PIL image or an array is the caller's own, already decoded: only
-    its size is checked (``policy.formats`` is about which decoders see bytes from outside)."""
+    its size is checked (``policy.formats`` is about which decoders see bytes from outside). No policy: the
+    defaults (made here, not at import: checking its formats loads every PIL plugin, 15 ms of start-up)."""
+    policy = policy if policy is not None else MediaPolicy()
     if isinstance(source, Image.Image):
         return _finish(source, field, _describe(source), policy)
     if isinstance(source, np.ndarray):

@@ -39,12 +39,17 @@ def mkldnn_prepack_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 class PrepackedWeight:
-    """A CPU weight re-laid out by oneDNN once at load time; the original stays for loading and inspection."""
+    """A CPU weight re-laid out by oneDNN once at load time; the original stays for loading and inspection. Pickled
+    as the original (oneDNN's layout is opaque to torch.save), packed again when unpickled."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("packed", "weight")
 
     def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def __reduce__(self) -> tuple:
+        return PrepackedWeight, (self.weight,)
 
 
 def dense_kernels(device: torch.device, dtype: torch.dtype, batch_invariant: bool):

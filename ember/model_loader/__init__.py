@@ -16,6 +16,7 @@ from ember.dtypes import resolve_dtype
 from ember.distributed import ParallelContext
 from ember.errors import ConfigError
 from ember.layers.linear import mkldnn_prepack_available
+from ember.model_loader import prepared
 from ember.model_loader.asmodel import AsModelCheckpoint
 from ember.model_loader.checkpoint import Checkpoint, file_errors, model_config, needs_calibration, open_checkpoint
 from ember.model_loader.finalize import finalize
@@ -39,6 +40,7 @@ class LoadedModel:
     dtype: torch.dtype
     shape: ModelShape
     quant: QuantConfig | None
+    prepared_key: str | None = None  # its entry in the prepared-model cache (``prepared``), None: not cached
 
     @property
     def max_position(self) -> int:
@@ -65,7 +67,22 @@ class TokenizerInfo:
 
 
 def load_model(config: ModelConfig, parallel: ParallelContext = ParallelContext()) -> LoadedModel:
-    """Build this rank's part of the model and read only its part of each weight."""
+    """Build this rank's part of the model and read only its part of each weight; on CPU, map it from the prepared
+    cache when an earlier load saved it there (``prepared``)."""
+    key = prepared.entry_key(config, parallel)
+    if key is not None:
+        cached = prepared.load(key)
+        if isinstance(cached, LoadedModel):
+            cached.prepared_key = key
+            return cached
+    loaded = _build_model(config, parallel)
+    if key is not None:
+        prepared.save(key, loaded)
+        loaded.prepared_key = key
+    return loaded
+
+
+def _build_model(config: ModelConfig, parallel: ParallelContext) -> LoadedModel:
     ckpt = open_checkpoint(config.path)
     hf_config = model_config(ckpt)
     with file_errors(config.path):  # a config value the checks let through that the model cannot be built from

@@ -17,7 +17,7 @@ from ember.config import CacheConfig, SchedulerConfig
 from ember.errors import ConfigError, DoesNotFitError
 from ember.layers.attention import AttentionMetadata, PrefillSpan
 from ember.layers.kv_cache import KVCacheFormat
-from ember.model_loader import LoadedModel
+from ember.model_loader import LoadedModel, prepared
 from ember.protocol import PoolPlan
 from ember.worker.memory import PeakMemory, fit_hint, host_tier_bytes, kv_pool_budget, reset_peak
 
@@ -87,11 +87,8 @@ def start(worker: Runner, cache: CacheConfig, sched: SchedulerConfig) -> tuple[P
     tokens = min(sched.max_num_batched_tokens, seats * max_len)
     longest = min(tokens, max_len)  # the longest prompt a step holds
     prompt = measuring_prompt_len(worker, longest)
-    worker.bind(worker.new_pool(-(-tokens // bs)))
-    with PeakMemory(worker.device) as act:
-        dummy_prefill(worker, tokens, seats, prompt)
-    worker.bind(None)
-    act_bytes = act.bytes + long_prompt_bytes(worker, longest, prompt)
+    act_bytes = measured_activations(worker, tokens, seats, prompt, cache.kv_cache_dtype)
+    act_bytes += long_prompt_bytes(worker, longest, prompt)
 
     # 2. the pool: what the budget leaves, never more than every seat at full length needs
     budget = kv_pool_budget(cache, worker.device, act_bytes)
@@ -143,6 +140,24 @@ def encoder_plan(cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
     bs = cache.block_size
     num_blocks = -(-sched.max_model_len // bs) * sched.max_num_seqs
     return PoolPlan(num_blocks, 0, bs, 0, "encoder: no KV cache", 0)
+
+
+def measured_activations(worker: Runner, tokens: int, seats: int, prompt: int, kv_cache_dtype: str) -> int:
+    """A step's activation bytes: a dummy prefill of `tokens` in prompts of `prompt` on a scratch pool, measured;
+    or what an earlier start measured of the same prepared model at the same shape (``prepared``: the model, the
+    code and the machine are the same, so the measure is too)."""
+    key = worker.loaded.prepared_key
+    probe = (f"cpu tokens={tokens} prompt={prompt} rows={seats} block={worker.block_size} kv={kv_cache_dtype} "
+             f"lora={getattr(worker, 'lora', None)}")
+    if worker.device.type == "cpu" and (cached := prepared.activation_bytes(key, probe)) is not None:
+        return cached
+    worker.bind(worker.new_pool(-(-tokens // worker.block_size)))
+    with PeakMemory(worker.device) as act:
+        dummy_prefill(worker, tokens, seats, prompt)
+    worker.bind(None)
+    if worker.device.type == "cpu":
+        prepared.record_activation_bytes(key, probe, act.bytes)
+    return act.bytes
 
 
 MEASURING_PROMPT = 256  # tokens a dummy prompt where every layer's prefill memory is linear in its tokens
