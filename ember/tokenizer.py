@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ember.cache import cache_dir, file_key
 from ember.errors import ConfigError
@@ -111,12 +111,13 @@ class Tokenizer:
                 config = json.load(f)
         except (OSError, ValueError):
             return None
+        copy = os.path.join(folder, _FAST_COPY)
         if not (isinstance(check, dict) and check.get("same") is True
-                and check.get("transformers") == _transformers_version()):
+                and check.get("transformers") == _transformers_version() and os.path.isfile(copy)):
             return None
         from tokenizers import Tokenizer as FastTokenizer
 
-        return cls._with_config(FastTokenizer.from_file(os.path.join(folder, _FAST_COPY)), folder, config)
+        return cls._with_config(FastTokenizer.from_file(copy), folder, config)
 
     @classmethod
     def _with_config(cls, fast: Any, folder: str, config: dict[str, Any]) -> "Tokenizer":
@@ -218,9 +219,9 @@ def _check_fast_copy(folder: str, hf: Any) -> None:
         return
     try:
         with open(os.path.join(folder, _FAST_CHECK), encoding="utf-8") as f:
-            if json.load(f).get("transformers") == _transformers_version():
-                return  # checked with this version already (and found different: else the copy had loaded)
-    except (OSError, ValueError, AttributeError):
+            if json.load(f) == {"transformers": _transformers_version(), "same": False}:
+                return  # found different with this version already
+    except (OSError, ValueError):
         pass
     fast = hf.backend_tokenizer
     specials = "".join(str(t) for t in getattr(hf, "all_special_tokens", ()))
@@ -233,13 +234,28 @@ def _check_fast_copy(folder: str, hf: Any) -> None:
             same = same and ids == fast.encode(text, add_special_tokens=add).ids and all(
                 hf.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
                 for skip in (True, False))
+    def check(path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"transformers": _transformers_version(), "same": same}, f)
+
     try:
         if same:
-            fast.save(os.path.join(folder, _FAST_COPY))
-        with open(os.path.join(folder, _FAST_CHECK), "w", encoding="utf-8") as f:
-            json.dump({"transformers": _transformers_version(), "same": same}, f)
+            _replace_with(os.path.join(folder, _FAST_COPY), fast.save)
+        _replace_with(os.path.join(folder, _FAST_CHECK), check)
     except OSError:
         pass
+
+
+def _replace_with(path: str, write: Callable[[str], None]) -> None:
+    """path written whole under a name of its own, then renamed: a concurrent reader sees all of it or none."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _token_id(fast: Any, token: str | None) -> int | None:

@@ -144,19 +144,18 @@ def encoder_plan(cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
 
 def measured_activations(worker: Runner, tokens: int, seats: int, prompt: int, kv_cache_dtype: str) -> int:
     """A step's activation bytes: a dummy prefill of `tokens` in prompts of `prompt` on a scratch pool, measured;
-    or what an earlier start measured of the same prepared model at the same shape (``prepared``: the model, the
-    code and the machine are the same, so the measure is too)."""
+    or what an earlier start measured of the same prepared model at the same shape (``prepared``, CPU only: the
+    model, the code and the machine are the same, so the measure is too)."""
     key = worker.loaded.prepared_key
-    probe = (f"cpu tokens={tokens} prompt={prompt} rows={seats} block={worker.block_size} kv={kv_cache_dtype} "
+    probe = (f"tokens={tokens} prompt={prompt} rows={seats} block={worker.block_size} kv={kv_cache_dtype} "
              f"lora={getattr(worker, 'lora', None)}")
-    if worker.device.type == "cpu" and (cached := prepared.activation_bytes(key, probe)) is not None:
+    if (cached := prepared.activation_bytes(key, probe)) is not None:
         return cached
     worker.bind(worker.new_pool(-(-tokens // worker.block_size)))
     with PeakMemory(worker.device) as act:
         dummy_prefill(worker, tokens, seats, prompt)
     worker.bind(None)
-    if worker.device.type == "cpu":
-        prepared.record_activation_bytes(key, probe, act.bytes)
+    prepared.record_activation_bytes(key, probe, act.bytes)
     return act.bytes
 
 
