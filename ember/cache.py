@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
+from typing import Callable
 
 from ember import envs
 
@@ -18,3 +20,16 @@ def file_key(path: str, *extra: object) -> str:
     st = os.stat(path)
     text = ":".join(map(str, (os.path.abspath(path), st.st_size, st.st_mtime_ns, *extra)))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def replace_with(path: str, write: Callable[[str], None]) -> None:
+    """Write path whole under a name of its own beside it (``write(tmp)``), then rename it into place: a concurrent
+    reader sees all of the file or none of it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

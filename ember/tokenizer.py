@@ -16,9 +16,9 @@ import json
 import os
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any
 
-from ember.cache import cache_dir, file_key
+from ember.cache import cache_dir, file_key, replace_with
 from ember.errors import ConfigError
 
 Message = dict[str, Any]
@@ -240,22 +240,10 @@ def _check_fast_copy(folder: str, hf: Any) -> None:
 
     try:
         if same:
-            _replace_with(os.path.join(folder, _FAST_COPY), fast.save)
-        _replace_with(os.path.join(folder, _FAST_CHECK), check)
+            replace_with(os.path.join(folder, _FAST_COPY), fast.save)
+        replace_with(os.path.join(folder, _FAST_CHECK), check)
     except OSError:
         pass
-
-
-def _replace_with(path: str, write: Callable[[str], None]) -> None:
-    """path written whole under a name of its own, then renamed: a concurrent reader sees all of it or none."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _token_id(fast: Any, token: str | None) -> int | None:

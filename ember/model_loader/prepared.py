@@ -12,8 +12,9 @@ An entry is a pickle, trusted as the compiled kernels in the same cache folder a
 already run code in ember's process. The key covers every input of the finished model, conservatively: the
 checkpoint's files (size, modification time), the load settings, the stat of every ember source file, torch's
 version, the kernel build, the CPU's flags and the EMBER_* switches that pick kernels. A model that cannot be
-pickled is marked as such once and loads as before (oneDNN's packed weights pickle as their source weight). ``EMBER_PREPARED_CACHE``:
-``0`` turns the cache off; a size (default 4GiB) bounds the folder, the least recently used entries removed first.
+pickled is marked as such once and loads as before (oneDNN's packed weights pickle as their source weight).
+``EMBER_PREPARED_CACHE``: ``0`` turns the cache off; a size (default 4GiB) bounds the folder, the least recently
+used entries removed first.
 CPU only, one rank (a split model's ranks each hold another slice).
 """
 
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from ember import envs
-from ember.cache import cache_dir
+from ember.cache import cache_dir, file_key, replace_with
 from ember.config import ModelConfig
 from ember.distributed import ParallelContext
 
@@ -144,11 +145,12 @@ def record_activation_bytes(key: str | None, probe: str, value: int) -> None:
         return
     table = _read_activations(key)
     table[probe] = int(value)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=_ACTIVATIONS, dir=_folder(key))
-        with os.fdopen(fd, "w") as f:
+    def write(path: str) -> None:
+        with open(path, "w") as f:
             json.dump(table, f)
-        os.replace(tmp, os.path.join(_folder(key), _ACTIVATIONS))
+
+    try:
+        replace_with(os.path.join(_folder(key), _ACTIVATIONS), write)
     except OSError as e:
         logger.warning("activation measure not kept in %s: %s", _folder(key), e)
 
@@ -200,10 +202,7 @@ def _evict(budget: int, keep: str) -> None:
 
 
 def _file_stat(path: str | None) -> str:
-    if path is None or not os.path.exists(path):
-        return repr(path)
-    st = os.stat(path)
-    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
+    return file_key(path) if path is not None and os.path.exists(path) else repr(path)
 
 
 def _checkpoint_stat(path: str) -> str:
