@@ -12,6 +12,8 @@ AVX512-BF16 CPU: there oneDNN rounds a row differently with the rows beside it, 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,7 +25,7 @@ from ember.dtypes import cpu_has_fast_bf16
 from ember.kernels import cpu_kernels
 from ember.layers.base import Layer
 from ember.layers.lora import LoRABatch, LoRAStack
-from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, concat_rows, requantize
+from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, StackedMatmul, concat_rows, requantize
 
 
 def mkldnn_prepack_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -103,7 +105,9 @@ class Linear(Layer):
         self.kind, self.group_size = ("", 0) if quant is None else quant.linear_layout(layout_features or in_features)
         if self.kind == "int8":  # one scale a row of what this rank holds (a stored scale stays as it is)
             self.group_size = in_features
-        self.mixed = quant is not None and quant.mixed  # int4 if every part comes as int4 of this group, else int8
+        # mixed: each part int4 if it comes as int4 of this group, else int8; a fused layer of both kinds holds each
+        # run of rows in its own (kind "int4+int8", a ``StackedMatmul``)
+        self.mixed = quant is not None and quant.mixed
         if self.kind == "int4" and in_features % self.group_size:
             raise ValueError(f"int4 groups of {self.group_size} do not divide this rank's {in_features} inputs of "
                              f"a {layout_features}-input layer: choose a tensor_parallel_size whose slices hold "
@@ -113,7 +117,7 @@ class Linear(Layer):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.prepacked: PrepackedWeight | None = None
         self.dense = None  # the kernel module whose dense_gemm runs the float weight (``dense_kernels``)
-        self.qmm: QuantizedMatmul | None = None
+        self.qmm: QuantizedMatmul | StackedMatmul | None = None
         self.lora: LoRAStack | None = None  # resident adapters (``enable_lora``); None: no LoRA on this projection
         self._parts: list[tuple[int, QuantizedTensor]] = []  # quantized row blocks as loaded, until finalize
         self.run_by_owner = False  # set by a layer that runs this weight itself (the grouped MoE): no packed copy
@@ -137,12 +141,16 @@ class Linear(Layer):
         if self.quant is not None:
             parts = [p for _, p in sorted(self._parts, key=lambda p: p[0])]
             self._parts = []
-            if self.mixed and any(p.kind != "int4" for p in parts):  # a fused layer of mixed blocks: int8 throughout
-                self.kind, self.group_size = "int8", self.in_features
-                parts = [requantize(p, "int8", self.in_features) for p in parts]
+            if self.mixed:  # runs of parts of one kind (load_weight made each int4 of this group or int8 per row)
+                mms = [QuantizedMatmul(kind, concat_rows(list(run)).to(device), batch_invariant=batch_invariant)
+                       for kind, run in itertools.groupby(parts, key=lambda p: p.kind)]
+                self.kind = "+".join(m.method for m in mms)
+                if self.kind == "int8":
+                    self.group_size = self.in_features
+                self.qmm = mms[0] if len(mms) == 1 else StackedMatmul(mms)
+                return
             qt = concat_rows(parts).to(device)
-            self.qmm = QuantizedMatmul(self.kind if self.mixed else self.quant.method, qt,
-                                       batch_invariant=batch_invariant)
+            self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant)
             return
         self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
         if prepack and self.dense is None and not self.run_by_owner:

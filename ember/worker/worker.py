@@ -256,7 +256,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = sum(t.numel() * t.element_size() for t in model.parameters())
     for m in model.modules():
         if isinstance(m, Linear) and m.qmm is not None:
-            total += sum(t.numel() * t.element_size() for t in m.qmm.impl.tensors())
+            total += sum(t.numel() * t.element_size() for t in m.qmm.tensors())
         elif isinstance(m, VocabEmbedding) and m.qt is not None:
             total += m.qt.nbytes()
     return total

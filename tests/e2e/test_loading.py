@@ -135,11 +135,12 @@ def test_requantized_gguf_blocks_score_as_the_blocks_do(llama_256, tokenizer_dir
 def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_256, tokenizer_dir, tmp_path):
     """A Q4_K_M-like file (Q4_K, with attn_v, ffn_down and the table in a 5-bit type) loads by default with no
     calibration: the projections whose blocks are all Q4_K as int4 g32 (the file's values exactly:
-    tests/unit/quantization/test_gguf_blocks.py), the others (ffn_down; qkv, fused with the 5-bit attn_v) as int8
-    per row. Scored against the file dequantized to float32, as the Q5_0 test above: the mean prompt log-probability
-    moves by under 3x what bf16 rounding of the dequantized blocks moves a token's on average, and the tokens'
+    tests/unit/quantization/test_gguf_blocks.py), the others (ffn_down) as int8 per row; qkv, whose attn_v is
+    5-bit, holds q and k as int4 g32 and v as int8 (``StackedMatmul``: q and k are not rounded again to int8).
+    Scored against the file dequantized to float32, as the Q5_0 test above: the mean prompt log-probability moves
+    by under 3x what bf16 rounding of the dequantized blocks moves a token's on average, and the tokens'
     log-probabilities move less on average than with every weight as int8 per row (the layout K-quant files loaded
-    in before; on three prompts of this random model 0.23-0.39 against 0.26-0.42, bf16 alone 0.13-0.16)."""
+    in before)."""
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q4_K_M")
     def check(name: str, loaded) -> None:
@@ -149,8 +150,11 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
         layer = loaded.model.model.layers[0]
         kinds = {n: getattr(getattr(layer, part), n).kind for part, n in (
             ("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))}
-        assert kinds == {"qkv_proj": "int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8"}
+        assert kinds == {"qkv_proj": "int4+int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8"}
         assert layer.mlp.gate_up_proj.qmm.group_size == 32
+        qkv = layer.self_attn.qkv_proj
+        (q_k, v), (v_start, v_rows) = qkv.qmm.parts, qkv.shard_offsets["v"]
+        assert (q_k.method, q_k.group_size, q_k.n, v.method, v.n) == ("int4", 32, v_start, "int8", v_rows)
 
     scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=45)[0], {
         "default": dict(dtype="bfloat16"), "int8": dict(dtype="bfloat16", quantization="int8"),

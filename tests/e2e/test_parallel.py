@@ -106,7 +106,7 @@ def _table(embedding) -> torch.Tensor:
 
 
 def _dequantized(module) -> torch.Tensor:
-    return module.qmm.impl.dequantized(torch.float32) if module.qmm is not None else module.weight.float()
+    return module.qmm.dequantized(torch.float32) if module.qmm is not None else module.weight.float()
 
 
 @pytest.mark.parametrize("source", ["safetensors", "asmodel-int4", "asmodel-int8", "gguf"])
