@@ -550,9 +550,9 @@ void int4_amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* 
 // --- int8, batch invariant: every output is the same chain whatever the row count ---
 // y[m, n] = bf16(reduce16(acc) * scale[n]), acc's lane l summing, chunk after chunk of 32 inputs, the vdpbf16ps
 // products of inputs 2l, 2l + 1 (x as it is, w's integers as exact bf16); reduce16 is the same tree for every
-// slot. Up to 4 rows each weight chunk is converted where it lies and dotted with every row (the weight read once,
-// front to back); from 5 rows each thread converts 4 weight rows once into its cache and runs 4-row tiles of x
-// against them (16 sums in registers).
+// slot. One row reads the weight rows one after another (int8_row_in_turn); up to 12 rows each weight chunk is
+// converted where it lies and dotted with every row; more run groups of up to 12 rows over tiles of weight rows
+// in cache (int8_groups_inv).
 constexpr int64_t KC = 32;  // inputs a chunk
 
 // 32 int8 at p -> their 32 exact bf16, in order
@@ -891,6 +891,30 @@ std::vector<int8_t> int8_tails(const int8_t* w, int64_t N, int64_t K) {
   return tails;
 }
 
+// One row of x against the 16 weight rows from n0, each read front to back in turn: one stream (the rows are
+// contiguous), where int8_block_inv<1, 8> reads 8 rows side by side, chunk by chunk. Each output is the same chain
+// (its chunks in order into one accumulator, the same reduce16 slot), so the bits are int8_block_inv's. 2 threads,
+// AMD Zen 4 (2026-11-29, a stand-alone loop of the same instructions, weights from memory): 8 rows side by side
+// 18-22 GB/s, one at a time 30-34 on the 151936 x 1536, 262144 x 640 and 49152 x 576 LM heads and 4864 x 896.
+EMBER_INLINE void int8_row_in_turn(const PaddedRows& x, int64_t K, const int8_t* w, const int8_t* tails,
+                                   const float* scales, int64_t N, int64_t n0, c10::BFloat16* y) {
+  constexpr int B = 16, PF = 2;  // weight rows a call; rows ahead each row asks for
+  const int64_t chunks = (K + KC - 1) / KC, full = K / KC, rows = ember_fixed::min<int64_t>(B, N - n0);
+  __m512 acc[B];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t n = n0 + j;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* src = c < full ? w + n * K + c * KC : tails + n * KC;
+      if (c < full && c % 2 == 0 && n + PF < N) _mm_prefetch(reinterpret_cast<const char*>(src + PF * K), _MM_HINT_T0);
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x.p + c * KC), (__m512bh)int8_chunk_bf16(src));
+    }
+    acc[j] = a;
+  }
+  store_sums<1, B>(ember_avx512::reduce16(acc), scales, n0, rows, N, y, N);
+}
+
 template <int M>
 void int8_rows_inv(const PaddedRows& x, int64_t K, const int8_t* w, const float* scales, int64_t N,
                    c10::BFloat16* y) {
@@ -898,10 +922,15 @@ void int8_rows_inv(const PaddedRows& x, int64_t K, const int8_t* w, const float*
   // tiles of weights converted into a buffer first were slower from 5 rows. The 49152 x 576 LM head (AMD Zen 5, 2
   // threads): 5 rows 1.59 -> 0.93-1.04 ms, 8 rows 2.27 -> 1.08-1.17 (4 rows: 0.61-0.67); from 9 rows two weight
   // rows a pass (up to 24 sums) instead of one: 9 rows 1.8 -> 1.5 ms, 12 rows 2.4 -> 1.7
-  constexpr int B = M == 1 ? 8 : M <= 4 ? 4 : 2;
+  constexpr int B = M == 1 ? 16 : M <= 4 ? 4 : 2;
   const std::vector<int8_t> tails = int8_tails(w, N, K);
-  at::parallel_for(0, (N + B - 1) / B, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) int8_block_inv<M, B>(x, 0, K, w, tails.data(), scales, N, b * B, true, y);
+  at::parallel_for(0, (N + B - 1) / B, M == 1 ? 8 : 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if constexpr (M == 1)
+        int8_row_in_turn(x, K, w, tails.data(), scales, N, b * B, y);
+      else
+        int8_block_inv<M, B>(x, 0, K, w, tails.data(), scales, N, b * B, true, y);
+    }
   });
 }
 
