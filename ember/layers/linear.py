@@ -144,10 +144,10 @@ class Linear(Layer):
             if self.mixed:  # runs of parts of one kind (load_weight made each int4 of this group or int8 per row)
                 mms = [QuantizedMatmul(kind, concat_rows(list(run)).to(device), batch_invariant=batch_invariant)
                        for kind, run in itertools.groupby(parts, key=lambda p: p.kind)]
-                self.kind = "+".join(m.method for m in mms)
+                self.qmm = mms[0] if len(mms) == 1 else StackedMatmul(mms)
+                self.kind = self.qmm.method
                 if self.kind == "int8":
                     self.group_size = self.in_features
-                self.qmm = mms[0] if len(mms) == 1 else StackedMatmul(mms)
                 return
             qt = concat_rows(parts).to(device)
             self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant)

@@ -14,7 +14,7 @@ class StackedMatmul:
     """``QuantizedMatmul`` parts stacked along the output rows, with the same calls (``path``, ``dequantized``,
     ``tensors``); ``method`` names the parts' methods in order (``int4+int8``)."""
 
-    __slots__ = ("parts", "method", "n", "k", "batch_invariant")
+    __slots__ = ("parts", "method", "n", "k")
 
     def __init__(self, parts: list[QuantizedMatmul]) -> None:
         if len(parts) < 2 or len({p.k for p in parts}) != 1:
@@ -23,7 +23,6 @@ class StackedMatmul:
         self.parts = parts
         self.method = "+".join(p.method for p in parts)
         self.n, self.k = sum(p.n for p in parts), parts[0].k
-        self.batch_invariant = parts[0].batch_invariant
 
     @property
     def path(self) -> str:
