@@ -146,6 +146,11 @@ inline V512 maskz_loadu_epi8(M64 k, const void* p) { return maskz_loadu<1, 64>(k
 inline V512 maskz_loadu_epi16(M32 k, const void* p) { return maskz_loadu<2, 32>(k, p); }
 inline V512 maskz_loadu_ps(M16 k, const void* p) { return maskz_loadu<4, 16>(k, p); }
 
+inline V512 mask_add_epi16(V512 src, M32 k, V512 a, V512 b) {
+  V512 r;
+  for (int j = 0; j < 32; ++j) r.h[j] = (k >> j) & 1 ? static_cast<uint16_t>(a.h[j] + b.h[j]) : src.h[j];
+  return r;
+}
 inline V512 cvtepi32_ps(V512 a) { EMU_MAP16(r.f[j] = static_cast<float>(a.i[j])); }
 inline V512 cvtps_epi32(V512 a) {  // round to nearest even; out of range -> the integer indefinite
   EMU_MAP16(r.i[j] = std::isnan(a.f[j]) || std::fabs(a.f[j]) >= 2147483648.f
@@ -307,6 +312,7 @@ EMBER_FIXED_ORDER_END
 #define _mm512_mask_blend_ps ember_emu::mask_blend_ps
 #define _mm512_maskz_loadu_epi8 ember_emu::maskz_loadu_epi8
 #define _mm512_maskz_loadu_ps ember_emu::maskz_loadu_ps
+#define _mm512_mask_add_epi16 ember_emu::mask_add_epi16
 #define _mm512_maskz_loadu_epi16 ember_emu::maskz_loadu_epi16
 #define _mm512_cvtepi32_ps ember_emu::cvtepi32_ps
 #define _mm512_cvtps_epi32 ember_emu::cvtps_epi32

@@ -9,7 +9,7 @@ bool has_avx512_bf16();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, int64_t window, double scale);
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
-                        bool amx);
+                        bool amx, const c10::optional<torch::Tensor>& high);
 bool has_amx();
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant);
 torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales);
@@ -30,7 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX512-BF16 kernels were built (int4/int8 GEMM, prefill)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "a chunk's causal attention over its paged context");
   m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (the 64-row CPU int4 pack) -> bf16 [M, N]", py::arg("x"),
-        py::arg("w"), py::arg("scale_zeros"), py::arg("group"), py::arg("invariant") = true, py::arg("amx") = false);
+        py::arg("w"), py::arg("scale_zeros"), py::arg("group"), py::arg("invariant") = true, py::arg("amx") = false,
+        py::arg("high") = py::none());
   m.def("has_amx", &has_amx,
         "whether the int4 kernel and int8_exact_gemm may use AMX tiles here (built with them, granted by the OS)");
   m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]", py::arg("x"), py::arg("w"),

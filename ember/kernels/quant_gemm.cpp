@@ -196,7 +196,7 @@ void int8_rows(const c10::BFloat16* x, int64_t K, const int8_t* w, const float* 
 // ms, 512 rows 2.2 vs 5.2 ms; it also beat the panel layout the int8 path uses, at every row count up to 2048 (64
 // rows: 0.28 vs 0.33 ms).
 struct Int4Consts {
-  __m512i ilo, ihi, nib, magic, top;
+  __m512i ilo, ihi, nib, magic, top, sixteen;
   Int4Consts() {
     alignas(64) uint8_t lo[64], hi[64];  // lane c: byte 0 <- row k byte c, byte 2 <- row k + 1 byte c
     for (int c = 0; c < 16; ++c) {
@@ -210,6 +210,7 @@ struct Int4Consts {
     nib = _mm512_set1_epi32(0x000F000F);
     magic = _mm512_set1_epi32(0x43004300);
     top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    sixteen = _mm512_set1_epi32(0x00100010);
   }
 };
 
@@ -239,6 +240,14 @@ inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
   b[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(hi, 4), c.nib, c.magic, 0xEA);
 }
 
+// 5-bit values (Q5_0, Q5_1, Q5_K) are the int4 pack of their low four bits plus a plane of the fifth: per row pair
+// kp of a block, four 32-bit masks (hi[4 kp + j], bit 2c + h: column 16j + c, row k + h), the element order of b[j].
+// 128 + q stays exact in bf16 for q up to 127, so the fifth bit is an add of 16 to the pairs it is set in: one
+// masked add a vector. 6 bits a weight read instead of int8's 8.
+inline void int5_high(const Int4Consts& c, const uint32_t* hi, __m512i b[4]) {
+  for (int j = 0; j < 4; ++j) b[j] = _mm512_mask_add_epi16(b[j], static_cast<__mmask32>(hi[j]), b[j], c.sixteen);
+}
+
 // bytes ahead of the pack's read that each step prefetches (past a block's end: the next block, which the thread
 // usually reads next). The hardware prefetchers alone left one row short of memory speed: 2 threads, Xeon (AMX),
 // 2026-11-27, one row through 28 cold 17920 x 1536 weights (Qwen2.5-Coder-1.5B's gate/up), interleaved runs:
@@ -249,9 +258,10 @@ constexpr int64_t INT4_PREFETCH = 2048;
 // interleaved chains of group sums (one row through the 120 int4 weights of the default model's shapes, 66 MB, 2
 // threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms when first measured; within noise of each other on an AMD
 // Zen 5, 2026-11-28). A row's result depends on U, not on R: the batch-invariant kernel runs U = 1 at every row count.
-template <int R, int U>
+template <int R, int U, bool HI>
 inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
-                            int64_t gw, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y) {
+                            int64_t gw, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t N,
+                            c10::BFloat16* y) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -266,6 +276,7 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
         __m512i b[4];
         _mm_prefetch(reinterpret_cast<const char*>(blk + kp * 64 + INT4_PREFETCH), _MM_HINT_T0);
         int4_unpack(c, blk + kp * 64, b);
+        if constexpr (HI) int5_high(c, hib + kp * 4, b);
         for (int r = 0; r < R; ++r) {
           const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
           for (int j = 0; j < 4; ++j) part[u][r][j] = _mm512_dpbf16_ps(part[u][r][j], a, (__m512bh)b[j]);
@@ -297,8 +308,8 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
 // both 0.33 ms. The rounding moves the relative error to the float32 product from 1.7e-3 to 2.2e-3.
 constexpr int64_t INT4_PANEL_MIN_ROWS = 128;
 
-void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* szb, int64_t K, int64_t group,
-                uint32_t* panel) {
+void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t K,
+                int64_t group, uint32_t* panel) {
   alignas(64) uint16_t order[32];  // (w[k][c], w[k + 1][c]) of cvtne2ps' two halves into lane c
   for (int i = 0; i < 16; ++i) {
     order[2 * i] = i;
@@ -312,6 +323,7 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const c10::BFloat16* sz
     for (int64_t kp = g * gw; kp < (g + 1) * gw; ++kp) {
       __m512i b[4];
       int4_unpack(c, blk + kp * 64, b);
+      if (hib != nullptr) int5_high(c, hib + kp * 4, b);
       for (int j = 0; j < 4; ++j) {
         const __m512 wk = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b[j], 16)), sc[j], off[j]);
         const __m512 wk1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b[j], c.top)), sc[j], off[j]);
@@ -330,35 +342,38 @@ constexpr int U1 = 2, U2 = 2;  // chains at 1 and 2 rows (3 rows: 12 independent
 // chains (2 threads, AMD Zen 5, 2026-11-28, the default model's 120 int4 weights, interleaved in one process): 1
 // row 0.97-1.00x the time, 4 rows 0.82-0.84x, 5 0.82x, 6 0.76x, 9 0.86x, 12-48 0.90x.
 constexpr int INV_PASS = 6;
+template <bool HI>
 void int4_span_invariant(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
-                         int64_t gw, const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y,
-                         int64_t m0, int64_t m1) {
+                         int64_t gw, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t N,
+                         c10::BFloat16* y, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; m += INV_PASS) {
     const int32_t* xr = xw + m * kw;
     const float* sr = xsum + m * groups;
     c10::BFloat16* yr = y + m * N;
     switch (ember_fixed::min<int64_t>(INV_PASS, m1 - m)) {
-      case 1: int4_block_rows<1, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      case 2: int4_block_rows<2, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      case 3: int4_block_rows<3, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      case 4: int4_block_rows<4, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      case 5: int4_block_rows<5, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      default: int4_block_rows<6, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 1: int4_block_rows<1, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 2: int4_block_rows<2, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 3: int4_block_rows<3, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 4: int4_block_rows<4, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 5: int4_block_rows<5, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      default: int4_block_rows<6, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
     }
   }
 }
 
 // batch_invariant=False: 3-row passes, two chains at 1 and 2 rows
+template <bool HI>
 void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups, int64_t gw,
-               const uint8_t* blk, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y, int64_t m0, int64_t m1) {
+               const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y,
+               int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; m += 3) {
     const int32_t* xr = xw + m * kw;
     const float* sr = xsum + m * groups;
     c10::BFloat16* yr = y + m * N;
     switch (ember_fixed::min<int64_t>(3, m1 - m)) {
-      case 1: int4_block_rows<1, U1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      case 2: int4_block_rows<2, U2>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
-      default: int4_block_rows<3, 1>(c, xr, kw, sr, groups, gw, blk, szb, N, yr); break;
+      case 1: int4_block_rows<1, U1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 2: int4_block_rows<2, U2, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      default: int4_block_rows<3, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
     }
   }
 }
@@ -383,8 +398,8 @@ std::vector<float> group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int6
 // to read (as the kernel did from 12 rows) took 1.9x as long at 12 to 512 rows (2 threads, AMD Zen 5, 2026-11-28,
 // SmolLM2's four int4 shapes; a batch-32 decode step 44-46 -> 32-35 ms, a 512-token prefill 338-341 -> 195-214 ms;
 // the same bits).
-void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
-               int64_t group, c10::BFloat16* y, bool invariant) {
+void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const uint32_t* hi,
+               const c10::BFloat16* sz, int64_t N, int64_t group, c10::BFloat16* y, bool invariant) {
   const int64_t groups = K / group, kw = K / 2, gw = group / 2;
   const std::vector<float> xsum = group_sums(x, M, K, group);
   const int32_t* xw = reinterpret_cast<const int32_t*>(x);
@@ -396,12 +411,17 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nb = item / spans, m0 = item % spans * ROW_SPAN, m1 = ember_fixed::min(M, m0 + ROW_SPAN);
       const uint8_t* blk = w + nb * K * 32;
+      const uint32_t* hib = hi == nullptr ? nullptr : hi + nb * K * 2;  // K / 2 pairs of 4 masks
       const c10::BFloat16* szb = sz + nb * groups * NB * 2;
       c10::BFloat16* yb = y + nb * NB;
-      if (invariant)
-        int4_span_invariant(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb, m0, m1);
+      if (invariant && hib)
+        int4_span_invariant<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+      else if (invariant)
+        int4_span_invariant<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+      else if (hib)
+        int4_span<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
       else
-        int4_span(c, xw, kw, xsum.data(), groups, gw, blk, szb, N, yb, m0, m1);
+        int4_span<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
     }
   });
 }
@@ -1018,7 +1038,7 @@ bool has_avx512_bf16() {
 // depend on the other rows (no bf16 panel from 128 rows, one chain count at every row count). amx: tile products
 // where the machine has them (groups of 32 to 128), at every row count (invariant by themselves).
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
-                        bool amx) {
+                        bool amx, const c10::optional<torch::Tensor>& high) {
 #ifdef EMBER_AVX512_BF16
   using namespace ember_check;
   constexpr const char* fn = "int4_gemm";
@@ -1043,6 +1063,17 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
+  torch::Tensor hc;  // 5-bit weights: the fifth bits (int5_high); AMX takes 4-bit weights only
+  const uint32_t* hp = nullptr;
+  if (high.has_value()) {
+    cpu(fn, "high", *high);
+    dtype(fn, "high", *high, at::kByte);
+    TORCH_CHECK(high->numel() == N * K / 8, fn, ": high must hold N * K / 8 = ", N * K / 8,
+                " bytes (a bit a weight), got shape ", high->sizes());
+    TORCH_CHECK(!amx, fn, ": amx=True takes 4-bit weights only (high given)");
+    hc = high->contiguous();
+    hp = reinterpret_cast<const uint32_t*>(hc.data_ptr<uint8_t>());
+  }
   if (x.size(0) == 0) return torch::empty({0, N}, x.options());
 #ifdef EMBER_AMX
   if (amx && group % 32 == 0 && group <= 128 && ember_amx::granted()) {
@@ -1054,11 +1085,12 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   if (!invariant && x.size(0) >= INT4_PANEL_MIN_ROWS) {
     const Int4Consts c;
     return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
-      int4_panel(c, wp + nb * K * 32, sp + nb * (K / group) * NB * 2, K, group, panel);
+      int4_panel(c, wp + nb * K * 32, hp == nullptr ? nullptr : hp + nb * K * 2, sp + nb * (K / group) * NB * 2, K,
+                 group, panel);
     }, [](int64_t) -> const float* { return nullptr; });
   }
   auto y = torch::empty({x.size(0), N}, x.options());
-  int4_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>(), invariant);
+  int4_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, hp, sp, N, group, y.data_ptr<c10::BFloat16>(), invariant);
   return y;
 #else
   TORCH_CHECK(false, "int4_gemm needs AVX512-BF16");

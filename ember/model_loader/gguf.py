@@ -43,6 +43,7 @@ _GEMMA = ("gemma2", "gemma3")  # norms stored as 1 + w (llama.cpp adds the offse
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_QUANT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # exactly ember's int4 in groups of 32
+FIVE_BIT_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K"})  # exactly ember's int5 in groups of 32
 K_QUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 _CONFIG_KEYS = {
@@ -215,18 +216,19 @@ class GGUFCheckpoint:
 
     def native_quantization(self) -> QuantConfig | None:
         """The ember layout that holds the file's blocks: int4 g32 when every linear weight is Q4_0 / Q4_1 / Q4_K
-        (exactly ember's int4); ``mixed`` int4 g32 + int8 when some are and the others are other block types (Q4_K_M:
-        Q4_K with Q6_K for some attn_v / ffn_down), each weight as int4 where its blocks are 4-bit, else int8 per row;
-        int8 with a scale per row when every one is in some other quantized block type (Q8_0, and the 5- and 6-bit
-        blocks, requantized from their float values); None (float) when any linear weight is stored as float. The
-        embedding table and LM head are int8 when they are stored in block types."""
+        (exactly ember's int4); ``mixed`` when some are 4- or 5-bit and the others are other block types (Q4_K_M: Q4_K
+        with Q6_K for some attn_v / ffn_down; Q5_0 beside Q8_0), each weight as int4 / int5 where its blocks are 4- /
+        5-bit (int5 where the CPU kernel takes it, ``cpu_holds_int5``), else int8 per row; int8 with a scale per row
+        when every one is in some other quantized block type (Q8_0, Q6_K, requantized from their float values); None
+        (float) when any linear weight is stored as float. The embedding table and LM head are int8 when they are
+        stored in block types."""
         linear, table = self._block_types
         if not linear or linear & set(FLOAT_TYPES):
             return None
         embeddings = bool(table) and not table & set(FLOAT_TYPES)
         if linear <= FOUR_BIT_TYPES:
             return QuantConfig("int4", 32, embeddings=embeddings)
-        if linear & FOUR_BIT_TYPES:  # Q4_K_M and its kind: the 4-bit blocks as int4, the others as int8
+        if linear & (FOUR_BIT_TYPES | FIVE_BIT_TYPES):  # each 4- / 5-bit weight as it is, the others as int8
             return QuantConfig("int4", 32, embeddings=embeddings, mixed=True)
         return QuantConfig("int8", 32, embeddings=embeddings)
 
@@ -248,9 +250,9 @@ class GGUFCheckpoint:
         return frozenset(linear), frozenset(table)
 
     def kept_block_size(self, suffix: str) -> int:
-        """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1: 32);
-        1 when none is (other types, and Q4_K blocks a slice would cut, are dequantized and can be sliced
-        anywhere)."""
+        """The block of the tensors ending with suffix that load kept in their blocks (Q8_0 / Q4_0 / Q4_1 / Q5_0 /
+        Q5_1: 32); 1 when none is (other types, and Q4_K / Q5_K blocks a slice would cut, are dequantized and can be
+        sliced anywhere)."""
         return max((32 for t in self._entries() if t.tensor_type.name in GGUF_DIRECT_TYPES and t.block == 32
                     and (_hf_name(t.name, self.gguf_arch) or "").endswith(suffix)),
                    default=1)

@@ -90,6 +90,8 @@ def select_path(method: str, device: torch.device, n: int, k: int, group_size: i
     kernel's preconditions hold for the shape (``_torch_int8pack_ok``, ``_cpu_int4_ok``), so a model whose widths
     torch's packed ops do not take still loads and runs, on the portable path."""
     if device.type == "cpu":
+        if method == "int5" and cpu_holds_int5(n, k, group_size):
+            return "cpu-int5"
         if method == "int4" and _has_kernel("_weight_int4pack_mm_for_cpu", "CPU") and _cpu_int4_ok(n, k, group_size):
             return "cpu-int4"
         if method == "int8" and _has_kernel("_weight_int8pack_mm", "CPU") and (
@@ -120,6 +122,16 @@ def _cpu_int4_ok(n: int, k: int, group_size: int) -> bool:
     if n % _INT4_BLOCK_N or group_size <= 0 or k % group_size:
         return False
     return group_size in TORCH_INT4_GROUPS or (_ember_gemm() is not None and group_size % 4 == 0)
+
+
+def cpu_holds_int5(n: int, k: int, group_size: int) -> bool:
+    """Whether a 5-bit weight of this shape runs as it is on this CPU: ember's int4 kernel with the fifth bits
+    (built: AVX512-BF16, or emulated). Not where AMX runs the quantized weights: its int4 tiles take no fifth bit,
+    and int8 there runs AMX's exact path, far faster from a few rows on than vdpbf16ps. Where this is False the
+    loader holds such weights as int8 per row."""
+    kernels = _ember_gemm()
+    return kernels is not None and not (envs.cpu_amx_enabled() and kernels.has_amx()) and \
+        n % _INT4_BLOCK_N == 0 and group_size > 0 and group_size % 4 == 0 and k % group_size == 0
 
 
 @functools.cache
@@ -413,6 +425,54 @@ class CpuInt4Path(_CpuWeightOnly):
         return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
 
 
+def pack_cpu_int5_high(q: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
+    """The fifth bits of uint8 values [N, K] (0..31) in the order ember's int4 kernel adds them (``int5_high``):
+    per 64-row block and pair of inputs (k, k + 1), four 32-bit masks, mask j bit 2c + h for row 16j + c, input
+    k + h; uint8 [N * K / 8]."""
+    n, k = q.shape
+    bits = (q >> 4 & 1).view(n // block, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4)  # [block, k pair, j, c, h]
+    bits = bits.reshape(-1, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)  # bit 8i + t: byte i, bit t
+    return bits.sum(-1).to(torch.uint8)
+
+
+def unpack_cpu_int5_high(high: torch.Tensor, n: int, k: int, block: int = _INT4_BLOCK_N) -> torch.Tensor:
+    """Invert ``pack_cpu_int5_high`` -> the fifth bits as uint8 [N, K] (0 or 1)."""
+    bits = (high.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.view(n // block, k // 2, 4, 16, 2).permute(0, 2, 3, 1, 4).reshape(n, k)
+
+
+class CpuInt5Path(CpuInt4Path):
+    """5-bit weights (GGUF Q5_0 / Q5_1 / Q5_K, as int5): ember's int4 pack of the low four bits plus a plane of the
+    fifth, 6 bits a weight (with the group's scale pair) where int8 reads 8, through the same kernel and its
+    batch-invariant order. Only where ``cpu_holds_int5``: no torch op takes it."""
+
+    __slots__ = ("high",)
+    name = "cpu-int5"
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        self.amx, self.block = False, _INT4_BLOCK_N
+        q = qt.unpacked()
+        self.w, self.s = pack_cpu_int4(q & 0xF, self.block), block_scale_zeros(_scale_zeros(qt))
+        self.high = pack_cpu_int5_high(q, self.block)
+
+    def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
+        return kernels.int4_gemm(xb, self.w, self.s, self.group_size, self.invariant, False, self.high)
+
+    def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("5-bit weights run on ember's CPU kernel only (cpu_holds_int5)")
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        sz = self.s.float().transpose(0, 1).reshape(-1, self.n, 2)
+        g = self.group_size
+        q = unpack_cpu_int4(self.w, self.n, self.k, self.block) | unpack_cpu_int5_high(self.high, self.n, self.k) << 4
+        q = q.float().view(self.n, self.k // g, g)
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
+        return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w, self.s, self.high]
+
+
 class CudaInt4Path(_WeightOnlyPath):
     """tinygemm (``_weight_int4pack_mm``), every batch size."""
 
@@ -491,11 +551,11 @@ class CudaW8A8Path(_W8A8Path):
 
 
 MATMUL_PATHS: dict[str, type[MatmulPath]] = {p.name: p for p in (
-    CpuInt8Path, CpuInt4Path, CpuW8A8Path, CudaInt4Path, CudaInt8Path, CudaW8A8Path, PortablePath)}
+    CpuInt8Path, CpuInt4Path, CpuInt5Path, CpuW8A8Path, CudaInt4Path, CudaInt8Path, CudaW8A8Path, PortablePath)}
 
 
 class QuantizedMatmul:
-    """A weight prepared for ``method`` ('int8' | 'int4' | 'w8a8') on its tensors' device: ``impl`` is the path
+    """A weight prepared for ``method`` ('int8' | 'int4' | 'int5' | 'w8a8') on its tensors' device: ``impl`` is the path
     (a ``MatmulPath``) chosen once here, ``path`` its name; ``batch_invariant`` as ``EngineConfig``'s."""
 
     __slots__ = ("method", "n", "k", "group_size", "impl", "batch_invariant")
@@ -506,7 +566,9 @@ class QuantizedMatmul:
         self.batch_invariant = batch_invariant
         self.n, self.k = qt.shape
         self.group_size = qt.group_size
-        if method != "int4" and (qt.kind != "int8" or qt.group_size != self.k):
+        if method == "int5" and qt.kind != "int5":
+            raise ValueError(f"int5 matmul needs an int5 weight (GGUF's 5-bit blocks), got {qt.kind}")
+        if method not in ("int4", "int5") and (qt.kind != "int8" or qt.group_size != self.k):
             raise ValueError(f"{method} matmul needs an int8 weight with one scale per output channel, got "
                              f"{qt.kind} in groups of {qt.group_size} (requantize it first)")
         device = qt.data.device

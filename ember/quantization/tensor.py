@@ -8,6 +8,8 @@ channel), so rows can be sliced and stacked freely (fused QKV and gate/up projec
   ``w = q * scale + offset``. An integer zero point z is the offset ``-z * scale``; GGUF Q4_1's ``d * q + m``,
   Q4_0's ``d * (q - 8)`` and Q4_K's ``d * sc * q - dmin * m`` (per 32 values) are the same form, so those blocks load
   exactly.
+- int5: ``data`` uint8 ``[N, K]``, values 0..31, one a byte (only as loaded: the CPU kernel's layout holds 6 bits a
+  weight); ``w = q * scale + offset`` as int4, which GGUF Q5_0 (``d * (q - 16)``), Q5_1 and Q5_K are.
 ``scales`` and ``offsets`` are float32 ``[N, K / group_size]``.
 """
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-KINDS = ("int8", "int4")
+KINDS = ("int8", "int4", "int5")
 
 
 @dataclass(slots=True)
@@ -35,8 +37,8 @@ class QuantizedTensor:
         return n, k * 2 if self.kind == "int4" else k
 
     def unpacked(self) -> torch.Tensor:
-        """The int4 values as uint8 [N, K] (int8 data as it is)."""
-        if self.kind == "int8":
+        """The int4 values as uint8 [N, K] (int8 and int5 data as they are)."""
+        if self.kind != "int4":
             return self.data
         return torch.stack([self.data & 0xF, self.data >> 4], dim=-1).view(self.data.shape[0], -1)
 
@@ -134,36 +136,41 @@ def _row_range(qt: QuantizedTensor | torch.Tensor, start: int, stop: int) -> Qua
 
 # ----- GGUF blocks (ggml's layouts: 32 values a block; Q4_K 256, 8 groups of 32) -----
 
-GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K")
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedTensor:
-    """Q8_0 / Q4_0 / Q4_1 / Q4_K rows of raw bytes ``[N, K / block * block_bytes]`` -> the matching ember layout."""
+    """Rows of raw bytes ``[N, K / block * block_bytes]`` of a type in GGUF_DIRECT_TYPES -> the matching ember
+    layout (Q8_0: int8 in groups of 32; the 4-bit blocks: int4; the 5-bit ones: int5)."""
     n, k = shape
-    if type_name == "Q4_K":
-        return _from_q4_k(raw, n, k)
+    if type_name in ("Q4_K", "Q5_K"):
+        return _from_k_quant(raw, n, k, type_name)
     blocks = np.ascontiguousarray(raw).reshape(n, k // 32, -1)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if type_name == "Q8_0":
         q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8)).reshape(n, k)
         return QuantizedTensor("int8", q, d, None, 32)
-    if type_name == "Q4_0":
-        qs, offsets = blocks[..., 2:18], -8 * d
-    elif type_name == "Q4_1":
-        qs = blocks[..., 4:20]
-        offsets = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    else:
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    layouts = {"Q4_0": (2, None, -8 * d), "Q4_1": (4, None, m), "Q5_0": (6, 2, -16 * d), "Q5_1": (8, 4, m)}
+    if type_name not in layouts:
         raise ValueError(f"GGUF type {type_name} has no direct ember layout: direct types are {GGUF_DIRECT_TYPES}")
-    qs = torch.from_numpy(qs.copy())  # ggml: element j in the low nibble of byte j, element j + 16 in its high one
-    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)
-    return QuantizedTensor("int4", pack_int4(q), d, offsets, 32)
+    at, high_at, offsets = layouts[type_name]
+    qs = torch.from_numpy(blocks[..., at:at + 16].copy())  # element j in the low nibble of byte j, j + 16 the high
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1)
+    if high_at is None:
+        return QuantizedTensor("int4", pack_int4(q.reshape(n, k)), d, offsets, 32)
+    qh = torch.from_numpy(blocks[..., high_at:high_at + 4].copy())  # the fifth bits: element j in bit j (little end)
+    fifth = (qh[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return QuantizedTensor("int5", (q | (fifth.reshape(n, k // 32, 32) << 4)).reshape(n, k), d, offsets, 32)
 
 
-def _from_q4_k(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
-    """Q4_K super-blocks of 256 values (ggml's ``block_q4_K``: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for
-    8 sub-blocks of 32, 128 bytes of 4-bit values) -> int4 in groups of 32 with ``scale = d * sc`` and ``offset =
-    -dmin * m``: float32 products of an f16 and a 6-bit integer, exact, so ``q * scale + offset`` is ggml's value."""
-    blocks = np.ascontiguousarray(raw).reshape(n, k // 256, 144)
+def _from_k_quant(raw: np.ndarray, n: int, k: int, type_name: str) -> QuantizedTensor:
+    """Q4_K / Q5_K super-blocks of 256 values (ggml's ``block_q4_K``: f16 d, f16 dmin, 12 bytes of 6-bit scales and
+    mins for 8 sub-blocks of 32, [Q5_K: 32 bytes of fifth bits,] 128 bytes of 4-bit values) -> int4 / int5 in groups
+    of 32 with ``scale = d * sc`` and ``offset = -dmin * m``: float32 products of an f16 and a 6-bit integer, exact,
+    so ``q * scale + offset`` is ggml's value."""
+    five = type_name == "Q5_K"
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 256, 176 if five else 144)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     s = blocks[..., 4:16]
@@ -172,7 +179,13 @@ def _from_q4_k(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
     scales = torch.from_numpy((d[..., None] * sc.astype(np.float32)).reshape(n, k // 32))
     offsets = torch.from_numpy((-(dmin[..., None] * mins.astype(np.float32))).reshape(n, k // 32))
     # each 64 values: 32 bytes, the first 32 values in their low nibbles, the next 32 in their high ones
-    qs = torch.from_numpy(blocks[..., 16:144].copy()).view(n, k // 64, 1, 32)
-    q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, k)
-    return QuantizedTensor("int4", pack_int4(q), scales, offsets, 32)
+    at = 48 if five else 16
+    qs = torch.from_numpy(blocks[..., at:at + 128].copy()).view(n, k // 256, 4, 1, 32)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=3)  # [n, super-block, 64-value part i, half h, l]
+    if not five:
+        return QuantizedTensor("int4", pack_int4(q.reshape(n, k)), scales, offsets, 32)
+    # value l + 32 h of part i has its fifth bit in bit 2 i + h of qh[l]
+    qh = torch.from_numpy(blocks[..., 16:48].copy()).view(n, k // 256, 1, 1, 32)
+    shift = (2 * torch.arange(4, dtype=torch.uint8)[:, None] + torch.arange(2, dtype=torch.uint8)).view(1, 1, 4, 2, 1)
+    return QuantizedTensor("int5", (q | (((qh >> shift) & 1) << 4)).reshape(n, k), scales, offsets, 32)
 

@@ -27,8 +27,8 @@ from ember.layers import linear as linear_module
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import Linear, MergedLinear, mkldnn_prepack_available
 from ember.quantization import QuantizedMatmul
-from ember.quantization.kernels import _scale_zeros, block_scale_zeros, pack_cpu_int4
-from ember.quantization.tensor import quantize_int4, quantize_int8
+from ember.quantization.kernels import _scale_zeros, block_scale_zeros, pack_cpu_int4, pack_cpu_int5_high
+from ember.quantization.tensor import QuantizedTensor, quantize_int4, quantize_int8
 
 HERE = TESTS
 
@@ -70,6 +70,23 @@ def test_int4_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, gr
         assert torch.equal(avx512.int4_gemm(x[-m:], w, sz, group, True, amx), alone[-m:]), f"last {m} rows"
     ref = F.linear(x.float(), qt.dequantize(torch.float32))
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3  # bf16 activations and output
+
+
+@pytest.mark.parametrize("n,k", [(192, 256), (64, 576)])
+def test_int5_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
+    """5-bit weights (GGUF Q5_0 / Q5_1 / Q5_K): the int4 chains with the fifth bits added (``int5_high``)."""
+    g = torch.Generator().manual_seed(n * k)
+    q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    qt = QuantizedTensor("int5", q, d, -16 * d, 32)
+    w, sz, high = pack_cpu_int4(q & 0xF), block_scale_zeros(_scale_zeros(qt)), pack_cpu_int5_high(q)
+    x = torch.randn(130, k, generator=g).bfloat16()
+    alone = _rows_alone(lambda r: avx512.int4_gemm(r, w, sz, 32, True, False, high), x)
+    for m in ROW_COUNTS:
+        assert torch.equal(avx512.int4_gemm(x[:m], w, sz, 32, True, False, high), alone[:m]), f"{m} rows"
+        assert torch.equal(avx512.int4_gemm(x[-m:], w, sz, 32, True, False, high), alone[-m:]), f"last {m} rows"
+    ref = F.linear(x.float(), qt.dequantize(torch.float32))
+    assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
 @pytest.mark.parametrize("n,k", [(192, 256), (77, 100), (64, 32), (130, 576), (9, 40)])

@@ -76,13 +76,14 @@ def llama_256(tokenizer_dir, tmp_path_factory):
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("qtype,native", [("F16", None), ("Q4_0", "int4 g32"), ("Q8_0", "int8"), ("Q5_0", "int8"),
-                                           ("Q5_1", "int8"), ("Q4_K", "int4 g32"), ("Q4_K_M", "int4 g32 + int8"),
-                                           ("Q6_K", "int8")])
+@pytest.mark.parametrize("qtype,native", [("F16", None), ("Q4_0", "int4 g32"), ("Q8_0", "int8"),
+                                           ("Q5_0", "int4 g32 + int8"), ("Q5_1", "int4 g32 + int8"),
+                                           ("Q4_K", "int4 g32"), ("Q4_K_M", "int4 g32 + int8"), ("Q6_K", "int8")])
 def test_gguf_blocks_run_in_the_layout_that_holds_them(llama_256, tmp_path, qtype, native):
-    """By default a GGUF's linear weights stay quantized: Q4_0 / Q4_1 / Q4_K as ember's int4, every other block
-    type as int8 per row (requantized from its float values), a mix of both (Q4_K_M) each weight as its blocks fit,
-    float types as float; a block-typed embedding table as int8."""
+    """By default a GGUF's linear weights stay quantized: Q4_0 / Q4_1 / Q4_K as ember's int4, Q8_0 and Q6_K as int8
+    per row (requantized from their float values), a file with 4- or 5-bit blocks (Q5_0, Q5_1, Q4_K_M) in the mixed
+    layout, each weight as its blocks fit (5-bit ones as int5 where the CPU kernel takes them: next tests), float
+    types as float; a block-typed embedding table as int8."""
     from ember.model_loader import open_checkpoint
 
     path = str(tmp_path / "m.gguf")
@@ -110,39 +111,55 @@ def _prompt_scores(path: str, tokenizer_dir: str, prompt: list[int], engines: di
 
 
 def test_requantized_gguf_blocks_score_as_the_blocks_do(llama_256, tokenizer_dir, tmp_path):
-    """Q5_0 blocks run as int8 (with an int8 table) with bf16 activations (``quantization="int8"``, the default
-    where int8 activations cost too much: next test). Scored against the file dequantized to float32, the mean
+    """Q5_0 blocks run as int8 (with an int8 table) with bf16 activations (``quantization="int8"``), and by default
+    as they are stored: int5 (the int4 pack and a plane of fifth bits, the file's values with each block's scale in
+    bf16) where the CPU kernel takes them, else int8. Scored against the file dequantized to float32, the mean
     prompt log-probability (log-perplexity) moves by under 3x what bf16 rounding of the dequantized blocks moves a
     token's on average, and no token's by more than 3x what it moves one at most (this random model is peaked: -21
     a token; bf16 alone moves a token's by 0.13 on average, 1.1 at most; int8 with bf16 activations moves the mean
-    by under 0.05 through ember's AVX512 kernel, by 0.054 through torch's packed op on AVX2)."""
+    by under 0.05 through ember's AVX512 kernel, by 0.054 through torch's packed op on AVX2); int5, which rounds
+    nothing again, moves the tokens' log-probabilities less on average than int8."""
+    from ember.quantization import cpu_holds_int5
+
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q5_0")
+    five = cpu_holds_int5(256, 256, 32)
     def check(name: str, loaded) -> None:
         quant = loaded.quant
-        assert (quant.describe() if quant else None) == ("int8" if name == "int8" else None)
+        want = {"int8": "int8", "default": "int4 g32 + int8"}.get(name)
+        assert (quant.describe() if quant else None) == want
         assert quant is None or quant.embeddings
+        if name == "default":
+            layer = loaded.model.model.layers[0]
+            assert {layer.self_attn.qkv_proj.kind, layer.mlp.down_proj.kind} == {"int5" if five else "int8"}
 
     scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=44)[0], {
-        "int8": dict(dtype="bfloat16", quantization="int8"), "bf16": dict(dtype="bfloat16", quantization="none"),
-        "float32": dict(dtype="float32")}, check)
+        "int8": dict(dtype="bfloat16", quantization="int8"), "default": dict(dtype="bfloat16"),
+        "bf16": dict(dtype="bfloat16", quantization="none"), "float32": dict(dtype="float32")}, check)
     ref = scores["float32"]
     bf16 = (scores["bf16"] - ref).abs()
-    assert abs(scores["int8"].mean() - ref.mean()) < 3 * bf16.mean()
-    assert (scores["int8"] - ref).abs().max() < 3 * bf16.max()
+    for name in ("int8", "default"):
+        assert abs(scores[name].mean() - ref.mean()) < 3 * bf16.mean(), name
+        assert (scores[name] - ref).abs().max() < 3 * bf16.max(), name
+    if five:
+        assert (scores["default"] - ref).abs().mean() < (scores["int8"] - ref).abs().mean()
 
 
 def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_256, tokenizer_dir, tmp_path):
     """A Q4_K_M-like file (Q4_K, with attn_v, ffn_down and the table in a 5-bit type) loads by default with no
     calibration: the projections whose blocks are all Q4_K as int4 g32 (the file's values exactly:
-    tests/unit/quantization/test_gguf_blocks.py), the others (ffn_down) as int8 per row; qkv, whose attn_v is
-    5-bit, holds q and k as int4 g32 and v as int8 (``StackedMatmul``: q and k are not rounded again to int8).
+    tests/unit/quantization/test_gguf_blocks.py), the 5-bit ones (ffn_down) as int5 where the CPU kernel takes
+    them, else int8 per row; qkv, whose attn_v is 5-bit, holds q and k as int4 g32 and v as int5 or int8
+    (``StackedMatmul``: q and k are not rounded again to int8).
     Scored against the file dequantized to float32, as the Q5_0 test above: the mean prompt log-probability moves
     by under 3x what bf16 rounding of the dequantized blocks moves a token's on average, and the tokens'
     log-probabilities move less on average than with every weight as int8 per row (the layout K-quant files loaded
     in before)."""
+    from ember.quantization import cpu_holds_int5
+
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q4_K_M")
+    five = "int5" if cpu_holds_int5(256, 512, 32) else "int8"
     def check(name: str, loaded) -> None:
         if name != "default":
             return
@@ -150,11 +167,11 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
         layer = loaded.model.model.layers[0]
         kinds = {n: getattr(getattr(layer, part), n).kind for part, n in (
             ("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))}
-        assert kinds == {"qkv_proj": "int4+int8", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": "int8"}
+        assert kinds == {"qkv_proj": f"int4+{five}", "o_proj": "int4", "gate_up_proj": "int4", "down_proj": five}
         assert layer.mlp.gate_up_proj.qmm.group_size == 32
         qkv = layer.self_attn.qkv_proj
         (q_k, v), (v_start, v_rows) = qkv.qmm.parts, qkv.shard_offsets["v"]
-        assert (q_k.method, q_k.group_size, q_k.n, v.method, v.n) == ("int4", 32, v_start, "int8", v_rows)
+        assert (q_k.method, q_k.group_size, q_k.n, v.method, v.n) == ("int4", 32, v_start, five, v_rows)
 
     scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=45)[0], {
         "default": dict(dtype="bfloat16"), "int8": dict(dtype="bfloat16", quantization="int8"),

@@ -410,29 +410,31 @@ def test_async_llm_and_the_cli_split_a_model(llama_dir):
 
 
 def test_a_gguf_column_slice_that_cuts_a_block_reads_only_the_covering_blocks():
-    """Blocks that are dequantized anyway (Q5_0 here; the K-quants' 256-value blocks of Qwen2.5 GGUFs) may be cut
-    by a rank's columns: the covering blocks are read and trimmed after dequantizing. Blocks kept as they are
-    (Q4_0 / Q4_1 / Q8_0 -> int4 / int8) must not be cut."""
+    """Blocks that are dequantized anyway (Q6_K here, and the 256-value blocks of Q4_K / Q5_K a slice cuts) may be
+    cut by a rank's columns: the covering blocks are read and trimmed after dequantizing. Blocks kept as they are
+    (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 -> int4 / int5 / int8) must not be cut."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q
+    from gguf_writer import quantize_q6_k
 
     from ember.distributed import WeightSlice
     from ember.model_loader.gguf import _slice_raw
     from ember.model_loader.gguf_file import GGUFTensor
 
-    def tensor(raw, kind):
-        return GGUFTensor("t", kind, (128, 4), raw, *gguf.GGML_QUANT_SIZES[kind])
+    def tensor(raw, kind, k):
+        return GGUFTensor("t", kind, (k, 4), raw, *gguf.GGML_QUANT_SIZES[kind])
 
-    x = np.random.default_rng(0).standard_normal((4, 128)).astype(np.float32)
-    raw = gguf.quants.quantize(x, Q.Q5_0)
-    part, rows, cols, trim = _slice_raw(raw, tensor(raw, Q.Q5_0), WeightSlice(1, 40, 100), 4, 128, keep=False)
-    assert part.shape[1] < raw.shape[1] and (rows, cols) == (4, 60)  # blocks 1..3 of 4, not the whole rows
-    got = gguf.dequantize(part, Q.Q5_0)[:, trim[0]:trim[1]]
-    np.testing.assert_array_equal(got, gguf.dequantize(raw, Q.Q5_0)[:, 40:100])
-    with pytest.raises(ValueError, match="cut a block"):
-        q8 = gguf.quants.quantize(x, Q.Q8_0)
-        _slice_raw(q8, tensor(q8, Q.Q8_0), WeightSlice(1, 40, 100), 4, 128, keep=True)
+    x = np.random.default_rng(0).standard_normal((4, 768)).astype(np.float32)
+    raw = quantize_q6_k(x)
+    part, rows, cols, trim = _slice_raw(raw, tensor(raw, Q.Q6_K, 768), WeightSlice(1, 300, 500), 4, 768, keep=False)
+    assert part.shape[1] < raw.shape[1] and (rows, cols) == (4, 200)  # block 1 of 3, not the whole rows
+    got = gguf.dequantize(part, Q.Q6_K)[:, trim[0]:trim[1]]
+    np.testing.assert_array_equal(got, gguf.dequantize(raw, Q.Q6_K)[:, 300:500])
+    for kind in (Q.Q8_0, Q.Q5_0):
+        kept = gguf.quants.quantize(x[:, :128], kind)
+        with pytest.raises(ValueError, match="cut a block"):
+            _slice_raw(kept, tensor(kept, kind, 128), WeightSlice(1, 40, 100), 4, 128, keep=True)
 
 
 def test_dashinfer_gpu_ids_split_the_model(llama_dir, tmp_path, monkeypatch):

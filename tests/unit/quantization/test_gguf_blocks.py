@@ -1,12 +1,14 @@
-"""GGUF Q4_K blocks load as ember's int4 in groups of 32 with nothing lost: the values the layout gives are the
-gguf package's own decoding of the same bytes, to the bit (blocks written by the test encoder, and arbitrary bytes
-under finite super-block scales, so every 6-bit scale / min packing is read)."""
+"""GGUF Q4_K blocks load as ember's int4 in groups of 32, and the 5-bit blocks (Q5_0, Q5_1, Q5_K) as int5, with
+nothing lost: the values the layout gives are the gguf package's own decoding of the same bytes, to the bit (blocks
+written by an encoder, and arbitrary bytes under finite scales, so every 6-bit scale / min packing and every fifth
+bit is read)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize
+from gguf import GGMLQuantizationType, dequantize, quants
 from gguf_writer import quantize_q4_k, quantize_q6_k
 
 from ember.quantization.tensor import from_gguf
@@ -43,3 +45,29 @@ def test_the_q6_k_encoder_writes_blocks_the_gguf_package_reads():
     err = np.abs(dequantize(raw, GGMLQuantizationType.Q6_K) - w).reshape(64, 32, 16)
     amax = np.abs(w).reshape(64, 32, 16).max(-1, keepdims=True)
     assert np.all(err <= amax / 62 * 1.05)  # half a step of 6 bits, each 16 values' own scale (fp16 / int8 rounded)
+
+
+@pytest.mark.parametrize("name,block,size", [("Q5_0", 32, 22), ("Q5_1", 32, 24), ("Q5_K", 256, 176)])
+def test_five_bit_blocks_read_as_the_gguf_package_reads_them(name, block, size):
+    """Arbitrary value and fifth-bit bytes under finite f16 scales (and Q5_1's / Q5_K's mins)."""
+    n, k = 16, 512
+    rng = np.random.default_rng(block + size)
+    raw = rng.integers(0, 256, size=(n, k // block * size), dtype=np.uint8)
+    blocks = raw.reshape(n, k // block, size)
+    blocks[..., 0:2] = (rng.random((n, k // block, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    if name != "Q5_0":
+        blocks[..., 2:4] = (rng.random((n, k // block, 1)) * 0.02 - 0.01).astype(np.float16).view(np.uint8)
+    qt = from_gguf(raw, name, (n, k))
+    assert qt.kind == "int5" and qt.group_size == 32 and qt.shape == (n, k)
+    q = qt.unpacked()
+    assert q.max() == 31 and q.min() == 0  # every fifth bit read: values above 15 occur
+    want = dequantize(raw, getattr(GGMLQuantizationType, name))
+    assert np.array_equal(qt.dequantize(torch.float32).numpy(), want)
+
+
+def test_encoded_q5_0_blocks_read_as_the_gguf_package_reads_them():
+    w = (np.random.default_rng(4).standard_normal((64, 256)) * 0.05).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q5_0)
+    qt = from_gguf(raw, "Q5_0", (64, 256))
+    assert np.array_equal(qt.dequantize(torch.float32).numpy(), dequantize(raw, GGMLQuantizationType.Q5_0))
+    assert np.abs(qt.dequantize(torch.float32).numpy() - w).max() < 0.05 * np.abs(w).max()  # 5 bits, not noise
