@@ -420,9 +420,13 @@ class CpuInt4Path(_CpuWeightOnly):
         if sz.dim() == 4:
             sz = sz.transpose(0, 1).reshape(-1, self.n, 2)
         g = self.group_size
-        q = unpack_cpu_int4(self.w, self.n, self.k, self.block).float().view(self.n, self.k // g, g)
+        q = self.values().float().view(self.n, self.k // g, g)
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
         return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
+
+    def values(self) -> torch.Tensor:
+        """The stored integers as uint8 [N, K]."""
+        return unpack_cpu_int4(self.w, self.n, self.k, self.block)
 
 
 def pack_cpu_int5_high(q: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
@@ -461,13 +465,8 @@ class CpuInt5Path(CpuInt4Path):
     def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("5-bit weights run on ember's CPU kernel only (cpu_holds_int5)")
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        sz = self.s.float().transpose(0, 1).reshape(-1, self.n, 2)
-        g = self.group_size
-        q = unpack_cpu_int4(self.w, self.n, self.k, self.block) | unpack_cpu_int5_high(self.high, self.n, self.k) << 4
-        q = q.float().view(self.n, self.k // g, g)
-        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
-        return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
+    def values(self) -> torch.Tensor:
+        return super().values() | unpack_cpu_int5_high(self.high, self.n, self.k, self.block) << 4
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.w, self.s, self.high]

@@ -150,11 +150,14 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
     if type_name == "Q8_0":
         q = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8)).reshape(n, k)
         return QuantizedTensor("int8", q, d, None, 32)
-    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    layouts = {"Q4_0": (2, None, -8 * d), "Q4_1": (4, None, m), "Q5_0": (6, 2, -16 * d), "Q5_1": (8, 4, m)}
+    layouts = {"Q4_0": (2, None), "Q4_1": (4, None), "Q5_0": (6, 2), "Q5_1": (8, 4)}  # where the values, fifth bits lie
     if type_name not in layouts:
         raise ValueError(f"GGUF type {type_name} has no direct ember layout: direct types are {GGUF_DIRECT_TYPES}")
-    at, high_at, offsets = layouts[type_name]
+    at, high_at = layouts[type_name]
+    if type_name in ("Q4_1", "Q5_1"):  # d * q + m, the f16 m after d
+        offsets = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:  # d * (q - 8), d * (q - 16)
+        offsets = (-8 if high_at is None else -16) * d
     qs = torch.from_numpy(blocks[..., at:at + 16].copy())  # element j in the low nibble of byte j, j + 16 the high
     q = torch.cat([qs & 0xF, qs >> 4], dim=-1)
     if high_at is None:
