@@ -212,6 +212,38 @@ def test_real_gemma3_greedy_parity_across_its_window():
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
 
 
+@needs_gemma3
+def test_real_gemma3_5_bit_blocks_run_as_stored():
+    """The file's Q5_0 projections (q, k, gate, up) load as int5 where the CPU kernel takes them, and score the
+    text closer to the file's own values (``quantization="none"``: the blocks dequantized, bf16 like the rest) than
+    with every projection requantized to int8 per row (``"int8"``): the mean change of a token's log-probability over
+    300 tokens of tests/data/alice_ch1.txt (Zen 4, 2026-11-29: 0.087 against 0.104)."""
+    import torch
+
+    from ember.quantization import cpu_holds_int5
+    from internals import worker_of
+
+    if not cpu_holds_int5(1024, 640, 32):
+        pytest.skip("this CPU holds 5-bit blocks as int8 (no AVX512-BF16 kernels, or AMX)")
+    with open(os.path.join(os.path.dirname(__file__), "..", "data", "alice_ch1.txt"), encoding="utf-8") as f:
+        text = f.read()
+    scores = {}
+    for name, kwargs in (("default", {}), ("int8", dict(quantization="int8")), ("none", dict(quantization="none"))):
+        llm = LLM(GEMMA3_GGUF, dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512, **kwargs)
+        try:
+            if name == "default":
+                layer = worker_of(llm).loaded.model.model.layers[0]
+                assert layer.mlp.gate_up_proj.kind == "int5" and layer.self_attn.qkv_proj.kind.startswith("int5")
+            ids = llm.tokenizer.encode(text)[:300]
+            out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                               use_tqdm=False)[0]
+            scores[name] = torch.tensor([pos[t].logprob for t, pos in zip(ids[1:], out.prompt_logprobs[1:])])
+        finally:
+            llm.shutdown()
+    ref = scores["none"]
+    assert (scores["default"] - ref).abs().mean() < (scores["int8"] - ref).abs().mean()
+
+
 _LLAMA_CPP_TOKENIZE = """
 import json, sys
 from llama_cpp import Llama
