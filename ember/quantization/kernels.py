@@ -131,7 +131,7 @@ def cpu_holds_int5(n: int, k: int, group_size: int) -> bool:
     loader holds such weights as int8 per row."""
     kernels = _ember_gemm()
     return kernels is not None and not (envs.cpu_amx_enabled() and kernels.has_amx()) and \
-        n % _INT4_BLOCK_N == 0 and group_size > 0 and group_size % 4 == 0 and k % group_size == 0
+        _cpu_int4_ok(n, k, group_size)  # with ember's kernel: 64-row blocks, groups a multiple of 4 dividing K
 
 
 @functools.cache
