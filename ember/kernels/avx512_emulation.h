@@ -202,6 +202,16 @@ inline V512 permutexvar_epi8(V512 idx, V512 a) {
   for (int j = 0; j < 64; ++j) r.ub[j] = a.ub[idx.ub[j] & 63];
   return r;
 }
+// byte i of each 64-bit lane: the 8 bits of b's lane from bit ctrl.ub[i] & 63 on, wrapping (vpmultishiftqb)
+inline V512 multishift_epi64_epi8(V512 ctrl, V512 b) {
+  V512 r;
+  for (int j = 0; j < 64; ++j) {
+    const uint64_t lane = static_cast<uint64_t>(b.q[j / 8]);
+    const int at = ctrl.ub[j] & 63;
+    r.ub[j] = static_cast<uint8_t>((lane >> at | (at ? lane << (64 - at) : 0)) & 0xFF);
+  }
+  return r;
+}
 inline V512 permutexvar_epi16(V512 idx, V512 a) {
   V512 r;
   for (int j = 0; j < 32; ++j) r.h[j] = a.h[idx.h[j] & 31];
@@ -326,6 +336,7 @@ EMBER_FIXED_ORDER_END
 #define _mm512_dpbusd_epi32 ember_emu::dpbusd_epi32
 #define _mm512_permutexvar_epi8 ember_emu::permutexvar_epi8
 #define _mm512_permutexvar_epi16 ember_emu::permutexvar_epi16
+#define _mm512_multishift_epi64_epi8 ember_emu::multishift_epi64_epi8
 #define _mm512_unpacklo_epi16(a, b) ember_emu::unpack(a, b, 2, false)
 #define _mm512_unpackhi_epi16(a, b) ember_emu::unpack(a, b, 2, true)
 #define _mm512_unpacklo_epi32(a, b) ember_emu::unpack(a, b, 4, false)

@@ -11,6 +11,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
                         bool amx, const c10::optional<torch::Tensor>& high);
 bool has_amx();
+torch::Tensor int6_gemm(torch::Tensor x, torch::Tensor w, bool invariant);
+bool has_int6();
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant);
 torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scales);
@@ -32,6 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (the 64-row CPU int4 pack) -> bf16 [M, N]", py::arg("x"),
         py::arg("w"), py::arg("scale_zeros"), py::arg("group"), py::arg("invariant") = true, py::arg("amx") = false,
         py::arg("high") = py::none());
+  m.def("int6_gemm", &int6_gemm, "bf16 x [M, K] . int6 W^T (GGUF Q6_K's values, ember's 64-row int6 pack) -> bf16 "
+        "[M, N]", py::arg("x"), py::arg("w"), py::arg("invariant") = true);
+  m.def("has_int6", &has_int6, "whether int6_gemm was built (AVX512-BF16 with AVX512-VBMI)");
   m.def("has_amx", &has_amx,
         "whether the int4 kernel and int8_exact_gemm may use AMX tiles here (built with them, granted by the OS)");
   m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]", py::arg("x"), py::arg("w"),

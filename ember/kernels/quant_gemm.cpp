@@ -21,85 +21,15 @@
 #include "amx.h"
 #include "avx512_util.h"
 #include "checks.h"
+#include "quant_blocks.h"
 
 #ifdef EMBER_AVX512_BF16
 EMBER_FIXED_ORDER_BEGIN
 namespace {
 
-constexpr int64_t NB = 64;  // output columns a panel: four vectors of 16
+using namespace ember_quant;
+
 constexpr int64_t INT8_ROWS_MAX = 4;  // int8 with at most this many rows: row-wise dot products, no panel
-
-// panel[kp * 64 + c] = bf16 pair (W[n0 + c, 2kp], W[n0 + c, 2kp + 1]) as one 32-bit word
-using Panel = std::vector<uint32_t>;
-
-constexpr int MR = 6;  // rows a micro-kernel pass: 6 x 4 sums + the 4 panel vectors stay in registers
-
-// y[0 : R, 0 : 64] = (x . panel) * cs (cs: a float per column, nullptr for none). The panel's four vectors of a
-// pair step are loaded once for the R rows, each row's pair goes in as a broadcast.
-template <int R>
-inline void micro(const int32_t* xw, int64_t kw, const uint32_t* panel, const float* cs, c10::BFloat16* y,
-                  int64_t ldy) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < kw; ++kp) {
-    __m512bh b[4];
-    for (int j = 0; j < 4; ++j) b[j] = (__m512bh)_mm512_loadu_si512(panel + kp * NB + 16 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
-    }
-  }
-  if (cs != nullptr)
-    for (int j = 0; j < 4; ++j) {
-      const __m512 sv = _mm512_loadu_ps(cs + 16 * j);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_mul_ps(acc[r][j], sv);
-    }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
-}
-
-// The panel driver: fill(nb, panel) lays 64 output columns out as bf16 pairs, scales(nb) gives their column scales
-// (or nullptr), then every row block of x runs against the panel while it is in cache. Work items are (block, row
-// span): a layer with few blocks (576 outputs are 9) splits its rows so that every thread gets a share.
-template <typename Fill, typename Scales>
-torch::Tensor panel_gemm(const torch::Tensor& x, int64_t N, Fill fill, Scales scales) {
-  const int64_t M = x.size(0), K = x.size(1), kw = K / 2, blocks = N / NB;
-  auto y = torch::empty({M, N}, x.options());
-  const int32_t* xw = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t nt = at::get_num_threads();
-  const int64_t spans =
-      blocks % nt == 0 || blocks >= 8 * nt
-          ? 1 : ember_fixed::max<int64_t>(1, ember_fixed::min<int64_t>(nt, M / (8 * MR)));
-  const int64_t span = (M + spans - 1) / spans;
-  at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
-    Panel panel(kw * NB);
-    int64_t filled = -1;  // the block the panel holds (a thread may get several spans of one block)
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t nb = item / spans, m0 = item % spans * span, m1 = ember_fixed::min(M, m0 + span);
-      if (nb != filled) {
-        fill(nb, panel.data());
-        filled = nb;
-      }
-      const float* cs = scales(nb);
-      for (int64_t m = m0; m < m1; m += MR) {
-        const int32_t* xr = xw + m * kw;
-        c10::BFloat16* yr = yp + m * N + nb * NB;
-        switch (ember_fixed::min<int64_t>(MR, m1 - m)) {
-          case 1: micro<1>(xr, kw, panel.data(), cs, yr, N); break;
-          case 2: micro<2>(xr, kw, panel.data(), cs, yr, N); break;
-          case 3: micro<3>(xr, kw, panel.data(), cs, yr, N); break;
-          case 4: micro<4>(xr, kw, panel.data(), cs, yr, N); break;
-          case 5: micro<5>(xr, kw, panel.data(), cs, yr, N); break;
-          default: micro<MR>(xr, kw, panel.data(), cs, yr, N); break;
-        }
-      }
-    }
-  });
-  return y;
-}
 
 // int8 [N, K] row-major, 16 rows at a time: 64 bytes of each row are loaded (each row read front to back, the
 // cache lines two loads ahead asked for), a 16 x 16 transpose of 32-bit words puts bytes k..k+3 of the 16 rows in
@@ -248,12 +178,6 @@ inline void int5_high(const Int4Consts& c, const uint32_t* hi, __m512i b[4]) {
   for (int j = 0; j < 4; ++j) b[j] = _mm512_mask_add_epi16(b[j], static_cast<__mmask32>(hi[j]), b[j], c.sixteen);
 }
 
-// bytes ahead of the pack's read that each step prefetches (past a block's end: the next block, which the thread
-// usually reads next). The hardware prefetchers alone left one row short of memory speed: 2 threads, Xeon (AMX),
-// 2026-11-27, one row through 28 cold 17920 x 1536 weights (Qwen2.5-Coder-1.5B's gate/up), interleaved runs:
-// 1.30-1.32 ms a weight without, 1.05-1.10 at 1-2 KB ahead, 1.19 at 3 KB.
-constexpr int64_t INT4_PREFETCH = 2048;
-
 // y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes; szb: the block's (scale, zero) pairs, [groups, 64, 2]). U
 // interleaved chains of group sums (one row through the 120 int4 weights of the default model's shapes, 66 MB, 2
 // threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms when first measured; within noise of each other on an AMD
@@ -301,13 +225,6 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
       _mm256_storeu_si256((__m256i*)(y + r * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-// From INT4_PANEL_MIN_ROWS rows on (prefill chunks) the block is laid out once as a panel of bf16 weights,
-// w = (q - 8) s + zero rounded to bf16 as torch's dense path rounds it, and runs through the panel micro-kernel (6
-// rows a pass instead of 3, no group sums to scale): 2 threads, 2026-11-25, the default model's four shapes at
-// 2048 rows 18.4 -> 14.6 ms (oneDNN bf16 on the dequantized weights 15.1), 128 rows 1.19 -> 1.00 ms; at 32 rows
-// both 0.33 ms. The rounding moves the relative error to the float32 product from 1.7e-3 to 2.2e-3.
-constexpr int64_t INT4_PANEL_MIN_ROWS = 128;
-
 void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t K,
                 int64_t group, uint32_t* panel) {
   alignas(64) uint16_t order[32];  // (w[k][c], w[k + 1][c]) of cvtne2ps' two halves into lane c
@@ -334,14 +251,9 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, co
   }
 }
 
-constexpr int64_t ROW_SPAN = 48;  // a multiple of 3 and of INV_PASS
 constexpr int U1 = 2, U2 = 2;  // chains at 1 and 2 rows (3 rows: 12 independent sums already)
 
-// batch invariant: one chain a group (U = 1) at every row count, in passes of up to INV_PASS rows (24 sums in
-// registers), so that a weight block streamed from memory serves up to 6 rows at once. Against 3-row passes of two
-// chains (2 threads, AMD Zen 5, 2026-11-28, the default model's 120 int4 weights, interleaved in one process): 1
-// row 0.97-1.00x the time, 4 rows 0.82-0.84x, 5 0.82x, 6 0.76x, 9 0.86x, 12-48 0.90x.
-constexpr int INV_PASS = 6;
+// batch invariant: one chain a group (U = 1) at every row count, in passes of up to INV_PASS rows
 template <bool HI>
 void int4_span_invariant(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
                          int64_t gw, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t N,
@@ -376,21 +288,6 @@ void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* 
       default: int4_block_rows<3, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
     }
   }
-}
-
-// each row's sum over each group of x [M, K], summed in a fixed order: the int4 offsets' factor (both int4 paths)
-std::vector<float> group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t group) {
-  const int64_t groups = K / group;
-  std::vector<float> xsum(M * groups);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < group; ++k) sum += ember_fixed::bf16_bits_to_float(x[m * K + g * group + k].x);
-        xsum[m * groups + g] = sum;
-      }
-  });
-  return xsum;
 }
 
 // invariant: int4_span_invariant (the same bits whatever rows are beside it); otherwise int4_span. Every pass

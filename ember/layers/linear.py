@@ -26,7 +26,7 @@ from ember.kernels import cpu_kernels
 from ember.layers.base import Layer
 from ember.layers.lora import LoRABatch, LoRAStack
 from ember.quantization import (QuantConfig, QuantizedMatmul, QuantizedTensor, StackedMatmul, concat_rows,
-                                cpu_holds_int5, requantize)
+                                cpu_holds_int5, cpu_holds_int6, requantize)
 
 
 def mkldnn_prepack_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -106,8 +106,8 @@ class Linear(Layer):
         self.kind, self.group_size = ("", 0) if quant is None else quant.linear_layout(layout_features or in_features)
         if self.kind == "int8":  # one scale a row of what this rank holds (a stored scale stays as it is)
             self.group_size = in_features
-        # mixed: each part int4 / int5 if it comes so in groups of this size, else int8; a fused layer of more than one
-        # kind holds each run of rows in its own (kind "int4+int8", a ``StackedMatmul``)
+        # mixed: each part int4 / int5 if it comes so in groups of this size, int6 as it comes (GGUF Q6_K), else int8;
+        # a fused layer of more than one kind holds each run of rows in its own (kind "int4+int8", a ``StackedMatmul``)
         self.mixed = quant is not None and quant.mixed
         if self.kind == "int4" and in_features % self.group_size:
             raise ValueError(f"int4 groups of {self.group_size} do not divide this rank's {in_features} inputs of "
@@ -130,9 +130,9 @@ class Linear(Layer):
                              f"rows, got shape {(rows, cols)}")
         if self.quant is None:
             load_float(self.weight.data[offset:offset + rows], value, name)
-        elif self.mixed:  # 4- and 5-bit blocks of this group as they are, anything else int8 per row
-            kept = isinstance(value, QuantizedTensor) and value.kind in ("int4", "int5") and \
-                value.group_size == self.group_size
+        elif self.mixed:  # 4- and 5-bit blocks of this group and 6-bit ones as they are, anything else int8 per row
+            kept = isinstance(value, QuantizedTensor) and (value.kind == "int6" or (
+                value.kind in ("int4", "int5") and value.group_size == self.group_size))
             self._parts.append((offset, value if kept else requantize(value, "int8", self.in_features)))
         else:
             self._parts.append((offset, requantize(value, self.kind, self.group_size)))
@@ -143,10 +143,10 @@ class Linear(Layer):
         if self.quant is not None:
             parts = [p for _, p in sorted(self._parts, key=lambda p: p[0])]
             self._parts = []
-            if self.mixed:  # runs of parts of one kind (load_weight made each int4 / int5 of this group or int8)
-                # a 5-bit part where the CPU kernel does not take it: int8 per row, as other blocks
-                parts = [p if p.kind != "int5" or (device.type == "cpu" and cpu_holds_int5(*p.shape, p.group_size))
-                         else requantize(p, "int8", self.in_features) for p in parts]
+            if self.mixed:  # runs of parts of one kind (load_weight made each int4 / int5 / int6 or int8)
+                # a 5- or 6-bit part where the CPU kernel does not take it: int8 per row, as other blocks
+                parts = [p if self._held_as_loaded(p, device) else requantize(p, "int8", self.in_features)
+                         for p in parts]
                 mms = [QuantizedMatmul(kind, concat_rows(list(run)).to(device), batch_invariant=batch_invariant)
                        for kind, run in itertools.groupby(parts, key=lambda p: p.kind)]
                 self.qmm = mms[0] if len(mms) == 1 else StackedMatmul(mms)
@@ -160,6 +160,15 @@ class Linear(Layer):
         self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
         if prepack and self.dense is None and not self.run_by_owner:
             self.prepacked = PrepackedWeight(self.weight)
+
+    @staticmethod
+    def _held_as_loaded(part: QuantizedTensor, device: torch.device) -> bool:
+        """Whether a mixed layer's part runs in the kind it loaded in on this device (int4 and int8 everywhere)."""
+        if part.kind == "int5":
+            return device.type == "cpu" and cpu_holds_int5(*part.shape, part.group_size)
+        if part.kind == "int6":
+            return device.type == "cpu" and cpu_holds_int6(*part.shape)
+        return True
 
     @property
     def lora_parts(self) -> list[tuple[int, int]]:

@@ -44,6 +44,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_QUANT_TYPES = (*FLOAT_TYPES, "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # exactly ember's int4 in groups of 32
 FIVE_BIT_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K"})  # exactly ember's int5 in groups of 32
+SIX_BIT_TYPES = frozenset({"Q6_K"})  # exactly ember's int6 in groups of 16
 K_QUANT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 _CONFIG_KEYS = {
@@ -216,19 +217,19 @@ class GGUFCheckpoint:
 
     def native_quantization(self) -> QuantConfig | None:
         """The ember layout that holds the file's blocks: int4 g32 when every linear weight is Q4_0 / Q4_1 / Q4_K
-        (exactly ember's int4); ``mixed`` when some are 4- or 5-bit and the others are other block types (Q4_K_M: Q4_K
-        with Q6_K for some attn_v / ffn_down; Q5_0 beside Q8_0), each weight as int4 / int5 where its blocks are 4- /
-        5-bit (int5 where the CPU kernel takes it, ``cpu_holds_int5``), else int8 per row; int8 with a scale per row
-        when every one is in some other quantized block type (Q8_0, Q6_K, requantized from their float values); None
-        (float) when any linear weight is stored as float. The embedding table and LM head are int8 when they are
-        stored in block types."""
+        (exactly ember's int4); ``mixed`` when some are 4-, 5- or 6-bit and the others are other block types (Q4_K_M:
+        Q4_K with Q6_K for some attn_v / ffn_down; Q5_0 beside Q8_0), each weight as int4 / int5 / int6 where its
+        blocks are 4- / 5- / 6-bit (int5 and int6 where the CPU kernels take them, ``cpu_holds_int5`` /
+        ``cpu_holds_int6``), else int8 per row; int8 with a scale per row when every one is in some other quantized
+        block type (Q8_0, requantized from their float values); None (float) when any linear weight is stored as
+        float. The embedding table and LM head are int8 when they are stored in block types."""
         linear, table = self._block_types
         if not linear or linear & set(FLOAT_TYPES):
             return None
         embeddings = bool(table) and not table & set(FLOAT_TYPES)
         if linear <= FOUR_BIT_TYPES:
             return QuantConfig("int4", 32, embeddings=embeddings)
-        if linear & (FOUR_BIT_TYPES | FIVE_BIT_TYPES):  # each 4- / 5-bit weight as it is, the others as int8
+        if linear & (FOUR_BIT_TYPES | FIVE_BIT_TYPES | SIX_BIT_TYPES):  # those weights as they are, the others int8
             return QuantConfig("int4", 32, embeddings=embeddings, mixed=True)
         return QuantConfig("int8", 32, embeddings=embeddings)
 
@@ -272,8 +273,8 @@ class GGUFCheckpoint:
 
     def tensors(self, config: Any, keep_quantized: bool = False, select: Select = read_all
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """keep_quantized: Q8_0 / Q4_0 / Q4_1 / Q4_K weights come as QuantizedTensor (never expanded to float; a
-        Q4_K column slice that cuts its 256-value blocks is read dequantized instead). select: the part of each
+        """keep_quantized: weights in GGUF_DIRECT_TYPES come as QuantizedTensor (never expanded to float; a K-quant
+        column slice that cuts its 256-value blocks is read dequantized instead). select: the part of each
         tensor to read (rows, or columns on quantization-block boundaries)."""
         permute = self.gguf_arch in ("llama", "mistral")
         for t in self._entries():

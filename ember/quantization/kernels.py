@@ -92,6 +92,8 @@ def select_path(method: str, device: torch.device, n: int, k: int, group_size: i
     if device.type == "cpu":
         if method == "int5" and cpu_holds_int5(n, k, group_size):
             return "cpu-int5"
+        if method == "int6" and cpu_holds_int6(n, k):
+            return "cpu-int6"
         if method == "int4" and _has_kernel("_weight_int4pack_mm_for_cpu", "CPU") and _cpu_int4_ok(n, k, group_size):
             return "cpu-int4"
         if method == "int8" and _has_kernel("_weight_int8pack_mm", "CPU") and (
@@ -132,6 +134,15 @@ def cpu_holds_int5(n: int, k: int, group_size: int) -> bool:
     kernels = _ember_gemm()
     return kernels is not None and not (envs.cpu_amx_enabled() and kernels.has_amx()) and \
         _cpu_int4_ok(n, k, group_size)  # with ember's kernel: 64-row blocks, groups a multiple of 4 dividing K
+
+
+def cpu_holds_int6(n: int, k: int) -> bool:
+    """Whether a 6-bit weight (GGUF Q6_K) of this shape runs as it is on this CPU: ember's int6 kernel built
+    (AVX512-BF16 and VBMI, or emulated), 64-row blocks and super-blocks of 256 inputs, and not where AMX runs the
+    quantized weights (as ``cpu_holds_int5``). Where this is False the loader holds such weights as int8 per row."""
+    kernels = _ember_gemm()
+    return kernels is not None and kernels.has_int6() and not (envs.cpu_amx_enabled() and kernels.has_amx()) and \
+        n % _INT4_BLOCK_N == 0 and k % 256 == 0
 
 
 @functools.cache
@@ -472,6 +483,71 @@ class CpuInt5Path(CpuInt4Path):
         return [self.w, self.s, self.high]
 
 
+_INT6_PAIR_BYTES, _INT6_SUPER_BYTES = 96, 64 * 4 + 16 * 64 + 128 * 96  # as ember/kernels/quant_gemm.cpp
+
+
+def pack_cpu_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
+    """Values uint8 [N, K] (0..63), their int8 scales [N, K / 16] and float32 d [N, K / 256] -> ember's int6 pack,
+    uint8 [N / block, K / 256, super-block bytes]: per block of rows and super-block of 256 inputs the block's d,
+    its sc [16, block], then per pair of inputs (k, k + 1) 96 bytes: the values of columns 2t, 2t + 1 of each 16
+    (j: columns 16j..) at both inputs, four 6-bit values in the 24 bits at byte 24j + 3t (value i: column
+    16j + 2t + i // 2, input k + i % 2)."""
+    n, k = q.shape
+    nb, supers = n // block, k // 256
+    v = q.to(torch.int32).view(nb, 4, 8, 2, k // 2, 2).permute(0, 4, 1, 2, 3, 5).reshape(nb, k // 2, 32, 4)
+    word = v[..., 0] | v[..., 1] << 6 | v[..., 2] << 12 | v[..., 3] << 18
+    body = torch.stack([word & 0xFF, word >> 8 & 0xFF, word >> 16], dim=-1).to(torch.uint8)
+    body = body.view(nb, supers, 128 * _INT6_PAIR_BYTES)
+    ds = d.to(torch.float32).view(nb, block, supers).transpose(1, 2).contiguous().view(torch.uint8)
+    scs = sc.to(torch.int8).view(nb, block, supers, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    return torch.cat([ds.view(nb, supers, -1), scs.view(nb, supers, -1), body], dim=-1).contiguous()
+
+
+def unpack_cpu_int6(packed: torch.Tensor, n: int, k: int, block: int = _INT4_BLOCK_N
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Invert ``pack_cpu_int6`` -> (values uint8 [N, K], sc int8 [N, K / 16], d float32 [N, K / 256])."""
+    nb, supers = n // block, k // 256
+    p = packed.view(nb, supers, _INT6_SUPER_BYTES)
+    d = p[..., :256].contiguous().view(torch.float32).view(nb, supers, block).transpose(1, 2).reshape(n, supers)
+    sc = p[..., 256:1280].contiguous().view(torch.int8).view(nb, supers, 16, block).permute(0, 3, 1, 2)
+    b = p[..., 1280:].reshape(nb, k // 2, 32, 3).to(torch.int32)
+    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
+    v = torch.stack([word >> (6 * i) & 63 for i in range(4)], dim=-1)  # [nb, kp, 32, 4]
+    q = v.view(nb, k // 2, 4, 8, 2, 2).permute(0, 2, 3, 4, 1, 5).reshape(n, k).to(torch.uint8)
+    return q, sc.reshape(n, k // 16), d
+
+
+class CpuInt6Path(_CpuWeightOnly):
+    """6-bit weights (GGUF Q6_K, as int6) through ember's int6 kernel: one stream a 64-row block, 6.625 bits a weight
+    where int8 reads 8, each scale kept as the file's int8 sc times its d (so w is exactly the file's value). Only
+    where ``cpu_holds_int6``: no torch op takes it."""
+
+    __slots__ = ()
+    name = "cpu-int6"
+    ember_min_rows = 1
+
+    def prepare(self, qt: QuantizedTensor) -> None:
+        if qt.super_scales is None:
+            raise ValueError("cpu-int6 needs the weight's super_scales (GGUF Q6_K's d): from_gguf gives them")
+        d = qt.super_scales.float()
+        per = d.repeat_interleave(16, dim=1)
+        sc = torch.where(per == 0, 0.0, qt.scales / torch.where(per == 0, 1.0, per)).round()
+        if not torch.equal(sc * per, qt.scales) or sc.abs().max() > 128:
+            raise ValueError("cpu-int6: the weight's scales are not int8 multiples of its super_scales")
+        self.w = pack_cpu_int6(qt.data, sc.to(torch.int8), d)
+
+    def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
+        return kernels.int6_gemm(xb, self.w, self.invariant)
+
+    def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("6-bit weights run on ember's CPU kernel only (cpu_holds_int6)")
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        q, sc, d = unpack_cpu_int6(self.w, self.n, self.k)
+        scale = sc.float() * d.repeat_interleave(16, dim=1)
+        return ((q.float() - 32).view(self.n, -1, 16) * scale[..., None]).view(self.n, self.k).to(dtype)
+
+
 class CudaInt4Path(_WeightOnlyPath):
     """tinygemm (``_weight_int4pack_mm``), every batch size."""
 
@@ -550,12 +626,13 @@ class CudaW8A8Path(_W8A8Path):
 
 
 MATMUL_PATHS: dict[str, type[MatmulPath]] = {p.name: p for p in (
-    CpuInt8Path, CpuInt4Path, CpuInt5Path, CpuW8A8Path, CudaInt4Path, CudaInt8Path, CudaW8A8Path, PortablePath)}
+    CpuInt8Path, CpuInt4Path, CpuInt5Path, CpuInt6Path, CpuW8A8Path, CudaInt4Path, CudaInt8Path, CudaW8A8Path,
+    PortablePath)}
 
 
 class QuantizedMatmul:
-    """A weight prepared for ``method`` ('int8' | 'int4' | 'int5' | 'w8a8') on its tensors' device: ``impl`` is the path
-    (a ``MatmulPath``) chosen once here, ``path`` its name; ``batch_invariant`` as ``EngineConfig``'s."""
+    """A weight prepared for ``method`` ('int8' | 'int4' | 'int5' | 'int6' | 'w8a8') on its tensors' device: ``impl``
+    is the path (a ``MatmulPath``) chosen once here, ``path`` its name; ``batch_invariant`` as ``EngineConfig``'s."""
 
     __slots__ = ("method", "n", "k", "group_size", "impl", "batch_invariant")
 
@@ -565,9 +642,10 @@ class QuantizedMatmul:
         self.batch_invariant = batch_invariant
         self.n, self.k = qt.shape
         self.group_size = qt.group_size
-        if method == "int5" and qt.kind != "int5":
-            raise ValueError(f"int5 matmul needs an int5 weight (GGUF's 5-bit blocks), got {qt.kind}")
-        if method not in ("int4", "int5") and (qt.kind != "int8" or qt.group_size != self.k):
+        if method in ("int5", "int6") and qt.kind != method:
+            raise ValueError(f"{method} matmul needs an {method} weight (GGUF's {method[-1]}-bit blocks), got "
+                             f"{qt.kind}")
+        if method not in ("int4", "int5", "int6") and (qt.kind != "int8" or qt.group_size != self.k):
             raise ValueError(f"{method} matmul needs an int8 weight with one scale per output channel, got "
                              f"{qt.kind} in groups of {qt.group_size} (requantize it first)")
         device = qt.data.device

@@ -10,6 +10,9 @@ channel), so rows can be sliced and stacked freely (fused QKV and gate/up projec
   exactly.
 - int5: ``data`` uint8 ``[N, K]``, values 0..31, one a byte (only as loaded: the CPU kernel's layout holds 6 bits a
   weight); ``w = q * scale + offset`` as int4, which GGUF Q5_0 (``d * (q - 16)``), Q5_1 and Q5_K are.
+- int6: ``data`` uint8 ``[N, K]``, values 0..63, in groups of 16 with ``offset = -32 * scale``: GGUF Q6_K's
+  ``d * sc * (q - 32)``, its scales the exact float32 products of an f16 ``d`` a 256 values (``super_scales``
+  ``[N, K / 256]``) and an int8 ``sc`` a 16, which the CPU kernel's layout holds as they were (6.6 bits a weight).
 ``scales`` and ``offsets`` are float32 ``[N, K / group_size]``.
 """
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-KINDS = ("int8", "int4", "int5")
+KINDS = ("int8", "int4", "int5", "int6")
 
 
 @dataclass(slots=True)
@@ -30,6 +33,13 @@ class QuantizedTensor:
     scales: torch.Tensor
     offsets: torch.Tensor | None
     group_size: int
+    super_scales: torch.Tensor | None = None  # int6: the d each 16 scales are integer multiples of
+
+    def _map(self, fn) -> "QuantizedTensor":
+        """The same layout with fn applied to each tensor it holds."""
+        keep = lambda t: None if t is None else fn(t)  # noqa: E731
+        return QuantizedTensor(self.kind, fn(self.data), fn(self.scales), keep(self.offsets), self.group_size,
+                               keep(self.super_scales))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -37,7 +47,7 @@ class QuantizedTensor:
         return n, k * 2 if self.kind == "int4" else k
 
     def unpacked(self) -> torch.Tensor:
-        """The int4 values as uint8 [N, K] (int8 and int5 data as they are)."""
+        """The int4 values as uint8 [N, K] (int8, int5 and int6 data as they are)."""
         if self.kind != "int4":
             return self.data
         return torch.stack([self.data & 0xF, self.data >> 4], dim=-1).view(self.data.shape[0], -1)
@@ -53,15 +63,14 @@ class QuantizedTensor:
 
     def rows(self, index: torch.Tensor) -> "QuantizedTensor":
         """The same rows picked by index (undoing a row permutation)."""
-        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
-        return QuantizedTensor(self.kind, pick(self.data), pick(self.scales), pick(self.offsets), self.group_size)
+        return self._map(lambda t: t.index_select(0, index))
 
     def to(self, device: torch.device | str) -> "QuantizedTensor":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return QuantizedTensor(self.kind, move(self.data), move(self.scales), move(self.offsets), self.group_size)
+        return self._map(lambda t: t.to(device))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.offsets) if t is not None)
+        held = (self.data, self.scales, self.offsets, self.super_scales)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
 def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
@@ -71,7 +80,7 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
     first = parts[0]
     return QuantizedTensor(first.kind, cat([p.data for p in parts]), cat([p.scales for p in parts]),
-                           cat([p.offsets for p in parts]), first.group_size)
+                           cat([p.offsets for p in parts]), first.group_size, cat([p.super_scales for p in parts]))
 
 
 def quantize_int8_symmetric(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,21 +139,22 @@ def requantize(qt: QuantizedTensor | torch.Tensor, kind: str, group_size: int) -
 def _row_range(qt: QuantizedTensor | torch.Tensor, start: int, stop: int) -> QuantizedTensor | torch.Tensor:
     if not isinstance(qt, QuantizedTensor):
         return qt[start:stop]
-    cut = lambda t: None if t is None else t[start:stop]  # noqa: E731
-    return QuantizedTensor(qt.kind, cut(qt.data), cut(qt.scales), cut(qt.offsets), qt.group_size)
+    return qt._map(lambda t: t[start:stop])
 
 
-# ----- GGUF blocks (ggml's layouts: 32 values a block; Q4_K 256, 8 groups of 32) -----
+# ----- GGUF blocks (ggml's layouts: 32 values a block; Q4_K 256, 8 groups of 32; Q6_K 256, 16 groups of 16) -----
 
-GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K")
+GGUF_DIRECT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
 def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedTensor:
     """Rows of raw bytes ``[N, K / block * block_bytes]`` of a type in GGUF_DIRECT_TYPES -> the matching ember
-    layout (Q8_0: int8 in groups of 32; the 4-bit blocks: int4; the 5-bit ones: int5)."""
+    layout (Q8_0: int8 in groups of 32; the 4-bit blocks: int4; the 5-bit ones: int5; Q6_K: int6)."""
     n, k = shape
     if type_name in ("Q4_K", "Q5_K"):
         return _from_k_quant(raw, n, k, type_name)
+    if type_name == "Q6_K":
+        return _from_q6_k(raw, n, k)
     blocks = np.ascontiguousarray(raw).reshape(n, k // 32, -1)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if type_name == "Q8_0":
@@ -192,3 +202,19 @@ def _from_k_quant(raw: np.ndarray, n: int, k: int, type_name: str) -> QuantizedT
     shift = (2 * torch.arange(4, dtype=torch.uint8)[:, None] + torch.arange(2, dtype=torch.uint8)).view(1, 1, 4, 2, 1)
     return QuantizedTensor("int5", (q | (((qh >> shift) & 1) << 4)).reshape(n, k), scales, offsets, 32)
 
+
+
+def _from_q6_k(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
+    """Q6_K super-blocks of 256 values (ggml's ``block_q6_K``: 128 bytes of low four bits, 64 of high two bits, 16
+    int8 scales, an f16 d) -> int6 in groups of 16, ``scale = d * sc`` (exact in float32), ``offset = -32 * scale``.
+    Each half of 128 values: value 32 i + l has its low bits in ql[l + 32 (i % 2)] (the high nibble for i >= 2), its
+    high bits in bits 2 i, 2 i + 1 of qh[l]."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 256, 210)
+    ql = torch.from_numpy(blocks[..., 0:128].copy()).view(n, k // 256, 2, 2, 32)
+    low = torch.cat([ql & 0xF, ql >> 4], dim=3)  # [n, super-block, half, i, l]
+    qh = torch.from_numpy(blocks[..., 128:192].copy()).view(n, k // 256, 2, 1, 32)
+    high = (qh >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)) & 3
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    scales = torch.from_numpy((d[..., None] * sc).reshape(n, k // 16))
+    return QuantizedTensor("int6", (low | high << 4).reshape(n, k), scales, -32 * scales, 16, torch.from_numpy(d))

@@ -27,7 +27,8 @@ from ember.layers import linear as linear_module
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import Linear, MergedLinear, mkldnn_prepack_available
 from ember.quantization import QuantizedMatmul
-from ember.quantization.kernels import _scale_zeros, block_scale_zeros, pack_cpu_int4, pack_cpu_int5_high
+from ember.quantization.kernels import (_scale_zeros, block_scale_zeros, pack_cpu_int4, pack_cpu_int5_high,
+                                        pack_cpu_int6)
 from ember.quantization.tensor import QuantizedTensor, quantize_int4, quantize_int8
 
 HERE = TESTS
@@ -86,6 +87,26 @@ def test_int5_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
         assert torch.equal(avx512.int4_gemm(x[:m], w, sz, 32, True, False, high), alone[:m]), f"{m} rows"
         assert torch.equal(avx512.int4_gemm(x[-m:], w, sz, 32, True, False, high), alone[-m:]), f"last {m} rows"
     ref = F.linear(x.float(), qt.dequantize(torch.float32))
+    assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3
+
+
+@pytest.mark.parametrize("n,k", [(192, 256), (64, 768)])
+def test_int6_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
+    """6-bit weights (GGUF Q6_K): one chain a group of 16 at every row count."""
+    if not avx512.has_int6():
+        pytest.skip("int6_gemm needs AVX512-VBMI, which this build has not got")
+    g = torch.Generator().manual_seed(n * k)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g)
+    sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // 256, generator=g) * 1e-3
+    w = pack_cpu_int6(q, sc, d)
+    x = torch.randn(130, k, generator=g).bfloat16()
+    alone = _rows_alone(lambda r: avx512.int6_gemm(r, w), x)
+    for m in ROW_COUNTS:
+        assert torch.equal(avx512.int6_gemm(x[:m], w), alone[:m]), f"{m} rows"
+        assert torch.equal(avx512.int6_gemm(x[-m:], w), alone[-m:]), f"last {m} rows"
+    scale = sc.float() * d.repeat_interleave(16, dim=1)
+    ref = F.linear(x.float(), ((q.float() - 32).view(n, -1, 16) * scale[..., None]).view(n, k))
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 

@@ -300,7 +300,7 @@ QWEN15_GGUF, needs_qwen15 = _real_gguf("EMBER_QWEN15_GGUF", "/tmp/qwen2.5-coder-
 
 @needs_qwen15
 def test_real_qwen15_chats_with_its_template_and_matches_transformers():
-    """The default layout (its Q4_K blocks as int4, its Q6_K ones as int8, no calibration) answers a chat in its
+    """The default layout (its Q4_K blocks as int4, its Q6_K ones as int6, no calibration) answers a chat in its
     template; float32 greedy tokens equal transformers' on the same file."""
     messages = [{"role": "user", "content": "Write a Python function that returns the sum of two numbers."}]
     with LLM(QWEN15_GGUF, max_model_len=1024, kv_cache_memory="256MiB") as llm:

@@ -78,12 +78,13 @@ def llama_256(tokenizer_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("qtype,native", [("F16", None), ("Q4_0", "int4 g32"), ("Q8_0", "int8"),
                                            ("Q5_0", "int4 g32 + int8"), ("Q5_1", "int4 g32 + int8"),
-                                           ("Q4_K", "int4 g32"), ("Q4_K_M", "int4 g32 + int8"), ("Q6_K", "int8")])
+                                           ("Q4_K", "int4 g32"), ("Q4_K_M", "int4 g32 + int8"),
+                                           ("Q6_K", "int4 g32 + int8")])
 def test_gguf_blocks_run_in_the_layout_that_holds_them(llama_256, tmp_path, qtype, native):
-    """By default a GGUF's linear weights stay quantized: Q4_0 / Q4_1 / Q4_K as ember's int4, Q8_0 and Q6_K as int8
-    per row (requantized from their float values), a file with 4- or 5-bit blocks (Q5_0, Q5_1, Q4_K_M) in the mixed
-    layout, each weight as its blocks fit (5-bit ones as int5 where the CPU kernel takes them: next tests), float
-    types as float; a block-typed embedding table as int8."""
+    """By default a GGUF's linear weights stay quantized: Q4_0 / Q4_1 / Q4_K as ember's int4, Q8_0 as int8 per row
+    (requantized from its float values), a file with 4-, 5- or 6-bit blocks (Q5_0, Q5_1, Q4_K_M, Q6_K) in the mixed
+    layout, each weight as its blocks fit (5- and 6-bit ones as int5 / int6 where the CPU kernels take them: next
+    tests), float types as float; a block-typed embedding table as int8."""
     from ember.model_loader import open_checkpoint
 
     path = str(tmp_path / "m.gguf")
@@ -204,9 +205,11 @@ def test_the_mixed_layout_is_only_the_files_own(llama_256, tmp_path):
 
 def test_a_k_quant_file_without_4_bit_blocks_opens_without_calibrating(llama_256, tokenizer_dir, tmp_path,
                                                                        monkeypatch):
-    """A Q6_K file loads as int8 with bf16 activations and no calibration pass (issue 38: K-quant files open at
-    once unless a calibrated mode is asked for); a Q8_0 file of the same model would calibrate (below)."""
+    """A Q6_K file loads in the mixed layout (its blocks as int6 where the CPU kernel takes them, else int8 per row)
+    with bf16 activations and no calibration pass (issue 38: K-quant files open at once unless a calibrated mode is
+    asked for); a Q8_0 file of the same model would calibrate (below)."""
     from ember.model_loader import calibrated
+    from ember.quantization import cpu_holds_int6
 
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q6_K")
@@ -218,12 +221,39 @@ def test_a_k_quant_file_without_4_bit_blocks_opens_without_calibrating(llama_256
     monkeypatch.setattr(calibrated, "smoothquant_holds", no_calibration)
     llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", dtype="bfloat16")
     try:
-        assert llm.model_info.quantization == "int8"
+        assert llm.model_info.quantization == "int4 g32 + int8"
+        layer = worker_of(llm).loaded.model.model.layers[0]
+        six = "int6" if cpu_holds_int6(256, 512) else "int8"
+        assert {layer.self_attn.qkv_proj.kind, layer.mlp.gate_up_proj.kind, layer.mlp.down_proj.kind} == {six}
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                            use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 4
     finally:
         llm.shutdown()
+
+
+def test_q6_k_blocks_run_as_int6_and_score_closer_than_int8(llama_256, tokenizer_dir, tmp_path):
+    """Q6_K blocks by default run as they are stored (int6: the file's values exactly) where the CPU kernel takes
+    them. Scored against the file dequantized to float32, as the Q5_0 test above: the mean prompt log-probability
+    moves by under 3x what bf16 rounding of the dequantized blocks moves a token's on average, and the tokens'
+    log-probabilities move less on average than with every weight requantized to int8 per row."""
+    from ember.quantization import cpu_holds_int6
+
+    if not cpu_holds_int6(256, 512):
+        pytest.skip("this CPU holds 6-bit weights as int8 (no AVX512-BF16 + VBMI kernels, or AMX)")
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_float32(llama_256), "llama", path, "Q6_K")
+
+    def check(name: str, loaded) -> None:
+        if name == "default":
+            assert loaded.model.model.layers[0].mlp.down_proj.kind == "int6"
+
+    scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=46)[0], {
+        "default": dict(dtype="bfloat16"), "int8": dict(dtype="bfloat16", quantization="int8"),
+        "bf16": dict(dtype="bfloat16", quantization="none"), "float32": dict(dtype="float32")}, check)
+    ref = scores["float32"]
+    assert abs(scores["default"].mean() - ref.mean()) < 3 * (scores["bf16"] - ref).abs().mean()
+    assert (scores["default"] - ref).abs().mean() < (scores["int8"] - ref).abs().mean()
 
 
 def test_gguf_int8_default_takes_int8_activations_only_within_the_budget(llama_256, tokenizer_dir, tmp_path,

@@ -410,8 +410,8 @@ def test_async_llm_and_the_cli_split_a_model(llama_dir):
 
 
 def test_a_gguf_column_slice_that_cuts_a_block_reads_only_the_covering_blocks():
-    """Blocks that are dequantized anyway (Q6_K here, and the 256-value blocks of Q4_K / Q5_K a slice cuts) may be
-    cut by a rank's columns: the covering blocks are read and trimmed after dequantizing. Blocks kept as they are
+    """Blocks that are dequantized where a slice cuts them (the 256-value blocks of Q4_K / Q5_K / Q6_K; Q6_K here) may
+    be cut by a rank's columns: the covering blocks are read and trimmed after dequantizing. Blocks kept as they are
     (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 -> int4 / int5 / int8) must not be cut."""
     import gguf
     import numpy as np

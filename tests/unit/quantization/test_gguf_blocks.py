@@ -1,7 +1,7 @@
-"""GGUF Q4_K blocks load as ember's int4 in groups of 32, and the 5-bit blocks (Q5_0, Q5_1, Q5_K) as int5, with
-nothing lost: the values the layout gives are the gguf package's own decoding of the same bytes, to the bit (blocks
-written by an encoder, and arbitrary bytes under finite scales, so every 6-bit scale / min packing and every fifth
-bit is read)."""
+"""GGUF Q4_K blocks load as ember's int4 in groups of 32, the 5-bit blocks (Q5_0, Q5_1, Q5_K) as int5 and Q6_K as
+int6, with nothing lost: the values the layout gives are the gguf package's own decoding of the same bytes, to the
+bit (blocks written by an encoder, and arbitrary bytes under finite scales, so every 6-bit scale / min packing and
+every fifth and sixth bit is read)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,24 @@ def test_the_q6_k_encoder_writes_blocks_the_gguf_package_reads():
     err = np.abs(dequantize(raw, GGMLQuantizationType.Q6_K) - w).reshape(64, 32, 16)
     amax = np.abs(w).reshape(64, 32, 16).max(-1, keepdims=True)
     assert np.all(err <= amax / 62 * 1.05)  # half a step of 6 bits, each 16 values' own scale (fp16 / int8 rounded)
+    qt = from_gguf(raw, "Q6_K", (64, 512))
+    assert np.array_equal(qt.dequantize(torch.float32).numpy(), dequantize(raw, GGMLQuantizationType.Q6_K))
+
+
+def test_arbitrary_q6_k_bytes_read_as_the_gguf_package_reads_them():
+    """Arbitrary values, high bits and int8 scales under finite f16 d: int6 in groups of 16, each scale d * sc
+    (exact in float32) and the d kept beside them (``super_scales``), values 0..63 (every high bit read)."""
+    n, k = 16, 768
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, size=(n, k // 256 * 210), dtype=np.uint8)
+    blocks = raw.reshape(n, k // 256, 210)
+    blocks[..., 208:210] = (rng.random((n, k // 256, 1)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8)
+    qt = from_gguf(raw, "Q6_K", (n, k))
+    assert qt.kind == "int6" and qt.group_size == 16 and qt.shape == (n, k) and qt.super_scales.shape == (n, 3)
+    assert qt.data.max() == 63 and qt.data.min() == 0
+    sc = qt.scales / qt.super_scales.repeat_interleave(16, dim=1)
+    assert torch.equal(sc, sc.round()) and sc.abs().max() <= 128
+    assert np.array_equal(qt.dequantize(torch.float32).numpy(), dequantize(raw, GGMLQuantizationType.Q6_K))
 
 
 @pytest.mark.parametrize("name,block,size", [("Q5_0", 32, 22), ("Q5_1", 32, 24), ("Q5_K", 256, 176)])
