@@ -1,4 +1,4 @@
-"""Token embedding and LM head; a tied head reuses the embedding's weight (float, or the same int8 table).
+"""Token embedding and LM head; a tied head reuses the embedding's weight (float, or the same quantized table).
 
 Both are vocabulary-parallel under tensor parallelism: TP rank r holds rows [r * chunk, (r + 1) * chunk) of the
 table, chunk = ceil(vocab / T) (the last rank's missing rows are zeros). A lookup zeroes the ids other ranks hold
@@ -16,7 +16,7 @@ from ember.distributed import ParallelContext
 from ember.distributed.comm import all_reduce, gather_last_dim
 from ember.layers.base import Layer
 from ember.layers.linear import PrepackedWeight, dense_kernels, linear, load_float
-from ember.quantization import QuantizedMatmul, QuantizedTensor, concat_rows, requantize
+from ember.quantization import QuantizedMatmul, QuantizedTensor, concat_rows, cpu_holds_int6, requantize
 
 
 def vocab_range(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
@@ -27,7 +27,9 @@ def vocab_range(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
 
 
 class VocabEmbedding(Layer):
-    """quantized: the table is int8 with one scale per row; a lookup dequantizes only the rows it gathers."""
+    """quantized: the table is int8 with one scale per row, or, where it comes in GGUF Q6_K blocks and the CPU kernel
+    takes them, int6 as stored (``table6``: the LM head's matmul, whose pack a lookup reads its rows from); a lookup
+    dequantizes only the rows it gathers."""
 
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, quantized: bool = False,
                  parallel: ParallelContext = ParallelContext()) -> None:
@@ -39,6 +41,7 @@ class VocabEmbedding(Layer):
         self.weight = None if quantized else nn.Parameter(torch.zeros(self.chunk, dim, dtype=dtype),
                                                           requires_grad=False)
         self.qt: QuantizedTensor | None = None
+        self.table6: QuantizedMatmul | None = None  # the int6 table (finalize), in place of qt
 
     def load_weight(self, value: torch.Tensor | QuantizedTensor, name: str = "weight") -> None:
         rows = self.stop - self.start
@@ -48,6 +51,9 @@ class VocabEmbedding(Layer):
         if self.quantized:
             if value.shape[1] != self.dim:
                 raise ValueError(f"{name}: expected {self.dim} columns, got shape {tuple(value.shape)}")
+            if isinstance(value, QuantizedTensor) and value.kind == "int6" and rows == self.chunk:
+                self.qt = value  # int6 or int8 when the device is known (finalize)
+                return
             qt = requantize(value, "int8", self.dim)
             if rows < self.chunk:  # zero rows pad the last rank's slice to the chunk
                 pad = self.chunk - rows
@@ -58,10 +64,17 @@ class VocabEmbedding(Layer):
             load_float(self.weight.data[:rows], value, name)
 
     def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
+        if self.qt is not None and self.qt.kind == "int6":
+            if device.type == "cpu" and cpu_holds_int6(*self.qt.shape):
+                self.table6, self.qt = QuantizedMatmul("int6", self.qt, batch_invariant=batch_invariant), None
+                return
+            self.qt = requantize(self.qt, "int8", self.dim)
         if self.qt is not None:
             self.qt = self.qt.to(device)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table6 is not None:
+            return self.table6.rows(ids).to(self.dtype)
         if self.qt is not None:
             return F.embedding(ids, self.qt.data).to(self.dtype) * F.embedding(ids, self.qt.scales).to(self.dtype)
         return F.embedding(ids, self.weight)
@@ -89,10 +102,13 @@ class LMHead(VocabEmbedding):
     def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
         """Runs after the embedding's own finalize (it is registered first)."""
         super().finalize(device, prepack, batch_invariant)
-        table = self.tied_to.qt if self.tied_to is not None else self.qt
-        if table is not None:
+        owner = self.tied_to if self.tied_to is not None else self
+        if owner.table6 is not None:  # the int6 table's matmul itself (the embedding's when tied)
+            self.qmm = owner.table6
+            return
+        if owner.qt is not None:
             # shares the int8 table with the embedding when tied
-            self.qmm = QuantizedMatmul("int8", table, batch_invariant=batch_invariant)
+            self.qmm = QuantizedMatmul("int8", owner.qt, batch_invariant=batch_invariant)
             return
         self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
         if prepack and self.dense is None:

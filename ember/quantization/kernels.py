@@ -517,6 +517,24 @@ def unpack_cpu_int6(packed: torch.Tensor, n: int, k: int, block: int = _INT4_BLO
     return q, sc.reshape(n, k // 16), d
 
 
+def cpu_int6_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int, block: int = _INT4_BLOCK_N
+                  ) -> torch.Tensor:
+    """Rows ``ids`` of an int6 pack's weight, float32 [len(ids), K], read from the pack where they lie (an embedding
+    lookup of a table the LM head holds in this layout: no second copy of it)."""
+    supers = k // 256
+    flat = packed.view(-1)
+    nb, c = (ids // block).view(-1, 1, 1), (ids % block).view(-1, 1, 1)
+    base = (nb * supers + torch.arange(supers).view(1, -1, 1)) * _INT6_SUPER_BYTES  # [T, S, 1]
+    d = flat[base + 4 * c + torch.arange(4)].contiguous().view(torch.float32)  # [T, S, 1]
+    sc = flat[base + 256 + 64 * torch.arange(16) + c].view(torch.int8).float()  # [T, S, 16]
+    at = base + 1280 + _INT6_PAIR_BYTES * torch.arange(128) + 24 * (c // 16) + 3 * (c % 16 // 2)  # [T, S, 128]
+    b = flat[at[..., None] + torch.arange(3)].to(torch.int32)
+    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
+    first = 12 * (c % 2)  # values 2 (c % 2) and 2 (c % 2) + 1: inputs 2 kp and 2 kp + 1 of this column
+    q = torch.stack([word >> first & 63, word >> (first + 6) & 63], dim=-1).view(len(ids), supers, 16, 16)
+    return ((q.float() - 32) * (sc * d)[..., None]).view(len(ids), k)
+
+
 class CpuInt6Path(_CpuWeightOnly):
     """6-bit weights (GGUF Q6_K, as int6) through ember's int6 kernel: one stream a 64-row block, 6.625 bits a weight
     where int8 reads 8, each scale kept as the file's int8 sc times its d (so w is exactly the file's value). Only
@@ -534,13 +552,20 @@ class CpuInt6Path(_CpuWeightOnly):
         sc = torch.where(per == 0, 0.0, qt.scales / torch.where(per == 0, 1.0, per)).round()
         if not torch.equal(sc * per, qt.scales) or sc.abs().max() > 128:
             raise ValueError("cpu-int6: the weight's scales are not int8 multiples of its super_scales")
-        self.w = pack_cpu_int6(qt.data, sc.to(torch.int8), d)
+        sc = sc.to(torch.int8)
+        step = _INT4_BLOCK_N * 64  # rows a pack call: its int32 temporaries stay small (a 151936-row LM head)
+        self.w = torch.cat([pack_cpu_int6(qt.data[i:i + step], sc[i:i + step], d[i:i + step])
+                            for i in range(0, self.n, step)])
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
         return kernels.int6_gemm(xb, self.w, self.invariant)
 
     def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("6-bit weights run on ember's CPU kernel only (cpu_holds_int6)")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, float32 (``cpu_int6_rows``)."""
+        return cpu_int6_rows(self.w, ids, self.n, self.k)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         q, sc, d = unpack_cpu_int6(self.w, self.n, self.k)
@@ -685,6 +710,10 @@ class QuantizedMatmul:
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.impl.dequantized(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight in float32, read from the path's layout (cpu-int6: an embedding lookup)."""
+        return self.impl.rows(ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.impl.matmul(x)

@@ -259,6 +259,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
             total += sum(t.numel() * t.element_size() for t in m.qmm.tensors())
         elif isinstance(m, VocabEmbedding) and m.qt is not None:
             total += m.qt.nbytes()
+        elif isinstance(m, VocabEmbedding) and m.table6 is not None:
+            total += sum(t.numel() * t.element_size() for t in m.table6.tensors())
     return total
 
 

@@ -234,7 +234,7 @@ def test_a_k_quant_file_without_4_bit_blocks_opens_without_calibrating(llama_256
 
 def test_q6_k_blocks_run_as_int6_and_score_closer_than_int8(llama_256, tokenizer_dir, tmp_path):
     """Q6_K blocks by default run as they are stored (int6: the file's values exactly) where the CPU kernel takes
-    them. Scored against the file dequantized to float32, as the Q5_0 test above: the mean prompt log-probability
+    them, the tied embedding table and LM head included. Scored against the file dequantized to float32, as the Q5_0 test above: the mean prompt log-probability
     moves by under 3x what bf16 rounding of the dequantized blocks moves a token's on average, and the tokens'
     log-probabilities move less on average than with every weight requantized to int8 per row."""
     from ember.quantization import cpu_holds_int6
@@ -245,8 +245,9 @@ def test_q6_k_blocks_run_as_int6_and_score_closer_than_int8(llama_256, tokenizer
     write_gguf(hf_float32(llama_256), "llama", path, "Q6_K")
 
     def check(name: str, loaded) -> None:
-        if name == "default":
+        if name == "default":  # the tied table too: one int6 pack for the lookups and the LM head
             assert loaded.model.model.layers[0].mlp.down_proj.kind == "int6"
+            assert loaded.model.lm_head.qmm is loaded.model.model.embed_tokens.table6 is not None
 
     scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=46)[0], {
         "default": dict(dtype="bfloat16"), "int8": dict(dtype="bfloat16", quantization="int8"),

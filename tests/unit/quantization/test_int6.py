@@ -132,3 +132,29 @@ def test_no_int6_path_where_the_kernels_are_missing(monkeypatch):
     monkeypatch.setattr(qkernels, "_ember_gemm", lambda: None)
     assert not cpu_holds_int6(64, 256)
     assert qkernels.select_path("int6", torch.device("cpu"), 64, 256, 16) == "portable"
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_a_q6_k_table_is_the_embedding_and_the_tied_lm_head_at_its_size(monkeypatch, holds):
+    """A Q6_K embedding table where the CPU takes int6: one int6 pack serves both the tied LM head's matmul and the
+    embedding's lookups (rows read from the pack: the file's values); else int8 per row, as other block types."""
+    if holds and not cpu_holds_int6(128, 256):
+        pytest.skip("this CPU holds 6-bit weights as int8")
+    monkeypatch.setattr("ember.layers.embedding.cpu_holds_int6", lambda *a: holds)
+    from ember.layers.embedding import LMHead, VocabEmbedding
+
+    table = _int6(128, 256, 11)
+    emb = VocabEmbedding(128, 256, torch.float32, quantized=True)
+    head = LMHead(128, 256, torch.float32, tied_to=emb, quantized=True)
+    emb.load_weight(table)
+    for layer in (emb, head):
+        layer.finalize(torch.device("cpu"), prepack=False)
+    ids = torch.tensor([3, 70, 127, 3, 64])
+    rows, logits = emb(ids), head(torch.randn(4, 256).bfloat16().float())
+    assert logits.shape == (4, 128)
+    if holds:
+        assert emb.qt is None and head.qmm is emb.table6 and head.qmm.path == "cpu-int6"
+        assert torch.equal(rows, table.dequantize(torch.float32)[ids])
+    else:
+        assert emb.table6 is None and emb.qt.kind == "int8" and head.qmm.method == "int8"
+        assert torch.allclose(rows, table.dequantize(torch.float32)[ids], atol=table.scales.abs().max().item() * 0.6)
