@@ -234,9 +234,10 @@ def test_a_k_quant_file_without_4_bit_blocks_opens_without_calibrating(llama_256
 
 def test_q6_k_blocks_run_as_int6_and_score_closer_than_int8(llama_256, tokenizer_dir, tmp_path):
     """Q6_K blocks by default run as they are stored (int6: the file's values exactly) where the CPU kernel takes
-    them, the tied embedding table and LM head included. Scored against the file dequantized to float32, as the Q5_0 test above: the mean prompt log-probability
-    moves by under 3x what bf16 rounding of the dequantized blocks moves a token's on average, and the tokens'
-    log-probabilities move less on average than with every weight requantized to int8 per row."""
+    them, the tied embedding table and LM head included. Scored against the file dequantized to float32, as the
+    Q5_0 test above: the mean prompt log-probability moves by under 3x what bf16 rounding of the dequantized blocks
+    moves a token's on average, and the tokens' log-probabilities move less on average than with every weight
+    requantized to int8 per row."""
     from ember.quantization import cpu_holds_int6
 
     if not cpu_holds_int6(256, 512):
