@@ -483,7 +483,7 @@ class CpuInt5Path(CpuInt4Path):
         return [self.w, self.s, self.high]
 
 
-_INT6_PAIR_BYTES, _INT6_SUPER_BYTES = 96, 64 * 4 + 16 * 64 + 128 * 96  # as ember/kernels/quant_gemm.cpp
+_INT6_PAIR_BYTES, _INT6_SUPER_BYTES = 96, 64 * 4 + 16 * 64 + 128 * 96  # as ember/kernels/int6_gemm.cpp
 
 
 def pack_cpu_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
@@ -550,7 +550,7 @@ class CpuInt6Path(_CpuWeightOnly):
         d = qt.super_scales.float()
         per = d.repeat_interleave(16, dim=1)
         sc = torch.where(per == 0, 0.0, qt.scales / torch.where(per == 0, 1.0, per)).round()
-        if not torch.equal(sc * per, qt.scales) or sc.abs().max() > 128:
+        if not torch.equal(sc * per, qt.scales) or sc.min() < -128 or sc.max() > 127:
             raise ValueError("cpu-int6: the weight's scales are not int8 multiples of its super_scales")
         sc = sc.to(torch.int8)
         step = _INT4_BLOCK_N * 64  # rows a pack call: its int32 temporaries stay small (a 151936-row LM head)
