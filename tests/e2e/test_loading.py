@@ -182,6 +182,27 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
     assert (scores["default"] - ref).abs().mean() < (scores["int8"] - ref).abs().mean()
 
 
+def test_q6_k_blocks_split_over_two_ranks_score_as_one_rank(llama_256, tokenizer_dir, tmp_path):
+    """Tensor parallelism over a Q6_K file: a rank's rows (q / k / v, gate / up, its vocabulary) and its columns of
+    down_proj (256 of 512: whole super-blocks) stay int6, o_proj's columns (128: a cut super-block) are read
+    dequantized (int8). T=2's prompt log-probabilities are T=1's within what bf16 moves them."""
+    from ember.quantization import cpu_holds_int6
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_float32(llama_256), "llama", path, "Q6_K")
+
+    def check(name: str, loaded) -> None:
+        if name == "t2" and cpu_holds_int6(64, 256):  # rank 0, in this process
+            layer = loaded.model.model.layers[0]
+            assert (layer.mlp.down_proj.kind, layer.self_attn.o_proj.kind) == ("int6", "int8")
+
+    scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=47)[0], {
+        "t1": dict(dtype="bfloat16"), "t2": dict(dtype="bfloat16", tensor_parallel_size=2),
+        "bf16": dict(dtype="bfloat16", quantization="none"), "float32": dict(dtype="float32")}, check)
+    bf16 = (scores["bf16"] - scores["float32"]).abs().mean()
+    assert (scores["t2"] - scores["t1"]).abs().mean() < 3 * bf16
+
+
 def test_the_mixed_layout_is_only_the_files_own(llama_256, tmp_path):
     """Asking for anything (int4, another int4 group, int8) gives that layout throughout; the mixed one is a loading
     layout and never stored in an .asmodel; it exists for int4 alone."""
