@@ -31,6 +31,7 @@ constexpr int64_t INT6_PAIR_BYTES = 96, INT6_SUPER_BYTES = 64 * 4 + 16 * 64 + 12
 // weights from memory (2 threads, AMD Zen 4, 2026-11-29, 9 interleaved rounds in one process): 0.535 -> 0.413 and
 // 0.976 -> 0.803 ms (8 KB ahead 0.446 / 0.833, 16 KB 0.445 / 0.846). int4's kernel gained nothing from it.
 constexpr int64_t INT6_PREFETCH_L2 = 12288;
+constexpr int64_t INT6_HALF_PASS = 12;  // rows a pass at most: 7 to 12 rows run two passes over half the columns
 
 // A pair step's 96 bytes -> b[j] as int4_unpack makes them (lane c: 128 + q of column 16j + c at inputs k, k + 1 as a
 // bf16 pair): a byte permutation puts each 64-bit lane's 24 bits in its low 3 bytes, a multishift moves value i to
@@ -52,60 +53,80 @@ struct Int6Consts {
   }
 };
 
-inline void int6_unpack(const Int6Consts& c, const uint8_t* p, __m512i b[4]) {
-  const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 32);
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v = _mm512_permutexvar_epi8(c.idx[j], j < 2 ? v0 : v1);
-    b[j] = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c.shifts, v), c.keep, c.magic, 0xEA);
+// vectors J0 .. J0 + NJ - 1 of a pair step (b[0] is vector J0): 0 and 1 read the 64 bytes at p, 2 and 3 those at p + 32
+template <int J0 = 0, int NJ = 4>
+inline void int6_unpack(const Int6Consts& c, const uint8_t* p, __m512i b[NJ]) {
+  const __m512i v0 = _mm512_loadu_si512(p + (J0 < 2 ? 0 : 32)), v1 = _mm512_loadu_si512(p + 32);
+  for (int j = J0; j < J0 + NJ; ++j) {
+    const __m512i v = _mm512_permutexvar_epi8(c.idx[j], j < 2 || J0 >= 2 ? v0 : v1);
+    b[j - J0] = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(c.shifts, v), c.keep, c.magic, 0xEA);
   }
 }
 
-// y[0 : R, 0 : 64] of one block: a chain of 8 pair steps a group of 16, then (sum - 160 * xsum) * d * sc added to
-// the row's total (the unpacked values are 128 + q: w = (128 + q - 160) d sc). xoff[r * groups + g] = -160 * the
-// row's sum over group g. The same chain at every R.
-template <int R>
+// a block's super-block s: its d (64 float32), its sc (16 groups x 64 int8), then its 128 pairs' values
+struct Int6Super {
+  const float* d;
+  const int8_t* sc;
+  const uint8_t* q;
+  Int6Super(const uint8_t* blk, int64_t s)
+      : d(reinterpret_cast<const float*>(blk + s * INT6_SUPER_BYTES)),
+        sc(reinterpret_cast<const int8_t*>(blk + s * INT6_SUPER_BYTES + 256)),
+        q(blk + s * INT6_SUPER_BYTES + 256 + 1024) {}
+  // d * sc of group g, columns 16j..16j+15: exact in float32 (an 11-bit f16 times an 8-bit integer)
+  __m512 scale(int64_t g, int j) const {
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * 64 + 16 * j)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(d + 16 * j));
+  }
+};
+
+// y[0 : R, 16 J0 : 16 (J0 + NJ)] of one block: a chain of 8 pair steps a group of 16 from -160 * xsum, times d * sc
+// added to the output's total (the unpacked values are 128 + q: w = (128 + q - 160) d sc). xoff[r * groups + g] =
+// -160 * the row's sum over group g. Each output's chain is the same at every R, J0 and NJ: more rows a pass over
+// half the columns (NJ = 2) unpack each pair step once for twice the rows.
+template <int R, int J0 = 0, int NJ = 4>
 inline void int6_block_rows(const Int6Consts& c, const int32_t* xw, int64_t kw, const float* xoff, int64_t supers,
                             const uint8_t* blk, int64_t N, c10::BFloat16* y) {
-  __m512 acc[R][4];
+  __m512 acc[R][NJ];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* sb = blk + s * INT6_SUPER_BYTES;
-    const float* d = reinterpret_cast<const float*>(sb);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 256);
-    const uint8_t* q = sb + 256 + 1024;
+    const Int6Super sup(blk, s);
     for (int64_t g = 0; g < 16; ++g) {
-      __m512 part[R][4];
+      const int64_t gg = s * 16 + g;
+      __m512 part[R][NJ];  // each chain starts at the group's offset term: no add after it
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NJ; ++j) part[r][j] = _mm512_set1_ps(xoff[r * supers * 16 + gg]);
       for (int64_t t = 0; t < 8; ++t) {
         const int64_t kl = g * 8 + t, kp = s * 128 + kl;
-        const uint8_t* p = q + kl * INT6_PAIR_BYTES;
+        const uint8_t* p = sup.q + kl * INT6_PAIR_BYTES;
         for (int64_t ahead : {INT4_PREFETCH, INT4_PREFETCH + 64})  // 96 bytes a step: 1.5 lines
           _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
         for (int64_t ahead : {INT6_PREFETCH_L2, INT6_PREFETCH_L2 + 64})
           _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
-        __m512i b[4];
-        int6_unpack(c, p, b);
+        __m512i b[NJ];
+        int6_unpack<J0, NJ>(c, p, b);
         for (int r = 0; r < R; ++r) {
           const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
-          for (int j = 0; j < 4; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], a, (__m512bh)b[j]);
+          for (int j = 0; j < NJ; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], a, (__m512bh)b[j]);
         }
       }
-      const int64_t gg = s * 16 + g;
-      for (int j = 0; j < 4; ++j) {
-        const __m512 scale = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + g * 64 + 16 * j)))),
-            _mm512_loadu_ps(d + 16 * j));
-        for (int r = 0; r < R; ++r)
-          acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(part[r][j], _mm512_set1_ps(xoff[r * supers * 16 + gg])), scale,
-                                      acc[r][j]);
+      for (int j = 0; j < NJ; ++j) {
+        const __m512 scale = sup.scale(g, J0 + j);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(part[r][j], scale, acc[r][j]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_si256((__m256i*)(y + r * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+    for (int j = 0; j < NJ; ++j)
+      _mm256_storeu_si256((__m256i*)(y + r * N + 16 * (J0 + j)), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
+// rows 7..12 of a pass: the block's two column halves in turn
+template <int R>
+inline void int6_half_passes(const Int6Consts& c, const int32_t* xw, int64_t kw, const float* xoff, int64_t supers,
+                             const uint8_t* blk, int64_t N, c10::BFloat16* y) {
+  int6_block_rows<R, 0, 2>(c, xw, kw, xoff, supers, blk, N, y);
+  int6_block_rows<R, 2, 2>(c, xw, kw, xoff, supers, blk, N, y);
 }
 
 // a block's weights as bf16 pairs (the panel path, non-invariant from INT4_PANEL_MIN_ROWS rows): (q - 32) d sc,
@@ -118,21 +139,16 @@ void int6_panel(const Int6Consts& c, const uint8_t* blk, int64_t supers, uint32_
   }
   const __m512i inter = _mm512_load_si512(order), top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* sb = blk + s * INT6_SUPER_BYTES;
-    const float* d = reinterpret_cast<const float*>(sb);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 256);
-    const uint8_t* q = sb + 256 + 1024;
+    const Int6Super sup(blk, s);
     for (int64_t g = 0; g < 16; ++g) {
       __m512 scale[4], off[4];
       for (int j = 0; j < 4; ++j) {
-        scale[j] = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + g * 64 + 16 * j)))),
-            _mm512_loadu_ps(d + 16 * j));
+        scale[j] = sup.scale(g, j);
         off[j] = _mm512_mul_ps(_mm512_set1_ps(-160.f), scale[j]);
       }
       for (int64_t t = 0; t < 8; ++t) {
         const int64_t kl = g * 8 + t, kp = s * 128 + kl;
-        const uint8_t* p = q + kl * INT6_PAIR_BYTES;
+        const uint8_t* p = sup.q + kl * INT6_PAIR_BYTES;
         __m512i b[4];
         int6_unpack(c, p, b);
         for (int j = 0; j < 4; ++j) {
@@ -158,17 +174,24 @@ void int6_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, i
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nb = item / spans, m0 = item % spans * ROW_SPAN, m1 = ember_fixed::min(M, m0 + ROW_SPAN);
       const uint8_t* blk = w + nb * supers * INT6_SUPER_BYTES;
-      for (int64_t m = m0; m < m1; m += INV_PASS) {
+      for (int64_t m = m0, rows; m < m1; m += rows) {
+        rows = ember_fixed::min<int64_t>(INT6_HALF_PASS, m1 - m);
         const int32_t* xr = xw + m * kw;
         const float* orow = xoff.data() + m * groups;
         c10::BFloat16* yr = y + m * N + nb * NB;
-        switch (ember_fixed::min<int64_t>(INV_PASS, m1 - m)) {
+        switch (rows) {
           case 1: int6_block_rows<1>(c, xr, kw, orow, supers, blk, N, yr); break;
           case 2: int6_block_rows<2>(c, xr, kw, orow, supers, blk, N, yr); break;
           case 3: int6_block_rows<3>(c, xr, kw, orow, supers, blk, N, yr); break;
           case 4: int6_block_rows<4>(c, xr, kw, orow, supers, blk, N, yr); break;
           case 5: int6_block_rows<5>(c, xr, kw, orow, supers, blk, N, yr); break;
-          default: int6_block_rows<6>(c, xr, kw, orow, supers, blk, N, yr); break;
+          case 6: int6_block_rows<6>(c, xr, kw, orow, supers, blk, N, yr); break;
+          case 7: int6_half_passes<7>(c, xr, kw, orow, supers, blk, N, yr); break;
+          case 8: int6_half_passes<8>(c, xr, kw, orow, supers, blk, N, yr); break;
+          case 9: int6_half_passes<9>(c, xr, kw, orow, supers, blk, N, yr); break;
+          case 10: int6_half_passes<10>(c, xr, kw, orow, supers, blk, N, yr); break;
+          case 11: int6_half_passes<11>(c, xr, kw, orow, supers, blk, N, yr); break;
+          default: int6_half_passes<12>(c, xr, kw, orow, supers, blk, N, yr); break;
         }
       }
     }

@@ -27,13 +27,14 @@ def vocab_range(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
 
 
 class VocabEmbedding(Layer):
-    """quantized: the table is int8 with one scale per row, or, where it comes in GGUF Q6_K blocks and the CPU kernel
-    takes them, int6 as stored (``table6``: the LM head's matmul, whose pack a lookup reads its rows from); a lookup
-    dequantizes only the rows it gathers."""
+    """quantized: the table is int8 with one scale per row, or, in the layout the file stores (``as_stored``: a GGUF's
+    mixed layout) where it comes in Q6_K blocks and the CPU kernel takes them, int6 (``table6``: the LM head's
+    matmul, whose pack a lookup reads its rows from); a lookup dequantizes only the rows it gathers."""
 
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, quantized: bool = False,
-                 parallel: ParallelContext = ParallelContext()) -> None:
+                 parallel: ParallelContext = ParallelContext(), as_stored: bool = False) -> None:
         super().__init__()
+        self.as_stored = as_stored
         self.dtype, self.dim, self.quantized, self.vocab_size = dtype, dim, quantized, vocab_size
         self.parallel = parallel
         self.chunk = -(-vocab_size // parallel.tp_size)
@@ -51,7 +52,7 @@ class VocabEmbedding(Layer):
         if self.quantized:
             if value.shape[1] != self.dim:
                 raise ValueError(f"{name}: expected {self.dim} columns, got shape {tuple(value.shape)}")
-            if isinstance(value, QuantizedTensor) and value.kind == "int6" and rows == self.chunk:
+            if self.as_stored and isinstance(value, QuantizedTensor) and value.kind == "int6" and rows == self.chunk:
                 self.qt = value  # int6 or int8 when the device is known (finalize)
                 return
             qt = requantize(value, "int8", self.dim)
@@ -89,8 +90,10 @@ class VocabEmbedding(Layer):
 
 class LMHead(VocabEmbedding):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tied_to: VocabEmbedding | None = None,
-                 quantized: bool = False, parallel: ParallelContext = ParallelContext()) -> None:
-        super().__init__(vocab_size if tied_to is None else 0, dim, dtype, quantized and tied_to is None, parallel)
+                 quantized: bool = False, parallel: ParallelContext = ParallelContext(), as_stored: bool = False
+                 ) -> None:
+        super().__init__(vocab_size if tied_to is None else 0, dim, dtype, quantized and tied_to is None, parallel,
+                         as_stored)
         self.vocab_size = vocab_size
         self.__dict__["tied_to"] = tied_to  # a reference, not a submodule: the embedding is registered once
         if tied_to is not None:

@@ -248,8 +248,8 @@ def resolve_quantization(config: ModelConfig, ckpt: Checkpoint, dtype: torch.dty
 
 def default_mode(config: ModelConfig, ckpt: Checkpoint, native: QuantConfig, stored: bool) -> str:
     """The quantization a checkpoint runs with when none is asked for: as stored, except that a GGUF's int8 (blocks
-    other than 4-bit ones, requantized per row; a file with Q4_0/Q4_1/Q4_K weights is int4 or mixed, and a file
-    with any K-quant block (Q5_K_M, Q6_K) stays int8 with bf16 activations: neither calibrates unless asked, since
+    other than 4-, 5- and 6-bit ones, requantized per row; a file with those is int4 or mixed, and a file with any
+    K-quant block that is int8 stays int8 with bf16 activations: neither calibrates unless asked, since
     a K-quant user expects the file to open at once) runs as SmoothQuant w8a8 where that costs the model at most
     ``calibrated.NLL_BUDGET`` (measured on first load, with the smoothing scales; both cached): the same int8
     weights, smoothed, with activations rounded to int8 per token (llama.cpp rounds them to 8 bits per block of

@@ -222,7 +222,8 @@ class GGUFCheckpoint:
         blocks are 4- / 5- / 6-bit (int5 and int6 where the CPU kernels take them, ``cpu_holds_int5`` /
         ``cpu_holds_int6``), else int8 per row; int8 with a scale per row when every one is in some other quantized
         block type (Q8_0, requantized from their float values); None (float) when any linear weight is stored as
-        float. The embedding table and LM head are int8 when they are stored in block types."""
+        float. The embedding table and LM head are int8 when they are stored in block types (int6 for Q6_K ones in
+        the mixed layout)."""
         linear, table = self._block_types
         if not linear or linear & set(FLOAT_TYPES):
             return None

@@ -183,7 +183,8 @@ class LlamaModel(Layer):
         tied = bool(getattr(config, "tie_word_embeddings", False))
         # the last stage holds the table too when the LM head is tied to it
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                           quant is not None and quant.embeddings, parallel) \
+                                           quant is not None and quant.embeddings, parallel,
+                                           as_stored=quant is not None and quant.mixed) \
             if parallel.is_first_stage or (tied and parallel.is_last_stage) else None
         self.layers = nn.ModuleList(
             self.make_layer(architecture, config, i, sw, w, dtype, quant, parallel) if self.start <= i < self.stop
@@ -246,7 +247,8 @@ class LlamaForCausalLM(Layer):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype,
                               tied_to=self.model.embed_tokens if self.tied else None,
                               quantized=quant is not None and quant.embeddings,
-                              parallel=parallel) if parallel.is_last_stage else None
+                              parallel=parallel, as_stored=quant is not None and quant.mixed
+                              ) if parallel.is_last_stage else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoRABatch | None = None

@@ -14,8 +14,8 @@ __all__ = ["INT4_GROUP_SIZES", "QUANT_ALGORITHMS", "QUANT_METHODS", "QUANT_MODES
 class QuantConfig:
     """method: 'int8' (A16W8, per-output-channel scales), 'int4' (A16W4, groups of group_size along the input,
     asymmetric) or 'w8a8' (int8 weights and dynamic per-token int8 activations). Every linear layer of the decoder
-    is quantized; the token embedding and the LM head too when ``embeddings`` (always int8 per row: the logits are
-    where 4 bits cost most). ``algorithm``: the calibrated transformation the float weights went through first
+    is quantized; the token embedding and the LM head too when ``embeddings`` (int8 per row: the logits are where 4
+    bits cost most; in the mixed layout a Q6_K table stays int6). ``algorithm``: the calibrated transformation the float weights went through first
     ('awq' before int4, 'smoothquant' before w8a8), None for plain rounding; it changes the weights, not the layout
     or the kernels. ``mixed`` (int4 only; a GGUF whose linear weights mix 4-bit and other blocks, as Q4_K_M does):
     each weight in the layout its blocks fit, int4 where all its parts come as int4 in groups of group_size (kept

@@ -484,6 +484,7 @@ class CpuInt5Path(CpuInt4Path):
 
 
 _INT6_PAIR_BYTES, _INT6_SUPER_BYTES = 96, 64 * 4 + 16 * 64 + 128 * 96  # as ember/kernels/int6_gemm.cpp
+_INT6_ROWS = 256  # ids a cpu_int6_rows pass
 
 
 def pack_cpu_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
@@ -520,7 +521,11 @@ def unpack_cpu_int6(packed: torch.Tensor, n: int, k: int, block: int = _INT4_BLO
 def cpu_int6_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int, block: int = _INT4_BLOCK_N
                   ) -> torch.Tensor:
     """Rows ``ids`` of an int6 pack's weight, float32 [len(ids), K], read from the pack where they lie (an embedding
-    lookup of a table the LM head holds in this layout: no second copy of it)."""
+    lookup of a table the LM head holds in this layout: no second copy of it), _INT6_ROWS ids at a time so that the
+    index temporaries stay small whatever the prompt."""
+    if len(ids) > _INT6_ROWS:
+        return torch.cat([cpu_int6_rows(packed, ids[i:i + _INT6_ROWS], n, k, block)
+                          for i in range(0, len(ids), _INT6_ROWS)])
     supers = k // 256
     flat = packed.view(-1)
     nb, c = (ids // block).view(-1, 1, 1), (ids % block).view(-1, 1, 1)
@@ -530,7 +535,7 @@ def cpu_int6_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int, block
     at = base + 1280 + _INT6_PAIR_BYTES * torch.arange(128) + 24 * (c // 16) + 3 * (c % 16 // 2)  # [T, S, 128]
     b = flat[at[..., None] + torch.arange(3)].to(torch.int32)
     word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
-    first = 12 * (c % 2)  # values 2 (c % 2) and 2 (c % 2) + 1: inputs 2 kp and 2 kp + 1 of this column
+    first = (12 * (c % 2)).to(torch.int32)  # values 2 (c % 2) and 2 (c % 2) + 1: inputs 2 kp, 2 kp + 1 of column c
     q = torch.stack([word >> first & 63, word >> (first + 6) & 63], dim=-1).view(len(ids), supers, 16, 16)
     return ((q.float() - 32) * (sc * d)[..., None]).view(len(ids), k)
 

@@ -74,6 +74,17 @@ def test_the_kernel_multiplies_the_weights_own_values(avx512, n, k, invariant):
     assert ((avx512.int6_gemm(x[:5], wrong, invariant).float() - ref[:5]).norm() / ref[:5].norm()).item() > 0.1
 
 
+def test_rows_read_from_the_pack_are_the_weights_rows(monkeypatch):
+    """An embedding lookup's rows, read from the pack where they lie (any ids, repeated, in any order, more than one
+    pass of ``_INT6_ROWS``), are the weight's rows: no kernel needed."""
+    monkeypatch.setattr(qkernels, "_INT6_ROWS", 5)
+    qt = _int6(192, 768, 13)
+    sc = (qt.scales / qt.super_scales.repeat_interleave(16, dim=1)).round().to(torch.int8)
+    packed = pack_cpu_int6(qt.data, sc, qt.super_scales)
+    ids = torch.tensor([0, 70, 191, 5, 70, 64, 127, 63, 1, 128, 2])
+    assert torch.equal(qkernels.cpu_int6_rows(packed, ids, 192, 768), qt.dequantize(torch.float32)[ids])
+
+
 def test_the_kernel_checks_its_arguments(avx512):
     qt = _int6(64, 256, 3)
     sc = (qt.scales / qt.super_scales.repeat_interleave(16, dim=1)).round().to(torch.int8)
@@ -136,16 +147,17 @@ def test_no_int6_path_where_the_kernels_are_missing(monkeypatch):
 
 @pytest.mark.parametrize("holds", [True, False])
 def test_a_q6_k_table_is_the_embedding_and_the_tied_lm_head_at_its_size(monkeypatch, holds):
-    """A Q6_K embedding table where the CPU takes int6: one int6 pack serves both the tied LM head's matmul and the
-    embedding's lookups (rows read from the pack: the file's values); else int8 per row, as other block types."""
+    """A Q6_K embedding table in the layout as stored, where the CPU takes int6: one int6 pack serves both the tied LM
+    head's matmul and the embedding's lookups (rows read from the pack: the file's values); else int8 per row, as
+    other block types (and as in every layout asked for: ``as_stored`` False)."""
     if holds and not cpu_holds_int6(128, 256):
         pytest.skip("this CPU holds 6-bit weights as int8")
     monkeypatch.setattr("ember.layers.embedding.cpu_holds_int6", lambda *a: holds)
     from ember.layers.embedding import LMHead, VocabEmbedding
 
     table = _int6(128, 256, 11)
-    emb = VocabEmbedding(128, 256, torch.float32, quantized=True)
-    head = LMHead(128, 256, torch.float32, tied_to=emb, quantized=True)
+    emb = VocabEmbedding(128, 256, torch.float32, quantized=True, as_stored=True)
+    head = LMHead(128, 256, torch.float32, tied_to=emb, quantized=True, as_stored=True)
     emb.load_weight(table)
     for layer in (emb, head):
         layer.finalize(torch.device("cpu"), prepack=False)
