@@ -15,11 +15,11 @@ class QuantConfig:
     """method: 'int8' (A16W8, per-output-channel scales), 'int4' (A16W4, groups of group_size along the input,
     asymmetric) or 'w8a8' (int8 weights and dynamic per-token int8 activations). Every linear layer of the decoder
     is quantized; the token embedding and the LM head too when ``embeddings`` (int8 per row: the logits are where 4
-    bits cost most; in the mixed layout a Q6_K table stays int6). ``algorithm``: the calibrated transformation the float weights went through first
-    ('awq' before int4, 'smoothquant' before w8a8), None for plain rounding; it changes the weights, not the layout
-    or the kernels. ``mixed`` (int4 only; a GGUF whose linear weights mix 4-bit and other blocks, as Q4_K_M does):
-    each weight in the layout its blocks fit, int4 where all its parts come as int4 in groups of group_size (kept
-    exactly), int8 per row otherwise."""
+    bits cost most; in the mixed layout a Q6_K table stays int6). ``algorithm``: the calibrated transformation the
+    float weights went through first ('awq' before int4, 'smoothquant' before w8a8), None for plain rounding; it
+    changes the weights, not the layout or the kernels. ``mixed`` (int4 only; a GGUF whose linear weights mix 4-, 5-
+    or 6-bit and other blocks, as Q4_K_M does): each weight in the layout its blocks fit, int4 / int5 / int6 where
+    its parts come so (kept exactly), int8 per row otherwise."""
 
     method: str
     group_size: int = 128
