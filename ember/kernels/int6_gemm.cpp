@@ -132,12 +132,7 @@ inline void int6_half_passes(const Int6Consts& c, const int32_t* xw, int64_t kw,
 // a block's weights as bf16 pairs (the panel path, non-invariant from INT4_PANEL_MIN_ROWS rows): (q - 32) d sc,
 // exact in float32, rounded once to bf16
 void int6_panel(const Int6Consts& c, const uint8_t* blk, int64_t supers, uint32_t* panel) {
-  alignas(64) uint16_t order[32];  // (w[k][c], w[k + 1][c]) of cvtne2ps' two halves into lane c
-  for (int i = 0; i < 16; ++i) {
-    order[2 * i] = i;
-    order[2 * i + 1] = 16 + i;
-  }
-  const __m512i inter = _mm512_load_si512(order), top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const PanelStore store;
   for (int64_t s = 0; s < supers; ++s) {
     const Int6Super sup(blk, s);
     for (int64_t g = 0; g < 16; ++g) {
@@ -147,16 +142,10 @@ void int6_panel(const Int6Consts& c, const uint8_t* blk, int64_t supers, uint32_
         off[j] = _mm512_mul_ps(_mm512_set1_ps(-160.f), scale[j]);
       }
       for (int64_t t = 0; t < 8; ++t) {
-        const int64_t kl = g * 8 + t, kp = s * 128 + kl;
-        const uint8_t* p = sup.q + kl * INT6_PAIR_BYTES;
+        const int64_t kl = g * 8 + t;
         __m512i b[4];
-        int6_unpack(c, p, b);
-        for (int j = 0; j < 4; ++j) {
-          const __m512 wk = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b[j], 16)), scale[j], off[j]);
-          const __m512 wk1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b[j], top)), scale[j], off[j]);
-          _mm512_storeu_si512(panel + kp * NB + 16 * j,
-                              _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(wk1, wk)));
-        }
+        int6_unpack(c, sup.q + kl * INT6_PAIR_BYTES, b);
+        store(b, scale, off, panel + (s * 128 + kl) * NB);
       }
     }
   }
@@ -168,31 +157,26 @@ void int6_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, i
   std::vector<float> xoff = group_sums(x, M, K, 16);
   for (float& v : xoff) v *= -160.f;
   const int32_t* xw = reinterpret_cast<const int32_t*>(x);
-  const int64_t blocks = N / NB, spans = (M + ROW_SPAN - 1) / ROW_SPAN;
-  at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
-    const Int6Consts c;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t nb = item / spans, m0 = item % spans * ROW_SPAN, m1 = ember_fixed::min(M, m0 + ROW_SPAN);
-      const uint8_t* blk = w + nb * supers * INT6_SUPER_BYTES;
-      for (int64_t m = m0, rows; m < m1; m += rows) {
-        rows = ember_fixed::min<int64_t>(INT6_HALF_PASS, m1 - m);
-        const int32_t* xr = xw + m * kw;
-        const float* orow = xoff.data() + m * groups;
-        c10::BFloat16* yr = y + m * N + nb * NB;
-        switch (rows) {
-          case 1: int6_block_rows<1>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 2: int6_block_rows<2>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 3: int6_block_rows<3>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 4: int6_block_rows<4>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 5: int6_block_rows<5>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 6: int6_block_rows<6>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 7: int6_half_passes<7>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 8: int6_half_passes<8>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 9: int6_half_passes<9>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 10: int6_half_passes<10>(c, xr, kw, orow, supers, blk, N, yr); break;
-          case 11: int6_half_passes<11>(c, xr, kw, orow, supers, blk, N, yr); break;
-          default: int6_half_passes<12>(c, xr, kw, orow, supers, blk, N, yr); break;
-        }
+  block_spans<Int6Consts>(N, M, [&](const Int6Consts& c, int64_t nb, int64_t m0, int64_t m1) {
+    const uint8_t* blk = w + nb * supers * INT6_SUPER_BYTES;
+    for (int64_t m = m0, rows; m < m1; m += rows) {
+      rows = ember_fixed::min<int64_t>(INT6_HALF_PASS, m1 - m);
+      const int32_t* xr = xw + m * kw;
+      const float* orow = xoff.data() + m * groups;
+      c10::BFloat16* yr = y + m * N + nb * NB;
+      switch (rows) {
+        case 1: int6_block_rows<1>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 2: int6_block_rows<2>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 3: int6_block_rows<3>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 4: int6_block_rows<4>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 5: int6_block_rows<5>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 6: int6_block_rows<6>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 7: int6_half_passes<7>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 8: int6_half_passes<8>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 9: int6_half_passes<9>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 10: int6_half_passes<10>(c, xr, kw, orow, supers, blk, N, yr); break;
+        case 11: int6_half_passes<11>(c, xr, kw, orow, supers, blk, N, yr); break;
+        default: int6_half_passes<12>(c, xr, kw, orow, supers, blk, N, yr); break;
       }
     }
   });

@@ -125,6 +125,42 @@ inline std::vector<float> group_sums(const c10::BFloat16* x, int64_t M, int64_t 
   return xsum;
 }
 
+// A pair step's unpacked vectors (bf16 128 + q, as int4_unpack and int6_unpack make them) into the panel: w =
+// (128 + q) * scale + offset per column in float32, rounded once to bf16, (w[k][c], w[k + 1][c]) in word c.
+struct PanelStore {
+  __m512i inter, top;
+  PanelStore() {
+    alignas(64) uint16_t order[32];  // (w[k][c], w[k + 1][c]) of cvtne2ps' two halves into lane c
+    for (int i = 0; i < 16; ++i) {
+      order[2 * i] = i;
+      order[2 * i + 1] = 16 + i;
+    }
+    inter = _mm512_load_si512(order);
+    top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  }
+  void operator()(const __m512i b[4], const __m512 scale[4], const __m512 off[4], uint32_t* dst) const {
+    for (int j = 0; j < 4; ++j) {
+      const __m512 wk = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b[j], 16)), scale[j], off[j]);
+      const __m512 wk1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b[j], top)), scale[j], off[j]);
+      _mm512_storeu_si512(dst + 16 * j, _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(wk1, wk)));
+    }
+  }
+};
+
+// The row passes' work items: a 64-column block and a span of up to ROW_SPAN rows, so that a few blocks still feed
+// every thread at prefill sizes (576 outputs are 9 blocks); fn(consts, block, m0, m1) with one Consts a thread.
+template <typename Consts, typename Fn>
+void block_spans(int64_t N, int64_t M, Fn fn) {
+  const int64_t blocks = N / NB, spans = (M + ROW_SPAN - 1) / ROW_SPAN;
+  at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
+    const Consts c;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m0 = item % spans * ROW_SPAN;
+      fn(c, item / spans, m0, ember_fixed::min(M, m0 + ROW_SPAN));
+    }
+  });
+}
+
 }  // namespace ember_quant
 EMBER_FIXED_ORDER_END
 #endif

@@ -227,12 +227,7 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
 
 void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t K,
                 int64_t group, uint32_t* panel) {
-  alignas(64) uint16_t order[32];  // (w[k][c], w[k + 1][c]) of cvtne2ps' two halves into lane c
-  for (int i = 0; i < 16; ++i) {
-    order[2 * i] = i;
-    order[2 * i + 1] = 16 + i;
-  }
-  const __m512i inter = _mm512_load_si512(order);
+  const PanelStore store;
   const int64_t gw = group / 2;
   for (int64_t g = 0; g < K / group; ++g) {
     __m512 sc[4], off[4];
@@ -241,12 +236,7 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, co
       __m512i b[4];
       int4_unpack(c, blk + kp * 64, b);
       if (hib != nullptr) int5_high(c, hib + kp * 4, b);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 wk = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b[j], 16)), sc[j], off[j]);
-        const __m512 wk1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b[j], c.top)), sc[j], off[j]);
-        _mm512_storeu_si512(panel + kp * NB + 16 * j,
-                            _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(wk1, wk)));
-      }
+      store(b, sc, off, panel + kp * NB);
     }
   }
 }
@@ -300,26 +290,19 @@ void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
   const int64_t groups = K / group, kw = K / 2, gw = group / 2;
   const std::vector<float> xsum = group_sums(x, M, K, group);
   const int32_t* xw = reinterpret_cast<const int32_t*>(x);
-  // work items: a block and a span of up to ROW_SPAN rows, so that a few blocks still feed every thread at
-  // prefill sizes (576 outputs are 9 blocks)
-  const int64_t blocks = N / NB, spans = (M + ROW_SPAN - 1) / ROW_SPAN;
-  at::parallel_for(0, blocks * spans, 1, [&](int64_t begin, int64_t end) {
-    const Int4Consts c;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t nb = item / spans, m0 = item % spans * ROW_SPAN, m1 = ember_fixed::min(M, m0 + ROW_SPAN);
-      const uint8_t* blk = w + nb * K * 32;
-      const uint32_t* hib = hi == nullptr ? nullptr : hi + nb * K * 2;  // K / 2 pairs of 4 masks
-      const c10::BFloat16* szb = sz + nb * groups * NB * 2;
-      c10::BFloat16* yb = y + nb * NB;
-      if (invariant && hib)
-        int4_span_invariant<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
-      else if (invariant)
-        int4_span_invariant<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
-      else if (hib)
-        int4_span<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
-      else
-        int4_span<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
-    }
+  block_spans<Int4Consts>(N, M, [&](const Int4Consts& c, int64_t nb, int64_t m0, int64_t m1) {
+    const uint8_t* blk = w + nb * K * 32;
+    const uint32_t* hib = hi == nullptr ? nullptr : hi + nb * K * 2;  // K / 2 pairs of 4 masks
+    const c10::BFloat16* szb = sz + nb * groups * NB * 2;
+    c10::BFloat16* yb = y + nb * NB;
+    if (invariant && hib)
+      int4_span_invariant<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+    else if (invariant)
+      int4_span_invariant<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+    else if (hib)
+      int4_span<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+    else
+      int4_span<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
   });
 }
 

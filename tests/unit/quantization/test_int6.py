@@ -26,6 +26,11 @@ def _int6(n: int, k: int, seed: int) -> QuantizedTensor:
     return QuantizedTensor("int6", q, scales, -32 * scales, 16, d)
 
 
+def _sc(qt: QuantizedTensor) -> torch.Tensor:
+    """The int8 sc each scale is d times."""
+    return (qt.scales / qt.super_scales.repeat_interleave(16, dim=1)).round().to(torch.int8)
+
+
 @pytest.fixture(scope="module")
 def avx512():
     """The AVX512-BF16 kernels with VBMI: this machine's, or emulated where it has not got them."""
@@ -52,7 +57,7 @@ def test_the_values_lie_where_the_kernel_reads_them():
     want[1, 0, 256 + 6] = torch.tensor([-3], dtype=torch.int8).view(torch.uint8)  # group 0's sc, column 6
     assert torch.equal(packed, want)
     qt = _int6(192, 512, 1)
-    sc = (qt.scales / qt.super_scales.repeat_interleave(16, dim=1)).round().to(torch.int8)
+    sc = _sc(qt)
     got = unpack_cpu_int6(pack_cpu_int6(qt.data, sc, qt.super_scales), 192, 512)
     assert all(torch.equal(a, b) for a, b in zip(got, (qt.data, sc, qt.super_scales)))
 
@@ -63,7 +68,7 @@ def test_the_kernel_multiplies_the_weights_own_values(avx512, n, k, invariant):
     """1 row, a few (the batch-invariant passes) and 130 (the panel path when not invariant), against a float32
     matmul of the weight's values: within bf16 rounding of the activations and the output."""
     qt = _int6(n, k, n + k)
-    sc = (qt.scales / qt.super_scales.repeat_interleave(16, dim=1)).round().to(torch.int8)
+    sc = _sc(qt)
     w = pack_cpu_int6(qt.data, sc, qt.super_scales)
     x = torch.randn(130, k, generator=torch.Generator().manual_seed(7)).bfloat16()
     ref = F.linear(x.float(), qt.dequantize(torch.float32))
@@ -79,7 +84,7 @@ def test_rows_read_from_the_pack_are_the_weights_rows(monkeypatch):
     pass of ``_INT6_ROWS``), are the weight's rows: no kernel needed."""
     monkeypatch.setattr(qkernels, "_INT6_ROWS", 5)
     qt = _int6(192, 768, 13)
-    sc = (qt.scales / qt.super_scales.repeat_interleave(16, dim=1)).round().to(torch.int8)
+    sc = _sc(qt)
     packed = pack_cpu_int6(qt.data, sc, qt.super_scales)
     ids = torch.tensor([0, 70, 191, 5, 70, 64, 127, 63, 1, 128, 2])
     assert torch.equal(qkernels.cpu_int6_rows(packed, ids, 192, 768), qt.dequantize(torch.float32)[ids])
@@ -87,7 +92,7 @@ def test_rows_read_from_the_pack_are_the_weights_rows(monkeypatch):
 
 def test_the_kernel_checks_its_arguments(avx512):
     qt = _int6(64, 256, 3)
-    sc = (qt.scales / qt.super_scales.repeat_interleave(16, dim=1)).round().to(torch.int8)
+    sc = _sc(qt)
     w = pack_cpu_int6(qt.data, sc, qt.super_scales)
     with pytest.raises(RuntimeError, match="int6_gemm: x's K = 128 must be a multiple of 256"):
         avx512.int6_gemm(torch.randn(2, 128).bfloat16(), w, True)
