@@ -60,23 +60,24 @@ void layout16(const uint16_t* kc, const uint16_t* vc, int64_t row, int64_t row_s
 
 // kt[(jr / 16) * (D / 2) * 16 + dp * 16 + j % 16] = K[j] pair dp;  vt[(jr / 2) * D + x] = (V[j][x], V[j + 1][x]),
 // keys [j0, j1) of KV head h, jr = j - key0 (the buffers start at key key0, a multiple of 32). Whole groups of 16
-// keys in one block take the vector transposes (layout16), others go key by key. The rows one block ahead are
-// prefetched as keys are laid out: blocks lie anywhere in the pool, where the hardware prefetcher does not follow.
+// keys in one block take the vector transposes (layout16), others go key by key. With `prefetch` the rows one block
+// ahead are prefetched as keys are laid out: blocks lie anywhere in the pool, where the hardware prefetcher does not
+// follow (decode_sequence prefetches its own).
 // With that and work items of (KV head, 64 keys) in place of one KV head a thread, a 40-token chunk against 424
 // cached tokens in scattered blocks (W2's shape, 9 / 3 heads, 2 threads) 0.170 -> 0.142 ms; 500 tokens against
 // 1,500: 3.54 -> 3.41 ms (scalar layout; the vector transposes of whole groups of 16 are not measured yet).
 template <int64_t D>
 void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t bs, int64_t hkv, int64_t h,
-               int64_t S, int64_t key0, int64_t j0, int64_t j1, uint32_t* kt, uint32_t* vt) {
+               int64_t S, int64_t key0, int64_t j0, int64_t j1, uint32_t* kt, uint32_t* vt, bool prefetch) {
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t jr = j - key0;
     if (jr % 16 == 0 && j + 16 <= ember_fixed::min(S, j1) && bs % 16 == 0) {
-      if (j + bs < S)
+      if (prefetch && j + bs < S)
         for (int64_t i = 0; i < 16; ++i) {
-          const int64_t ahead = ((table[(j + bs) / bs] * bs + (j + i) % bs) * hkv + h) * D;
+          const int64_t at = ((table[(j + bs) / bs] * bs + (j + i) % bs) * hkv + h) * D;
           for (int64_t b = 0; b < D * 2; b += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(kc + ahead) + b);
-            __builtin_prefetch(reinterpret_cast<const char*>(vc + ahead) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(kc + at) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(vc + at) + b);
           }
         }
       layout16<D>(kc, vc, ((table[j / bs] * bs + j % bs) * hkv + h) * D, hkv * D, jr, kt, vt);
@@ -86,11 +87,11 @@ void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int
     uint32_t* kd = kt + (jr / 16) * (D / 2) * 16 + jr % 16;
     uint16_t* vd = reinterpret_cast<uint16_t*>(vt + (jr / 2) * D) + (jr % 2);
     if (j < S) {
-      if (j + bs < S) {
-        const int64_t ahead = ((table[(j + bs) / bs] * bs + j % bs) * hkv + h) * D;
+      if (prefetch && j + bs < S) {
+        const int64_t at = ((table[(j + bs) / bs] * bs + j % bs) * hkv + h) * D;
         for (int64_t i = 0; i < D * 2; i += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kc + ahead) + i);
-          __builtin_prefetch(reinterpret_cast<const char*>(vc + ahead) + i);
+          __builtin_prefetch(reinterpret_cast<const char*>(kc + at) + i);
+          __builtin_prefetch(reinterpret_cast<const char*>(vc + at) + i);
         }
       }
       const int64_t row = ((table[j / bs] * bs + j % bs) * hkv + h) * D;
@@ -105,12 +106,62 @@ void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int
   }
 }
 
-// Up to MR query rows of one KV head (qrow[r], at position pos[r], non-decreasing; rows past `rows` repeat the
-// last) against its laid-out keys, written to orow[r]. A row's arithmetic does not depend on the other rows: key
-// tiles past a row's position or before its window are masked out of it whole.
+// Lines to prefetch a few at a time between pieces of work: a decode sequence's next chunk of K / V rows, into L2,
+// while this chunk is attended. Issued all at once, hundreds of prefetches overran the core's miss buffers; into L1
+// (T0) they gained nothing, the L1's miss buffers being what limits a core's reads (measured: decode_sequence). At
+// most MAX ranges (a chunk over more blocks than that prefetches its first ones: a hint only).
+struct Ahead {
+  static constexpr int MAX = 16, LINES = 16;  // lines a step (attend_tiles steps every 4 pairs of a tile)
+  const char* at[MAX];
+  int64_t left[MAX];  // bytes
+  int n = 0, i = 0;
+  void add(const void* p, int64_t bytes) {
+    if (n < MAX && bytes > 0) {
+      at[n] = static_cast<const char*>(p);
+      left[n++] = bytes;
+    }
+  }
+  EMBER_INLINE void step(int lines = LINES) {
+    for (; lines > 0 && i < n; --lines) {
+      __builtin_prefetch(at[i], 0, 2);  // prefetcht1 on x86
+      at[i] += 64;
+      if ((left[i] -= 64) <= 0) ++i;
+    }
+  }
+  void rest() { step(1 << 30); }
+};
+
+// The running state of up to MR query rows of one KV head: O (unnormalised), softmax max m and sum l, each row's
+// query (qrow[r]) and position (pos[r], non-decreasing; rows past `rows` repeat the last). Kept between calls of
+// attend_tiles, so that a decode step can attend each chunk of keys right after laying it out.
 template <int64_t D, int MR>
-void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, const uint32_t* kt, const uint32_t* vt,
-                 int64_t key0, int64_t S, int64_t window, float scale, c10::BFloat16* const* orow) {
+struct RowState {
+  __m512 o[MR][D / 16];
+  float m[MR], l[MR];
+  const uint32_t* qw[MR];
+  int64_t pos[MR];
+  int rows;
+};
+
+template <int64_t D, int MR>
+void start_rows(RowState<D, MR>& st, const uint16_t* const* qrow, const int64_t* pos, int rows) {
+  st.rows = rows;
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t x = 0; x < D / 16; ++x) st.o[r][x] = _mm512_setzero_ps();
+    st.m[r] = -std::numeric_limits<float>::infinity();
+    st.l[r] = 0.f;
+    st.qw[r] = reinterpret_cast<const uint32_t*>(qrow[ember_fixed::min(r, rows - 1)]);
+    st.pos[r] = pos[ember_fixed::min(r, rows - 1)];
+  }
+}
+
+// The rows against the key tiles of [t_lo, t_hi) (multiples of KB) that any of them may see, in key order, from
+// keys laid out in kt / vt from key0 (a multiple of KB, <= t_lo). Calls over consecutive ranges do what one call
+// over their union does, the same operations in the same order. A row's arithmetic does not depend on the other
+// rows: key tiles past a row's position or before its window are masked out of it whole.
+template <int64_t D, int MR>
+void attend_tiles(RowState<D, MR>& st, const uint32_t* kt, const uint32_t* vt, int64_t key0, int64_t t_lo,
+                  int64_t t_hi, int64_t S, int64_t window, float scale, Ahead* ahead = nullptr) {
   using namespace ember_avx512;
   constexpr int64_t NV = D / 16;
   // O in registers where MR x NV accumulators fit (D 64, 128); else (D 256) in memory, each vector loaded once a key
@@ -119,23 +170,24 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
   constexpr bool in_registers = MR * NV <= 16;
   __m512 o[MR][NV];
   float m[MR], l[MR], corr_of[MR];
-  const uint32_t* qw[MR];
+  const uint32_t* const* qw = st.qw;
+  const int64_t* pos = st.pos;
   for (int r = 0; r < MR; ++r) {
-    for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_setzero_ps();
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
-    qw[r] = reinterpret_cast<const uint32_t*>(qrow[ember_fixed::min(r, rows - 1)]);
+    for (int64_t x = 0; x < NV; ++x) o[r][x] = st.o[r][x];
+    m[r] = st.m[r];
+    l[r] = st.l[r];
   }
-  const int64_t p_first = pos[0], p_last = pos[ember_fixed::min(MR, rows) - 1];
+  const int64_t p_first = pos[0], p_last = pos[MR - 1];
   const int64_t lo = window > 0 ? ember_fixed::max<int64_t>(0, p_first - window + 1) : 0;
-  const int64_t hi = ember_fixed::min(S, p_last + 1);
+  const int64_t hi = ember_fixed::min(ember_fixed::min(S, p_last + 1), t_hi);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t k0 = lo / KB * KB; k0 < hi; k0 += KB) {
+  for (int64_t k0 = ember_fixed::max(lo / KB * KB, t_lo); k0 < hi; k0 += KB) {
     __m512 s[MR][2];
     for (int r = 0; r < MR; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
     const uint32_t* k_a = kt + ((k0 - key0) / 16) * (D / 2) * 16;
     const uint32_t* k_b = k_a + (D / 2) * 16;
     for (int64_t dp = 0; dp < D / 2; ++dp) {
+      if (ahead != nullptr && dp % 4 == 0) ahead->step();
       const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k_a + dp * 16);
       const __m512bh b1 = (__m512bh)_mm512_loadu_si512(k_b + dp * 16);
       for (int r = 0; r < MR; ++r) {
@@ -146,7 +198,7 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
     }
     alignas(64) uint32_t pw[MR][16];
     for (int r = 0; r < MR; ++r) {
-      const int64_t p = pos[ember_fixed::min(r, rows - 1)];
+      const int64_t p = pos[r];
       const __m512i first = _mm512_set1_epi32(static_cast<int>(window > 0 ? p - window + 1 : 0));
       const __m512i last = _mm512_set1_epi32(static_cast<int>(ember_fixed::min(p, S - 1)));
       __mmask16 valid[2];
@@ -179,6 +231,7 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
     const uint32_t* v0 = vt + ((k0 - key0) / 2) * D;
     if constexpr (in_registers) {
       for (int64_t kp = 0; kp < KB / 2; ++kp) {
+        if (ahead != nullptr && kp % 4 == 0) ahead->step();
         __m512bh b[NV];
         for (int64_t x = 0; x < NV; ++x) b[x] = (__m512bh)_mm512_loadu_si512(v0 + kp * D + 16 * x);
         for (int r = 0; r < MR; ++r) {
@@ -199,12 +252,32 @@ void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, cons
       }
     }
   }
-  for (int r = 0; r < rows && r < MR; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    for (int64_t x = 0; x < NV; ++x)
-      _mm256_storeu_si256((__m256i*)(orow[r] + 16 * x),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][x], inv)));
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t x = 0; x < NV; ++x) st.o[r][x] = o[r][x];
+    st.m[r] = m[r];
+    st.l[r] = l[r];
   }
+}
+
+// O / l of the first `rows` rows, as bf16, to orow[r].
+template <int64_t D, int MR>
+void finish_rows(const RowState<D, MR>& st, c10::BFloat16* const* orow) {
+  for (int r = 0; r < st.rows && r < MR; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / st.l[r]);
+    for (int64_t x = 0; x < D / 16; ++x)
+      _mm256_storeu_si256((__m256i*)(orow[r] + 16 * x),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(st.o[r][x], inv)));
+  }
+}
+
+// Up to MR query rows of one KV head against all its laid-out keys (kt / vt from key0), written to orow[r].
+template <int64_t D, int MR>
+void attend_rows(const uint16_t* const* qrow, const int64_t* pos, int rows, const uint32_t* kt, const uint32_t* vt,
+                 int64_t key0, int64_t S, int64_t window, float scale, c10::BFloat16* const* orow) {
+  RowState<D, MR> st;
+  start_rows(st, qrow, pos, rows);
+  attend_tiles(st, kt, vt, key0, key0, (S + KB - 1) / KB * KB, S, window, scale);
+  finish_rows(st, orow);
 }
 
 template <int64_t D>
@@ -250,7 +323,8 @@ void attend_split(const uint16_t* kp, const uint16_t* vp, const int64_t* table, 
   at::parallel_for(0, hkv * spans, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t h = item / spans, j0 = key0 + item % spans * 64, j1 = ember_fixed::min(S32, j0 + 64);
-      layout_kv<D>(kp, vp, table, bs, hkv, h, S, key0, j0, j1, kt.data() + h * n * D / 2, vt.data() + h * n / 2 * D);
+      layout_kv<D>(kp, vp, table, bs, hkv, h, S, key0, j0, j1, kt.data() + h * n * D / 2, vt.data() + h * n / 2 * D,
+                   true);
     }
   });
   const int64_t step = MR, tasks = hkv * ((rows_kv + step - 1) / step);
@@ -290,7 +364,7 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
     at::parallel_for(0, hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint32_t> kt((S32 - key0) * D / 2), vt((S32 - key0) / 2 * D);
       for (int64_t kh = begin; kh < end; ++kh) {
-        layout_kv<D>(kp, vp, table, bs, hkv, kh, S, key0, key0, S32, kt.data(), vt.data());
+        layout_kv<D>(kp, vp, table, bs, hkv, kh, S, key0, key0, S32, kt.data(), vt.data(), true);
         attend_kv_rows<D>(qp, op, hq, g, kh, L, S, 0, rows_kv, kt.data(), vt.data(), key0, window, scale);
       }
     });
@@ -299,8 +373,88 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
   attend_split<D>(kp, vp, table, bs, hkv, qp, op, hq, L, S, window, scale);
 }
 
-// One query a sequence, each (sequence, KV head) a work item: its context laid out from the first key its window
-// needs (rounded down to 32), then its query heads as the rows of attend_rows.
+constexpr int64_t DECODE_CHUNK = 32;  // keys of every KV head a decode sequence lays out, then attends
+
+// Where a decode sequence's keys lie: its block table, the first key its window needs (rounded down to KB), its length.
+struct SeqKeys {
+  const int64_t* table;
+  int64_t key0, len;
+};
+
+inline SeqKeys seq_keys(const int64_t* table, int64_t len, int64_t window) {
+  const int64_t first = window > 0 ? ember_fixed::max<int64_t>(0, len - window) : 0;
+  return {table, first / KB * KB, len};
+}
+
+// The K and V rows (every KV head's: whole lines, in pool order) of keys [j0, min(j1, len)) of a sequence.
+inline void add_rows(Ahead& ah, const uint16_t* kp, const uint16_t* vp, const SeqKeys& sk, int64_t bs,
+                     int64_t row, int64_t j0, int64_t j1) {
+  for (int64_t j = j0, end = ember_fixed::min(j1, sk.len); j < end;) {
+    const int64_t n = ember_fixed::min(end, (j / bs + 1) * bs) - j;
+    const int64_t at = (sk.table[j / bs] * bs + j % bs) * row;
+    ah.add(kp + at, n * row * 2);
+    ah.add(vp + at, n * row * 2);
+    j += n;
+  }
+}
+
+// One decode sequence, all its KV heads, a chunk of keys at a time: the chunk's keys (every KV head's) are laid out
+// and then attended by every query head, the rows' state carried from chunk to chunk (attend_tiles: the same
+// operations as one pass over all the keys), and while a chunk is attended the next one's rows are prefetched a
+// few lines a step (the next sequence's first chunk after the last: `next`, or null). One layout of all the keys
+// and then the attention left the memory idle while it computed, and the reads a layout stalls on are short runs
+// in scattered blocks, which the hardware prefetchers do not run ahead of (64 sequences of 256 tokens, 9 / 3 heads,
+// 30 layers' pools in scattered blocks, 2 threads, AMD Zen 4: 33-39 -> 24.6-24.9 ms, the bf16 decode kernel's
+// 19.2-19.6; laying out a chunk at a time alone, or prefetching into L1, changed nothing; 12 or 24 lines a step
+// instead of 16, or two chunks ahead, no better).
+template <int64_t D>
+void decode_sequence(const uint16_t* kp, const uint16_t* vp, const SeqKeys& sk, const SeqKeys* next, int64_t bs,
+                     int64_t hkv, int64_t g, int64_t window, float scale, const uint16_t* qs, c10::BFloat16* os,
+                     std::vector<uint32_t>& kt, std::vector<uint32_t>& vt,
+                     std::vector<RowState<D, rows_a_pass<D>()>>& st) {
+  constexpr int MR = rows_a_pass<D>();
+  constexpr int64_t CK = DECODE_CHUNK;
+  const int64_t groups = (g + MR - 1) / MR, row = hkv * D, len = sk.len;
+  const int64_t end_key = (len + KB - 1) / KB * KB;
+  kt.resize(hkv * CK * D / 2);
+  vt.resize(hkv * CK / 2 * D);
+  st.resize(hkv * groups);
+  const uint16_t* qrow[MR];
+  int64_t pos[MR];
+  for (int r = 0; r < MR; ++r) pos[r] = len - 1;
+  for (int64_t h = 0; h < hkv; ++h)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int rows = static_cast<int>(ember_fixed::min<int64_t>(MR, g - gi * MR));
+      for (int r = 0; r < rows; ++r) qrow[r] = qs + (h * g + gi * MR + r) * D;
+      start_rows(st[h * groups + gi], qrow, pos, rows);
+    }
+  for (int64_t c0 = sk.key0; c0 < end_key; c0 += CK) {
+    const int64_t c1 = ember_fixed::min(c0 + CK, end_key);
+    Ahead ah;
+    if (c1 < len) add_rows(ah, kp, vp, sk, bs, row, c1, c1 + CK);
+    else if (next != nullptr) add_rows(ah, kp, vp, *next, bs, row, next->key0, next->key0 + CK);
+    for (int64_t h = 0; h < hkv; ++h)
+      layout_kv<D>(kp, vp, sk.table, bs, hkv, h, len, c0, c0, c1, kt.data() + h * CK * D / 2,
+                   vt.data() + h * CK / 2 * D, false);
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        attend_tiles(st[h * groups + gi], kt.data() + h * CK * D / 2, vt.data() + h * CK / 2 * D, c0, c0, c1, len,
+                     window, scale, &ah);
+    ah.rest();
+  }
+  c10::BFloat16* orow[MR];
+  for (int64_t h = 0; h < hkv; ++h)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int rows = static_cast<int>(ember_fixed::min<int64_t>(MR, g - gi * MR));
+      for (int r = 0; r < rows; ++r) orow[r] = os + (h * g + gi * MR + r) * D;
+      finish_rows(st[h * groups + gi], orow);
+    }
+}
+
+// One query a sequence: a sequence a work item where there are at least as many sequences as threads
+// (decode_sequence), else each (sequence, KV head) a work item: its context laid out from the first key its window
+// needs (rounded down to 32), then its query heads as the rows of attend_rows; fewer of those than threads: a
+// sequence at a time, split as a prefill chunk is.
 template <int64_t D>
 void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* tables,
             const int64_t* lens, c10::BFloat16* out, int64_t nd, int64_t hq, int64_t hkv, int64_t bs,
@@ -309,13 +463,33 @@ void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16
   const int64_t g = hq / hkv;
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc);
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc);
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q);
   if (nd * hkv < at::get_num_threads()) {  // fewer (sequence, KV head) items than threads: a sequence at a time
     for (int64_t s = 0; s < nd; ++s) {
       c10::BFloat16* o = out + s * hq * D;
       if (lens[s] <= 0) std::memset(static_cast<void*>(o), 0, sizeof(c10::BFloat16) * hq * D);
-      else attend_split<D>(kp, vp, tables + s * max_blocks, bs, hkv, reinterpret_cast<const uint16_t*>(q + s * hq * D),
-                           o, hq, 1, lens[s], window, scale);
+      else attend_split<D>(kp, vp, tables + s * max_blocks, bs, hkv, qp + s * hq * D, o, hq, 1, lens[s], window, scale);
     }
+    return;
+  }
+  if (nd >= at::get_num_threads()) {
+    at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint32_t> kt, vt;
+      std::vector<RowState<D, MR>> st;
+      for (int64_t s = begin; s < end; ++s) {
+        c10::BFloat16* o = out + s * hq * D;
+        if (lens[s] <= 0) {
+          std::memset(static_cast<void*>(o), 0, sizeof(c10::BFloat16) * hq * D);
+          continue;
+        }
+        const SeqKeys sk = seq_keys(tables + s * max_blocks, lens[s], window);
+        SeqKeys nx;
+        const bool has_next = s + 1 < end && lens[s + 1] > 0;
+        if (has_next) nx = seq_keys(tables + (s + 1) * max_blocks, lens[s + 1], window);
+        decode_sequence<D>(kp, vp, sk, has_next ? &nx : nullptr, bs, hkv, g, window, scale, qp + s * hq * D, o, kt,
+                           vt, st);
+      }
+    });
     return;
   }
   at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
@@ -334,9 +508,10 @@ void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16
       const int64_t key0 = first / KB * KB, end_key = (len + KB - 1) / KB * KB;
       kt.resize((end_key - key0) * D / 2);
       vt.resize((end_key - key0) / 2 * D);
-      layout_kv<D>(kp, vp, tables + s * max_blocks, bs, hkv, h, len, key0, key0, end_key, kt.data(), vt.data());
+      layout_kv<D>(kp, vp, tables + s * max_blocks, bs, hkv, h, len, key0, key0, end_key, kt.data(), vt.data(),
+                   true);
       for (int r = 0; r < MR; ++r) pos[r] = len - 1;
-      const uint16_t* qh = reinterpret_cast<const uint16_t*>(q + (s * hq + h * g) * D);
+      const uint16_t* qh = qp + (s * hq + h * g) * D;
       for (int64_t r0 = 0; r0 < g; r0 += MR) {
         const int rows = static_cast<int>(ember_fixed::min<int64_t>(MR, g - r0));
         for (int r = 0; r < rows; ++r) {

@@ -30,6 +30,7 @@ from ember.protocol import (
     WorkerOutput,
     WorkerStats,
 )
+from ember.quantization.held import describe_loaded
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.drafter import Drafter, measure_draft_cost
@@ -102,7 +103,7 @@ class Worker:
         loaded = self.loaded
         return WorkerInfo(architecture=loaded.architecture, dtype=name_of(loaded.dtype), device=str(self.device),
                           vocab_size=loaded.shape.vocab_size,
-                          quantization=loaded.quant.describe() if loaded.quant else None,
+                          quantization=describe_loaded(loaded.quant, self.model) if loaded.quant else None,
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
                                                                         self.cache_config.kv_cache_dtype),
                           draft_cost=self.draft_cost, verify_costs=self.verify_costs,

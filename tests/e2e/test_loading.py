@@ -157,6 +157,7 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
     log-probabilities move less on average than with every weight as int8 per row (the layout K-quant files loaded
     in before)."""
     from ember.quantization import cpu_holds_int5
+    from ember.quantization.held import describe_loaded, held_kinds
 
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q4_K_M")
@@ -173,6 +174,13 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
         qkv = layer.self_attn.qkv_proj
         (q_k, v), (v_start, v_rows) = qkv.qmm.parts, qkv.shard_offsets["v"]
         assert (q_k.method, q_k.group_size, q_k.n, v.method, v.n) == ("int4", 32, v_start, five, v_rows)
+        # what model_info.quantization describes: every weight once, the tied int8 table (5-bit blocks) included
+        held, n_layers = held_kinds(loaded.model), len(loaded.model.model.layers)
+        want = {"int4 g32": n_layers * (2 * 256 * 256 + 128 * 256 + 1024 * 256), "int8": loaded.shape.vocab_size * 256}
+        fives = "int5 g32" if five == "int5" else "int8"
+        want[fives] = want.get(fives, 0) + n_layers * (128 * 256 + 256 * 512)
+        assert held == want
+        assert describe_loaded(loaded.quant, loaded.model).startswith("int8 (")  # the table is the largest part
 
     scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=45)[0], {
         "default": dict(dtype="bfloat16"), "int8": dict(dtype="bfloat16", quantization="int8"),
@@ -242,9 +250,9 @@ def test_a_k_quant_file_without_4_bit_blocks_opens_without_calibrating(llama_256
     monkeypatch.setattr(calibrated, "smoothquant_holds", no_calibration)
     llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", dtype="bfloat16")
     try:
-        assert llm.model_info.quantization == "int4 g32 + int8"
-        layer = worker_of(llm).loaded.model.model.layers[0]
         six = "int6" if cpu_holds_int6(256, 512) else "int8"
+        assert llm.model_info.quantization == f"{six} (100%)"  # the mixed layout as loaded: every table and layer
+        layer = worker_of(llm).loaded.model.model.layers[0]
         assert {layer.self_attn.qkv_proj.kind, layer.mlp.gate_up_proj.kind, layer.mlp.down_proj.kind} == {six}
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                            use_tqdm=False)[0]

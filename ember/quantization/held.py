@@ -1,0 +1,46 @@
+"""What a loaded model's weights are held as, in words. The mixed layout is decided weight by weight at load (a GGUF's
+4-, 5- and 6-bit blocks as int4 / int5 / int6 where the device's kernel takes them, other blocks int8), so the config
+alone cannot say it: the layers can."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.quantization.config import QuantConfig
+
+
+def held_kinds(model: torch.nn.Module) -> dict[str, int]:
+    """Weights (rows x inputs) per kind as the layers hold them: 'int4 g32', 'int5 g32', 'int6', 'int8', 'w8a8'. Each
+    matmul once (a tied LM head's is its table's) and each quantized embedding table an LM head does not share."""
+    modules = list(model.modules())
+    shared = {id(m.tied_to) for m in modules if getattr(m, "tied_to", None) is not None}
+    seen: set[int] = set()
+    counts: dict[str, int] = {}
+
+    def add(kind: str, weights: int) -> None:
+        counts[kind] = counts.get(kind, 0) + weights
+
+    for module in modules:
+        for mm in (getattr(module, "qmm", None), getattr(module, "table6", None)):
+            if mm is None or id(mm) in seen:
+                continue
+            seen.add(id(mm))
+            for part in getattr(mm, "parts", (mm,)):
+                grouped = part.method in ("int4", "int5")
+                add(f"{part.method} g{part.group_size}" if grouped else part.method, part.n * part.k)
+        table = getattr(module, "qt", None)  # an embedding's int8 rows: a head's own are its qmm, counted above
+        if table is not None and not hasattr(module, "tied_to") and id(module) not in shared:
+            rows, cols = table.shape
+            add(table.kind, rows * cols)
+    return counts
+
+
+def describe_loaded(quant: QuantConfig, model: torch.nn.Module) -> str:
+    """``quant.describe()``; for the mixed layout the kinds as loaded, largest share first ("int4 g32 (64%) + int6
+    (29%) + int8 (7%)")."""
+    counts = held_kinds(model) if quant.mixed else {}
+    total = sum(counts.values())
+    if not total:
+        return quant.describe()
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return " + ".join(f"{kind} ({100 * n / total:.0f}%)" for kind, n in ranked)
