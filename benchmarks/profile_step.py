@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default=None, help="EngineConfig.quantization ('none': float weights)")
+    ap.add_argument("--variant", action="store_true",
+                    help="batch_invariant=False: the kernels whose rounding depends on the batch")
     ap.add_argument("--modules", action="store_true", help="time each layer module (hooks) instead of the ops")
     ap.add_argument("--prefill", action="store_true",
                     help="a prefill step instead: B sequences of L new prompt tokens each, empty caches")
@@ -43,7 +45,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # this thread runs every op, as the engine thread does
     B, L = args.batch, args.context
     cfg = EngineConfig(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=L + 16,
-                       max_num_seqs=B, kv_cache_memory="2GiB", quantization=args.quantization)
+                       max_num_seqs=B, kv_cache_memory="2GiB", quantization=args.quantization,
+                       batch_invariant=not args.variant)
     resolved = cfg.resolve()
     worker = Worker(resolved.model, resolved.cache)
     worker.init_cache(cfg.scheduler(worker.loaded.max_position))

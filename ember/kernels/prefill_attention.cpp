@@ -106,12 +106,13 @@ void layout_kv(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int
   }
 }
 
-// Lines to prefetch a few at a time between pieces of work: a decode sequence's next chunk of K / V rows, into L2,
-// while this chunk is attended. Issued all at once, hundreds of prefetches overran the core's miss buffers; into L1
-// (T0) they gained nothing, the L1's miss buffers being what limits a core's reads (measured: decode_sequence). At
-// most MAX ranges (a chunk over more blocks than that prefetches its first ones: a hint only).
+// Lines to prefetch a share at a time between pieces of work: a decode sequence's next chunk of K / V rows, into
+// L2, a share before each pass of query heads over this chunk. Issued all at once, hundreds of prefetches overran the
+// core's miss buffers; into L1 (T0) they gained nothing, the L1's miss buffers being what limits a core's reads; a
+// few lines every few steps inside the tile loop cost the D = 128 loop a third of its speed from cache (measured:
+// decode_sequence). At most MAX ranges (a chunk over more blocks prefetches its first ones: a hint only).
 struct Ahead {
-  static constexpr int MAX = 16, LINES = 16;  // lines a step (attend_tiles steps every 4 pairs of a tile)
+  static constexpr int MAX = 16;
   const char* at[MAX];
   int64_t left[MAX];  // bytes
   int n = 0, i = 0;
@@ -121,7 +122,7 @@ struct Ahead {
       left[n++] = bytes;
     }
   }
-  EMBER_INLINE void step(int lines = LINES) {
+  void step(int lines) {
     for (; lines > 0 && i < n; --lines) {
       __builtin_prefetch(at[i], 0, 2);  // prefetcht1 on x86
       at[i] += 64;
@@ -161,7 +162,7 @@ void start_rows(RowState<D, MR>& st, const uint16_t* const* qrow, const int64_t*
 // rows: key tiles past a row's position or before its window are masked out of it whole.
 template <int64_t D, int MR>
 void attend_tiles(RowState<D, MR>& st, const uint32_t* kt, const uint32_t* vt, int64_t key0, int64_t t_lo,
-                  int64_t t_hi, int64_t S, int64_t window, float scale, Ahead* ahead = nullptr) {
+                  int64_t t_hi, int64_t S, int64_t window, float scale) {
   using namespace ember_avx512;
   constexpr int64_t NV = D / 16;
   // O in registers where MR x NV accumulators fit (D 64, 128); else (D 256) in memory, each vector loaded once a key
@@ -187,7 +188,6 @@ void attend_tiles(RowState<D, MR>& st, const uint32_t* kt, const uint32_t* vt, i
     const uint32_t* k_a = kt + ((k0 - key0) / 16) * (D / 2) * 16;
     const uint32_t* k_b = k_a + (D / 2) * 16;
     for (int64_t dp = 0; dp < D / 2; ++dp) {
-      if (ahead != nullptr && dp % 4 == 0) ahead->step();
       const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k_a + dp * 16);
       const __m512bh b1 = (__m512bh)_mm512_loadu_si512(k_b + dp * 16);
       for (int r = 0; r < MR; ++r) {
@@ -231,7 +231,6 @@ void attend_tiles(RowState<D, MR>& st, const uint32_t* kt, const uint32_t* vt, i
     const uint32_t* v0 = vt + ((k0 - key0) / 2) * D;
     if constexpr (in_registers) {
       for (int64_t kp = 0; kp < KB / 2; ++kp) {
-        if (ahead != nullptr && kp % 4 == 0) ahead->step();
         __m512bh b[NV];
         for (int64_t x = 0; x < NV; ++x) b[x] = (__m512bh)_mm512_loadu_si512(v0 + kp * D + 16 * x);
         for (int r = 0; r < MR; ++r) {
@@ -400,21 +399,22 @@ inline void add_rows(Ahead& ah, const uint16_t* kp, const uint16_t* vp, const Se
 
 // One decode sequence, all its KV heads, a chunk of keys at a time: the chunk's keys (every KV head's) are laid out
 // and then attended by every query head, the rows' state carried from chunk to chunk (attend_tiles: the same
-// operations as one pass over all the keys), and while a chunk is attended the next one's rows are prefetched a
-// few lines a step (the next sequence's first chunk after the last: `next`, or null). One layout of all the keys
-// and then the attention left the memory idle while it computed, and the reads a layout stalls on are short runs
-// in scattered blocks, which the hardware prefetchers do not run ahead of (64 sequences of 256 tokens, 9 / 3 heads,
-// 30 layers' pools in scattered blocks, 2 threads, AMD Zen 4: 33-39 -> 24.6-24.9 ms, the bf16 decode kernel's
-// 19.2-19.6; laying out a chunk at a time alone, or prefetching into L1, changed nothing; 12 or 24 lines a step
-// instead of 16, or two chunks ahead, no better).
-template <int64_t D>
+// operations as one pass over all the keys), and while a chunk is attended the next one's rows are prefetched, a
+// share before each pass (the next sequence's first chunk after the last: `next`, or null). One layout of all the
+// keys and then the attention left the memory idle while it computed, and the reads a layout stalls on are short
+// runs in scattered blocks, which the hardware prefetchers do not run ahead of. 64 sequences of 256 tokens, every
+// layer's pools in scattered blocks, 2 threads, AMD Zen 4, interleaved with the kernel before: SmolLM2's 9 / 3 heads
+// of 64 (30 layers) 33.2-33.4 -> 21.7-22.0 ms (the bf16 decode kernel's 19.2-19.4), Qwen2.5-1.5B's 12 / 2 of 128 (28
+// layers) 38.9-39.4 -> 29.3-30.0 (28.2-28.5), Gemma 3's 4 / 1 of 256 (18 layers) 24.6 -> 16.5; laying out a chunk
+// at a time without the prefetches, or prefetching into L1, changed nothing; 3 query heads a pass instead of 4 with
+// one repeated: 24.7 -> 21.2 ms.
+template <int64_t D, int MR>
 void decode_sequence(const uint16_t* kp, const uint16_t* vp, const SeqKeys& sk, const SeqKeys* next, int64_t bs,
                      int64_t hkv, int64_t g, int64_t window, float scale, const uint16_t* qs, c10::BFloat16* os,
-                     std::vector<uint32_t>& kt, std::vector<uint32_t>& vt,
-                     std::vector<RowState<D, rows_a_pass<D>()>>& st) {
-  constexpr int MR = rows_a_pass<D>();
+                     std::vector<uint32_t>& kt, std::vector<uint32_t>& vt, std::vector<RowState<D, MR>>& st) {
   constexpr int64_t CK = DECODE_CHUNK;
   const int64_t groups = (g + MR - 1) / MR, row = hkv * D, len = sk.len;
+  const int burst = static_cast<int>((CK * row * 4 / 64 + hkv * groups - 1) / (hkv * groups));  // lines a pass
   const int64_t end_key = (len + KB - 1) / KB * KB;
   kt.resize(hkv * CK * D / 2);
   vt.resize(hkv * CK / 2 * D);
@@ -437,9 +437,11 @@ void decode_sequence(const uint16_t* kp, const uint16_t* vp, const SeqKeys& sk, 
       layout_kv<D>(kp, vp, sk.table, bs, hkv, h, len, c0, c0, c1, kt.data() + h * CK * D / 2,
                    vt.data() + h * CK / 2 * D, false);
     for (int64_t h = 0; h < hkv; ++h)
-      for (int64_t gi = 0; gi < groups; ++gi)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        ah.step(burst);
         attend_tiles(st[h * groups + gi], kt.data() + h * CK * D / 2, vt.data() + h * CK / 2 * D, c0, c0, c1, len,
-                     window, scale, &ah);
+                     window, scale);
+      }
     ah.rest();
   }
   c10::BFloat16* orow[MR];
@@ -449,6 +451,28 @@ void decode_sequence(const uint16_t* kp, const uint16_t* vp, const SeqKeys& sk, 
       for (int r = 0; r < rows; ++r) orow[r] = os + (h * g + gi * MR + r) * D;
       finish_rows(st[h * groups + gi], orow);
     }
+}
+
+// Sequences [begin, end) of a decode batch, one after another on this thread (decode_sequence), MR query heads a pass.
+template <int64_t D, int MR>
+void decode_sequences(const uint16_t* kp, const uint16_t* vp, const int64_t* tables, const int64_t* lens,
+                      const uint16_t* qp, c10::BFloat16* out, int64_t begin, int64_t end, int64_t hq, int64_t hkv,
+                      int64_t bs, int64_t max_blocks, int64_t window, float scale) {
+  std::vector<uint32_t> kt, vt;
+  std::vector<RowState<D, MR>> st;
+  for (int64_t s = begin; s < end; ++s) {
+    c10::BFloat16* o = out + s * hq * D;
+    if (lens[s] <= 0) {
+      std::memset(static_cast<void*>(o), 0, sizeof(c10::BFloat16) * hq * D);
+      continue;
+    }
+    const SeqKeys sk = seq_keys(tables + s * max_blocks, lens[s], window);
+    SeqKeys nx;
+    const bool has_next = s + 1 < end && lens[s + 1] > 0;
+    if (has_next) nx = seq_keys(tables + (s + 1) * max_blocks, lens[s + 1], window);
+    decode_sequence<D, MR>(kp, vp, sk, has_next ? &nx : nullptr, bs, hkv, hq / hkv, window, scale, qp + s * hq * D,
+                           o, kt, vt, st);
+  }
 }
 
 // One query a sequence: a sequence a work item where there are at least as many sequences as threads
@@ -473,21 +497,19 @@ void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16
     return;
   }
   if (nd >= at::get_num_threads()) {
+    // fewer query heads a KV head than a pass takes (SmolLM2's 3 of D 64): passes of that many, not MR with the
+    // last repeated (a row's operations do not depend on the rows beside it; D 256 keeps its MR: O in memory)
+    const int mr = D <= 128 && g < MR ? static_cast<int>(g) : MR;
     at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
-      std::vector<uint32_t> kt, vt;
-      std::vector<RowState<D, MR>> st;
-      for (int64_t s = begin; s < end; ++s) {
-        c10::BFloat16* o = out + s * hq * D;
-        if (lens[s] <= 0) {
-          std::memset(static_cast<void*>(o), 0, sizeof(c10::BFloat16) * hq * D);
-          continue;
-        }
-        const SeqKeys sk = seq_keys(tables + s * max_blocks, lens[s], window);
-        SeqKeys nx;
-        const bool has_next = s + 1 < end && lens[s + 1] > 0;
-        if (has_next) nx = seq_keys(tables + (s + 1) * max_blocks, lens[s + 1], window);
-        decode_sequence<D>(kp, vp, sk, has_next ? &nx : nullptr, bs, hkv, g, window, scale, qp + s * hq * D, o, kt,
-                           vt, st);
+      switch (mr) {
+        case 1: decode_sequences<D, 1>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
+                                       scale); break;
+        case 2: decode_sequences<D, 2>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
+                                       scale); break;
+        case 3: decode_sequences<D, 3>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
+                                       scale); break;
+        default: decode_sequences<D, MR>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
+                                         scale);
       }
     });
     return;
