@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from ember.config import INT4_GROUP_SIZES
 from ember.quantization.config import QuantConfig
+
+# every kind a layer can hold, in one order on every rank (their counts are summed over the ranks)
+HELD_KINDS = tuple(f"{m} g{g}" for m in ("int4", "int5") for g in INT4_GROUP_SIZES) + ("int6", "int8", "w8a8")
 
 
 def held_kinds(model: torch.nn.Module) -> dict[str, int]:
@@ -35,12 +39,17 @@ def held_kinds(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-def describe_loaded(quant: QuantConfig, model: torch.nn.Module) -> str:
-    """``quant.describe()``; for the mixed layout the kinds as loaded, largest share first ("int4 g32 (64%) + int6
-    (29%) + int8 (7%)")."""
-    counts = held_kinds(model) if quant.mixed else {}
+def describe_held(counts: dict[str, int], fallback: str) -> str:
+    """The kinds and their shares of the quantized weights, largest first ("int4 g32 (63%) + int6 (24%) + int8
+    (13%)"); ``fallback`` (the config's description) when nothing is counted."""
     total = sum(counts.values())
     if not total:
-        return quant.describe()
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        return fallback
+    ranked = sorted(((k, n) for k, n in counts.items() if n), key=lambda kv: (-kv[1], kv[0]))
     return " + ".join(f"{kind} ({100 * n / total:.0f}%)" for kind, n in ranked)
+
+
+def describe_loaded(quant: QuantConfig, model: torch.nn.Module) -> str:
+    """``quant.describe()``; for the mixed layout the kinds one process holds (``describe_held``: a model split over
+    ranks sums every rank's counts first, ``Worker.info``)."""
+    return describe_held(held_kinds(model) if quant.mixed else {}, quant.describe())

@@ -30,7 +30,7 @@ from ember.protocol import (
     WorkerOutput,
     WorkerStats,
 )
-from ember.quantization.held import describe_loaded
+from ember.quantization.held import HELD_KINDS, describe_held, held_kinds
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.drafter import Drafter, measure_draft_cost
@@ -102,8 +102,7 @@ class Worker:
         """The loaded model's facts, as data for the engine core."""
         loaded = self.loaded
         return WorkerInfo(architecture=loaded.architecture, dtype=name_of(loaded.dtype), device=str(self.device),
-                          vocab_size=loaded.shape.vocab_size,
-                          quantization=describe_loaded(loaded.quant, self.model) if loaded.quant else None,
+                          vocab_size=loaded.shape.vocab_size, quantization=self._quantization(),
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
                                                                         self.cache_config.kv_cache_dtype),
                           draft_cost=self.draft_cost, verify_costs=self.verify_costs,
@@ -211,6 +210,26 @@ class Worker:
                            activation_bytes=plan.activation_bytes if plan else 0,
                            kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size()
                            + (drafter.pool.numel() * drafter.pool.element_size() if drafter is not None else 0))
+
+    def _quantization(self) -> str | None:
+        """The weight layout in words: the config's, or for the mixed layout the kinds held and their shares, summed
+        over every rank (each pipeline stage holds its own layers; every rank runs ``info``)."""
+        quant = self.loaded.quant
+        if quant is None or not quant.mixed:
+            return quant.describe() if quant else None
+        counts = held_kinds(self.model)
+        summed = self.agree_sum([counts.get(kind, 0) for kind in HELD_KINDS])
+        return describe_held(dict(zip(HELD_KINDS, summed)), quant.describe())
+
+    def agree_sum(self, values: list[int]) -> list[int]:
+        """Each value summed over every rank."""
+        if self.parallel.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.parallel.control_group)
+        return [int(v) for v in t.tolist()]
 
     def agree_min(self, value: int) -> int:
         """The smallest value over every rank (the KV pool size all ranks can hold)."""

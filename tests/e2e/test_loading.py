@@ -94,15 +94,17 @@ def test_gguf_blocks_run_in_the_layout_that_holds_them(llama_256, tmp_path, qtyp
     assert quant is None or quant.embeddings
 
 
-def _prompt_scores(path: str, tokenizer_dir: str, prompt: list[int], engines: dict[str, dict], check
-                   ) -> dict[str, torch.Tensor]:
+def _prompt_scores(path: str, tokenizer_dir: str, prompt: list[int], engines: dict[str, dict], check,
+                   layouts: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Each prompt token's log-probability under each engine's settings (one engine at a time); ``check(name,
-    loaded)`` looks at each loaded model first."""
+    loaded)`` looks at each loaded model first; ``layouts`` gets each engine's ``model_info.quantization``."""
     scores = {}
     for name, settings in engines.items():
         llm = LLM(path, tokenizer=tokenizer_dir, kv_cache_memory="16MiB", **settings)
         try:
             check(name, worker_of(llm).loaded)
+            if layouts is not None:
+                layouts[name] = llm.model_info.quantization
             out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
                                use_tqdm=False)[0]
             scores[name] = torch.tensor([pos[t].logprob for t, pos in zip(prompt[1:], out.prompt_logprobs[1:])])
@@ -204,11 +206,16 @@ def test_q6_k_blocks_split_over_two_ranks_score_as_one_rank(llama_256, tokenizer
             layer = loaded.model.model.layers[0]
             assert (layer.mlp.down_proj.kind, layer.self_attn.o_proj.kind) == ("int6", "int8")
 
+    layouts: dict[str, str] = {}
     scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=47)[0], {
         "t1": dict(dtype="bfloat16"), "t2": dict(dtype="bfloat16", tensor_parallel_size=2),
-        "bf16": dict(dtype="bfloat16", quantization="none"), "float32": dict(dtype="float32")}, check)
+        "bf16": dict(dtype="bfloat16", quantization="none"), "float32": dict(dtype="float32")}, check, layouts)
     bf16 = (scores["bf16"] - scores["float32"]).abs().mean()
     assert (scores["t2"] - scores["t1"]).abs().mean() < 3 * bf16
+    # model_info describes both ranks' weights: o_proj's int8 columns (2 x 256 x 256 of the layers' and the tied
+    # table's 13.8 M weights: 1%) beside the rest
+    if cpu_holds_int6(64, 256):
+        assert (layouts["t1"], layouts["t2"]) == ("int6 (100%)", "int6 (99%) + int8 (1%)")
 
 
 def test_the_mixed_layout_is_only_the_files_own(llama_256, tmp_path):
