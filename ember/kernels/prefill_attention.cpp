@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_util.h"
@@ -501,15 +502,15 @@ void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16
     // last repeated (a row's operations do not depend on the rows beside it; D 256 keeps its MR: O in memory)
     const int mr = D <= 128 && g < MR ? static_cast<int>(g) : MR;
     at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
+      const auto run = [&](auto rows) {
+        decode_sequences<D, decltype(rows)::value>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs,
+                                                   max_blocks, window, scale);
+      };
       switch (mr) {
-        case 1: decode_sequences<D, 1>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
-                                       scale); break;
-        case 2: decode_sequences<D, 2>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
-                                       scale); break;
-        case 3: decode_sequences<D, 3>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
-                                       scale); break;
-        default: decode_sequences<D, MR>(kp, vp, tables, lens, qp, out, begin, end, hq, hkv, bs, max_blocks, window,
-                                         scale);
+        case 1: run(std::integral_constant<int, 1>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        default: run(std::integral_constant<int, MR>{});
       }
     });
     return;
@@ -526,8 +527,7 @@ void decode(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16
         std::memset(static_cast<void*>(o), 0, sizeof(c10::BFloat16) * g * D);
         continue;
       }
-      const int64_t first = window > 0 ? ember_fixed::max<int64_t>(0, len - window) : 0;
-      const int64_t key0 = first / KB * KB, end_key = (len + KB - 1) / KB * KB;
+      const int64_t key0 = seq_keys(tables + s * max_blocks, len, window).key0, end_key = (len + KB - 1) / KB * KB;
       kt.resize((end_key - key0) * D / 2);
       vt.resize((end_key - key0) / 2 * D);
       layout_kv<D>(kp, vp, tables + s * max_blocks, bs, hkv, h, len, key0, key0, end_key, kt.data(), vt.data(),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ember.config import INT4_GROUP_SIZES
-from ember.quantization.config import QuantConfig
 
 # every kind a layer can hold, in one order on every rank (their counts are summed over the ranks)
 HELD_KINDS = tuple(f"{m} g{g}" for m in ("int4", "int5") for g in INT4_GROUP_SIZES) + ("int6", "int8", "w8a8")
@@ -48,8 +47,3 @@ def describe_held(counts: dict[str, int], fallback: str) -> str:
     ranked = sorted(((k, n) for k, n in counts.items() if n), key=lambda kv: (-kv[1], kv[0]))
     return " + ".join(f"{kind} ({100 * n / total:.0f}%)" for kind, n in ranked)
 
-
-def describe_loaded(quant: QuantConfig, model: torch.nn.Module) -> str:
-    """``quant.describe()``; for the mixed layout the kinds one process holds (``describe_held``: a model split over
-    ranks sums every rank's counts first, ``Worker.info``)."""
-    return describe_held(held_kinds(model) if quant.mixed else {}, quant.describe())

@@ -221,25 +221,23 @@ class Worker:
         summed = self.agree_sum([counts.get(kind, 0) for kind in HELD_KINDS])
         return describe_held(dict(zip(HELD_KINDS, summed)), quant.describe())
 
-    def agree_sum(self, values: list[int]) -> list[int]:
-        """Each value summed over every rank."""
+    def _agree(self, values: list[int], op: str) -> list[int]:
+        """Each value reduced over every rank with ``op`` ('SUM', 'MIN': a torch.distributed.ReduceOp)."""
         if self.parallel.world_size == 1:
             return values
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.parallel.control_group)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.parallel.control_group)
         return [int(v) for v in t.tolist()]
+
+    def agree_sum(self, values: list[int]) -> list[int]:
+        """Each value summed over every rank."""
+        return self._agree(values, "SUM")
 
     def agree_min(self, value: int) -> int:
         """The smallest value over every rank (the KV pool size all ranks can hold)."""
-        if self.parallel.world_size == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.parallel.control_group)
-        return int(t.item())
+        return self._agree([value], "MIN")[0]
 
     def forward_stage(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                       ) -> torch.Tensor | None:

@@ -159,7 +159,7 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
     log-probabilities move less on average than with every weight as int8 per row (the layout K-quant files loaded
     in before)."""
     from ember.quantization import cpu_holds_int5
-    from ember.quantization.held import describe_loaded, held_kinds
+    from ember.quantization.held import describe_held, held_kinds
 
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_float32(llama_256), "llama", path, "Q4_K_M")
@@ -182,7 +182,7 @@ def test_q4_k_m_runs_its_4_bit_blocks_as_int4_and_scores_as_the_blocks_do(llama_
         fives = "int5 g32" if five == "int5" else "int8"
         want[fives] = want.get(fives, 0) + n_layers * (128 * 256 + 256 * 512)
         assert held == want
-        assert describe_loaded(loaded.quant, loaded.model).startswith("int8 (")  # the table is the largest part
+        assert describe_held(held, "").startswith("int8 (")  # the table is the largest part
 
     scores = _prompt_scores(path, tokenizer_dir, random_prompts(1, 40, 40, 49152, seed=45)[0], {
         "default": dict(dtype="bfloat16"), "int8": dict(dtype="bfloat16", quantization="int8"),
