@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="EngineConfig.quantization ('none': float weights)")
     ap.add_argument("--variant", action="store_true",
                     help="batch_invariant=False: the kernels whose rounding depends on the batch")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="int8_activations=True: int4 weights against int8 activations")
     ap.add_argument("--modules", action="store_true", help="time each layer module (hooks) instead of the ops")
     ap.add_argument("--prefill", action="store_true",
                     help="a prefill step instead: B sequences of L new prompt tokens each, empty caches")
@@ -46,7 +48,7 @@ def main() -> None:
     B, L = args.batch, args.context
     cfg = EngineConfig(args.model, dtype=args.dtype, num_threads=args.threads, max_model_len=L + 16,
                        max_num_seqs=B, kv_cache_memory="2GiB", quantization=args.quantization,
-                       batch_invariant=not args.variant)
+                       batch_invariant=not args.variant, int8_activations=args.int8_activations)
     resolved = cfg.resolve()
     worker = Worker(resolved.model, resolved.cache)
     worker.init_cache(cfg.scheduler(worker.loaded.max_position))

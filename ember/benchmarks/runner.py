@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from ember import envs
 
 BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-json", "ember-lora", "ember-eager",
-            "ember-variant", "ember-ngram", "ember-suffix", "ember-prediction", "ember-draft", "hf", "vllm", "llamacpp",
-            "llamacpp-draft")
+            "ember-variant", "ember-a8", "ember-ngram", "ember-suffix", "ember-prediction", "ember-draft", "hf", "vllm",
+            "llamacpp", "llamacpp-draft")
 BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)",
                  "ember-int8": "ember (int8, bf16 activations)", "ember-w8a8": "ember (w8a8)",
                  "ember-json": "ember (JSON-schema guided)",
                  "ember-lora": "ember (4 LoRA adapters mixed)", "ember-eager": "ember (no CUDA graphs)",
-                 "ember-variant": "ember (batch_invariant=False)", "ember-ngram": "ember (n-gram speculation)",
+                 "ember-variant": "ember (batch_invariant=False)", "ember-a8": "ember (int8 activations)",
+                 "ember-ngram": "ember (n-gram speculation)",
                  "ember-suffix": "ember (suffix decoding)", "ember-prediction": "ember (predicted outputs)",
                  "ember-draft": "ember (draft-model speculation)",
                  "hf": "transformers", "vllm": "vLLM-CPU",
@@ -35,7 +36,7 @@ EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-i
                   "ember-w8a8": {"quantization": "w8a8"},
                   "ember-json": {"guided_json": GUIDED_SCHEMA},
                   "ember-lora": {"lora_adapters": 4}, "ember-eager": {"enforce_eager": True},
-                  "ember-variant": {"batch_invariant": False},
+                  "ember-variant": {"batch_invariant": False}, "ember-a8": {"int8_activations": True},
                   "ember-ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 8}},
                   "ember-suffix": {"speculative_config": {"method": "suffix"}},  # vLLM's defaults: up to 24 tokens
                   # requests that carry a prediction send it (no speculative_config: predictions draft anyway)

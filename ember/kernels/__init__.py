@@ -39,8 +39,10 @@ _module: ModuleType | None = None
 _failed = False
 _emulated: ModuleType | None = None
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp", "elementwise.cpp",
-            "prefill_attention.cpp", "w8a8.cpp", "dense_gemm.cpp", "int6_gemm.cpp")
-_HEADERS = ("avx512_util.h", "avx512_emulation.h", "amx.h", "checks.h", "quant_blocks.h")  # part of the cache key only
+            "prefill_attention.cpp", "w8a8.cpp", "dense_gemm.cpp", "int6_gemm.cpp",
+            "w4a8.cpp")
+# part of the cache key only
+_HEADERS = ("avx512_util.h", "avx512_emulation.h", "amx.h", "checks.h", "quant_blocks.h", "w4a8.h")
 _READY = "ready"  # written once a build has loaded: holds the library's path
 # reassociation lets the compiler vectorise the dot products; infinities and NaNs keep their meaning
 # -fopenmp: at::parallel_for is a header template that only runs in parallel when compiled with OpenMP; the

@@ -101,6 +101,11 @@ inline V512 or_si512(V512 a, V512 b) { V512 r; for (int j = 0; j < 8; ++j) r.q[j
 inline V512 xor_si512(V512 a, V512 b) { V512 r; for (int j = 0; j < 8; ++j) r.q[j] = a.q[j] ^ b.q[j]; return r; }
 inline V512 slli_epi32(V512 a, unsigned n) { EMU_MAP16(r.u[j] = n > 31 ? 0 : a.u[j] << n); }
 inline V512 srli_epi32(V512 a, unsigned n) { EMU_MAP16(r.u[j] = n > 31 ? 0 : a.u[j] >> n); }
+inline V512 srli_epi16(V512 a, unsigned n) {
+  V512 r;
+  for (int j = 0; j < 32; ++j) r.h[j] = n > 15 ? 0 : static_cast<uint16_t>(a.h[j] >> n);
+  return r;
+}
 inline V512 srai_epi32(V512 a, unsigned n) { EMU_MAP16(r.i[j] = a.i[j] >> std::min(n, 31u)); }
 inline V512 ternarylogic_epi32(V512 a, V512 b, V512 c, int imm) {
   V512 r;
@@ -200,6 +205,12 @@ inline V512 dpbusd_epi32(V512 src, V512 a, V512 b) {  // unsigned bytes of a tim
 inline V512 permutexvar_epi8(V512 idx, V512 a) {
   V512 r;
   for (int j = 0; j < 64; ++j) r.ub[j] = a.ub[idx.ub[j] & 63];
+  return r;
+}
+// byte j: a's byte idx[j] & 63 where bit 6 of idx[j] is clear, else b's (vpermt2b)
+inline V512 permutex2var_epi8(V512 a, V512 idx, V512 b) {
+  V512 r;
+  for (int j = 0; j < 64; ++j) r.ub[j] = (idx.ub[j] & 64 ? b : a).ub[idx.ub[j] & 63];
   return r;
 }
 // byte i of each 64-bit lane: the 8 bits of b's lane from bit ctrl.ub[i] & 63 on, wrapping (vpmultishiftqb)
@@ -310,6 +321,7 @@ EMBER_FIXED_ORDER_END
 #define _mm512_xor_si512 ember_emu::xor_si512
 #define _mm512_slli_epi32 ember_emu::slli_epi32
 #define _mm512_srli_epi32 ember_emu::srli_epi32
+#define _mm512_srli_epi16 ember_emu::srli_epi16
 #define _mm512_srai_epi32 ember_emu::srai_epi32
 #define _mm512_ternarylogic_epi32 ember_emu::ternarylogic_epi32
 #define _mm512_castps_si512(v) (v)
@@ -335,6 +347,7 @@ EMBER_FIXED_ORDER_END
 #define _mm512_dpbf16_ps ember_emu::dpbf16_ps
 #define _mm512_dpbusd_epi32 ember_emu::dpbusd_epi32
 #define _mm512_permutexvar_epi8 ember_emu::permutexvar_epi8
+#define _mm512_permutex2var_epi8 ember_emu::permutex2var_epi8
 #define _mm512_permutexvar_epi16 ember_emu::permutexvar_epi16
 #define _mm512_multishift_epi64_epi8 ember_emu::multishift_epi64_epi8
 #define _mm512_unpacklo_epi16(a, b) ember_emu::unpack(a, b, 2, false)

@@ -9,7 +9,8 @@ bool has_avx512_bf16();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, int64_t window, double scale);
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
-                        bool amx, const c10::optional<torch::Tensor>& high);
+                        bool amx, const c10::optional<torch::Tensor>& high, bool int8_x);
+bool has_w4a8();
 bool has_amx();
 torch::Tensor int6_gemm(torch::Tensor x, torch::Tensor w, bool invariant);
 bool has_int6();
@@ -33,7 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "a chunk's causal attention over its paged context");
   m.def("int4_gemm", &int4_gemm, "bf16 x [M, K] . int4 W^T (the 64-row CPU int4 pack) -> bf16 [M, N]", py::arg("x"),
         py::arg("w"), py::arg("scale_zeros"), py::arg("group"), py::arg("invariant") = true, py::arg("amx") = false,
-        py::arg("high") = py::none());
+        py::arg("high") = py::none(), py::arg("int8_x") = false);
+  m.def("has_w4a8", &has_w4a8, "whether int4_gemm takes int8_x=True here (AVX512-BF16 with VNNI and VBMI)");
   m.def("int6_gemm", &int6_gemm, "bf16 x [M, K] . int6 W^T (GGUF Q6_K's values, ember's 64-row int6 pack) -> bf16 "
         "[M, N]", py::arg("x"), py::arg("w"), py::arg("invariant") = true);
   m.def("has_int6", &has_int6, "whether int6_gemm was built (AVX512-BF16 with AVX512-VBMI)");

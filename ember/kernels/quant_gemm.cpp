@@ -22,6 +22,7 @@
 #include "avx512_util.h"
 #include "checks.h"
 #include "quant_blocks.h"
+#include "w4a8.h"
 
 #ifdef EMBER_AVX512_BF16
 EMBER_FIXED_ORDER_BEGIN
@@ -918,7 +919,7 @@ bool has_avx512_bf16() {
 // depend on the other rows (no bf16 panel from 128 rows, one chain count at every row count). amx: tile products
 // where the machine has them (groups of 32 to 128), at every row count (invariant by themselves).
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
-                        bool amx, const c10::optional<torch::Tensor>& high) {
+                        bool amx, const c10::optional<torch::Tensor>& high, bool int8_x) {
 #ifdef EMBER_AVX512_BF16
   using namespace ember_check;
   constexpr const char* fn = "int4_gemm";
@@ -955,6 +956,16 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
     hp = reinterpret_cast<const uint32_t*>(hc.data_ptr<uint8_t>());
   }
   if (x.size(0) == 0) return torch::empty({0, N}, x.options());
+  if (int8_x) {  // w4a8.cpp: int8 activations against the 4-bit values, at every row count
+    TORCH_CHECK(!high.has_value(), fn, ": int8_x=True takes 4-bit weights only (high given)");
+    TORCH_CHECK(has_w4a8(), fn, ": int8_x=True needs the w4a8 kernel (AVX512-BF16 with VNNI and VBMI), not built "
+                "here");
+    TORCH_CHECK(group % W4A8_BLOCK == 0, fn, ": int8_x=True needs groups a multiple of ", W4A8_BLOCK, ", got ",
+                group);
+    auto y = torch::empty({x.size(0), N}, x.options());
+    w4a8_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
+    return y;
+  }
 #ifdef EMBER_AMX
   if (amx && group % 32 == 0 && group <= 128 && ember_amx::granted()) {
     auto y = torch::empty({x.size(0), N}, x.options());

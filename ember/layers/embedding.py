@@ -64,7 +64,8 @@ class VocabEmbedding(Layer):
         else:
             load_float(self.weight.data[:rows], value, name)
 
-    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
+    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True,
+                 int8_activations: bool = False) -> None:
         if self.qt is not None and self.qt.kind == "int6":
             if device.type == "cpu" and cpu_holds_int6(*self.qt.shape):
                 self.table6, self.qt = QuantizedMatmul("int6", self.qt, batch_invariant=batch_invariant), None
@@ -102,9 +103,10 @@ class LMHead(VocabEmbedding):
         self.dense = None  # as ``Linear.dense``: ember's fixed-order dense GEMM for a float table
         self.qmm: QuantizedMatmul | None = None
 
-    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
+    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True,
+                 int8_activations: bool = False) -> None:
         """Runs after the embedding's own finalize (it is registered first)."""
-        super().finalize(device, prepack, batch_invariant)
+        super().finalize(device, prepack, batch_invariant, int8_activations)
         owner = self.tied_to if self.tied_to is not None else self
         if owner.table6 is not None:  # the int6 table's matmul itself (the embedding's when tied)
             self.qmm = owner.table6

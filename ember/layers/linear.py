@@ -137,7 +137,8 @@ class Linear(Layer):
         else:
             self._parts.append((offset, requantize(value, self.kind, self.group_size)))
 
-    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
+    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True,
+                 int8_activations: bool = False) -> None:
         """After loading: lay the weight out for the device (quantized kernel; a float weight: ember's fixed-order
         dense GEMM where ``dense_kernels`` gives it, else oneDNN's packed float)."""
         if self.quant is not None:
@@ -147,7 +148,8 @@ class Linear(Layer):
                 # a 5- or 6-bit part where the CPU kernel does not take it: int8 per row, as other blocks
                 parts = [p if self._held_as_loaded(p, device) else requantize(p, "int8", self.in_features)
                          for p in parts]
-                mms = [QuantizedMatmul(kind, concat_rows(list(run)).to(device), batch_invariant=batch_invariant)
+                mms = [QuantizedMatmul(kind, concat_rows(list(run)).to(device), batch_invariant=batch_invariant,
+                                       int8_activations=int8_activations)
                        for kind, run in itertools.groupby(parts, key=lambda p: p.kind)]
                 self.qmm = mms[0] if len(mms) == 1 else StackedMatmul(mms)
                 self.kind = self.qmm.method
@@ -155,7 +157,8 @@ class Linear(Layer):
                     self.group_size = self.in_features
                 return
             qt = concat_rows(parts).to(device)
-            self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant)
+            self.qmm = QuantizedMatmul(self.quant.method, qt, batch_invariant=batch_invariant,
+                                       int8_activations=int8_activations)
             return
         self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
         if prepack and self.dense is None and not self.run_by_owner:

@@ -90,7 +90,8 @@ class SparseMoE(Layer):
         self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H]: expert e's gate_up_proj weight is a view of row e
         self.w_down: torch.Tensor | None = None  # [E, H, I]
 
-    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True) -> None:
+    def finalize(self, device: torch.device, prepack: bool, batch_invariant: bool = True,
+                 int8_activations: bool = False) -> None:
         """Runs before the experts' own (``model.modules()`` visits a module before its children): float experts
         on a CPU whose kernels have AVX512-BF16 are stacked for ``grouped_dense_gemm``, each expert's ``Linear``
         keeping a view of its slice (no second copy, and no oneDNN-packed one: the grouped path runs them)."""

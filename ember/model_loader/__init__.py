@@ -106,7 +106,7 @@ def _build_model(config: ModelConfig, parallel: ParallelContext) -> LoadedModel:
     model.to(config.device).eval()
     device = torch.device(config.device)
     prepack = device.type == "cpu" and mkldnn_prepack_available(dtype)
-    finalize(model, device, prepack, config.batch_invariant)
+    finalize(model, device, prepack, config.batch_invariant, config.int8_activations)
     return LoadedModel(model, hf_config, architecture, dtype, shape, quant)
 
 

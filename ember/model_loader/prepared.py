@@ -58,7 +58,8 @@ def entry_key(config: ModelConfig, parallel: ParallelContext) -> str | None:
     digest = hashlib.sha1()
     for part in (_checkpoint_stat(config.path), _file_stat(config.calibration_data),
                  repr((config.dtype, config.device, config.quantization, config.quant_group_size,
-                       config.quantize_embeddings, config.batch_invariant, config.tokenizer)),
+                       config.quantize_embeddings, config.batch_invariant, config.int8_activations,
+                       config.tokenizer)),
                  _source_stat(), torch.__version__, kernels.__name__ if kernels is not None else "no kernels",
                  platform.machine(), _cpu_flags(), repr([(k, os.environ.get(k)) for k in _SWITCHES])):
         digest.update(part.encode())

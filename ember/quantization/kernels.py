@@ -62,6 +62,7 @@ EMBER_INT8_MIN_ROWS = 5  # from 5 rows the int8 panels beat torch's op (49152x57
 #                         1.8 vs 3.6)
 EMBER_INT8_ROWS_MAX = 4  # up to 4 rows ember's kernel dots the weight rows as they lie: 1.2-2.5x torch's op (below)
 _INT4_BLOCK_N = 64  # ember's CPU int4 pack interleaves 64 output rows; other row counts take the portable path
+W4A8_BLOCK = 32  # inputs an int8 activation scale covers in ember's w4a8 kernel (llama.cpp's Q8_0 block)
 _INT_MM_MIN_ROWS = 17  # cuBLASLt int8 GEMM through torch._int_mm wants more than 16 rows
 # torch's _weight_int8pack_mm (CPU, torch 2.13, AVX512) reads K 16 values at a time with no tail and checks nothing:
 # other K crash the process or return garbage (measured: K 12, 36, 70 segfault; K 8, 24 give inf; K 1000 an 8%
@@ -241,15 +242,19 @@ class MatmulPath:
     ``w`` and ``s`` are the kernel's weight and scales; ``checked_at_load`` marks the paths whose first weight in a
     process is checked against the portable result (``QuantizedMatmul._self_check``). ``invariant``: the CPU paths
     keep a row's result independent of the rows beside it (one kernel at every row count), else they switch to the
-    fastest kernel for the row count."""
+    fastest kernel for the row count. ``int8_x``: whether the weight multiplies int8-quantized activations: asked
+    for (``EngineConfig.int8_activations``) on a path with such a kernel (``takes_int8_x``), which ``prepare`` may
+    still turn down for the machine or the weight."""
 
-    __slots__ = ("method", "n", "k", "group_size", "w", "s", "invariant")
+    __slots__ = ("method", "n", "k", "group_size", "w", "s", "invariant", "int8_x")
     name: ClassVar[str]
     checked_at_load: ClassVar[bool] = False
+    takes_int8_x: ClassVar[bool] = False
 
-    def __init__(self, method: str, n: int, k: int, group_size: int, invariant: bool = True) -> None:
+    def __init__(self, method: str, n: int, k: int, group_size: int, invariant: bool = True,
+                 int8_x: bool = False) -> None:
         self.method, self.n, self.k, self.group_size = method, n, k, group_size
-        self.invariant = invariant
+        self.invariant, self.int8_x = invariant, int8_x and self.takes_int8_x
         self.w: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
 
@@ -401,10 +406,11 @@ class CpuInt4Path(_CpuWeightOnly):
 
     __slots__ = ("block", "amx")
     name = "cpu-int4"
+    takes_int8_x = True
     ember_min_rows = EMBER_INT4_MIN_ROWS
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
-        return kernels.int4_gemm(xb, self.w, self.s, self.group_size, self.invariant, self.amx)
+        return kernels.int4_gemm(xb, self.w, self.s, self.group_size, self.invariant, self.amx, None, self.int8_x)
 
     def prepare(self, qt: QuantizedTensor) -> None:
         self.amx = False
@@ -413,9 +419,13 @@ class CpuInt4Path(_CpuWeightOnly):
             # beside it, so the weight stays batch invariant): 16 to 512 rows 3.3-4.8x faster, one row from memory
             # 9% slower (docs/quantization.md); it rounds otherwise than the AVX512 path, more exactly
             self.amx = envs.cpu_amx_enabled() and kernels.has_amx()
+            # int8 activations (w4a8.cpp, VNNI; invariant at every row count) where asked for and AMX does not run
+            self.int8_x = (self.int8_x and not self.amx and kernels.has_w4a8()
+                           and self.group_size % W4A8_BLOCK == 0)
             self.block = _INT4_BLOCK_N
             self.w, self.s = pack_cpu_int4(qt.unpacked(), self.block), block_scale_zeros(_scale_zeros(qt))
         else:
+            self.int8_x = False
             self.block = torch_int4_block_rows()
             self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpacked().to(torch.int32), 1)
             self.s = _scale_zeros(qt)
@@ -463,6 +473,7 @@ class CpuInt5Path(CpuInt4Path):
 
     __slots__ = ("high",)
     name = "cpu-int5"
+    takes_int8_x = False  # w4a8.cpp takes no fifth bits
 
     def prepare(self, qt: QuantizedTensor) -> None:
         self.amx, self.block = False, _INT4_BLOCK_N
@@ -662,14 +673,15 @@ MATMUL_PATHS: dict[str, type[MatmulPath]] = {p.name: p for p in (
 
 class QuantizedMatmul:
     """A weight prepared for ``method`` ('int8' | 'int4' | 'int5' | 'int6' | 'w8a8') on its tensors' device: ``impl``
-    is the path (a ``MatmulPath``) chosen once here, ``path`` its name; ``batch_invariant`` as ``EngineConfig``'s."""
+    is the path (a ``MatmulPath``) chosen once here, ``path`` its name; ``batch_invariant`` and
+    ``int8_activations`` as ``EngineConfig``'s (the latter asks, ``int8_x`` says whether this weight's path does)."""
 
-    __slots__ = ("method", "n", "k", "group_size", "impl", "batch_invariant")
+    __slots__ = ("method", "n", "k", "group_size", "impl", "batch_invariant", "int8_activations")
 
     def __init__(self, method: str, qt: QuantizedTensor, path: str | None = None,
-                 batch_invariant: bool = True) -> None:
+                 batch_invariant: bool = True, int8_activations: bool = False) -> None:
         self.method = method
-        self.batch_invariant = batch_invariant
+        self.batch_invariant, self.int8_activations = batch_invariant, int8_activations
         self.n, self.k = qt.shape
         self.group_size = qt.group_size
         if method in ("int5", "int6") and qt.kind != method:
@@ -686,13 +698,19 @@ class QuantizedMatmul:
     def _build(self, path: str, qt: QuantizedTensor) -> MatmulPath:
         if path not in MATMUL_PATHS:
             raise ValueError(f"quantized matmul path {path!r} is unknown: use one of {tuple(MATMUL_PATHS)}")
-        impl = MATMUL_PATHS[path](self.method, self.n, self.k, self.group_size, self.batch_invariant)
+        impl = MATMUL_PATHS[path](self.method, self.n, self.k, self.group_size, self.batch_invariant,
+                                  self.int8_activations)
         impl.prepare(qt)
         return impl
 
     @property
     def path(self) -> str:
         return self.impl.name
+
+    @property
+    def int8_x(self) -> bool:
+        """Whether this weight multiplies int8-quantized activations (its path has such a kernel and runs it)."""
+        return self.impl.int8_x
 
     def _self_check(self, qt: QuantizedTensor, device: torch.device) -> bool:
         """Once per path and device in a process: the kernel against the portable result on a random input."""

@@ -78,7 +78,8 @@ def serve(args: argparse.Namespace) -> int:
     lora = lora_settings([r.lora_path for r in loras], args.max_loras, args.max_lora_rank) if loras else {}
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-                          calibration_data=args.calibration, kv_cache_dtype=args.kv_cache_dtype,
+                          int8_activations=args.int8_activations, calibration_data=args.calibration,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size,
                           distributed_executor_backend=args.distributed_executor_backend,

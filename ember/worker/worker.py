@@ -75,6 +75,7 @@ class Worker:
         kernels_for(self.device)  # compile (first run on this machine) or load the CPU kernels now, not mid-step
         self.lora = model_config.lora
         self.enforce_eager = model_config.enforce_eager
+        self.int8_activations = model_config.int8_activations
         if self.lora is not None:
             self.model.enable_lora(self.lora.max_loras, self.lora.max_rank, self.device)
         self.attention_backend = None if self.encoder_only else bind_attention_backend(
@@ -212,10 +213,11 @@ class Worker:
                            + (drafter.pool.numel() * drafter.pool.element_size() if drafter is not None else 0))
 
     def _quantization(self) -> str | None:
-        """The weight layout in words: the config's, or for the mixed layout the kinds held and their shares, summed
-        over every rank (each pipeline stage holds its own layers; every rank runs ``info``)."""
+        """The weight layout in words: the config's, or for the mixed layout (and with int8 activations, which only
+        some weights may take) the kinds held and their shares, summed over every rank (each pipeline stage holds
+        its own layers; every rank runs ``info``)."""
         quant = self.loaded.quant
-        if quant is None or not quant.mixed:
+        if quant is None or not (quant.mixed or self.int8_activations):
             return quant.describe() if quant else None
         counts = held_kinds(self.model)
         summed = self.agree_sum([counts.get(kind, 0) for kind in HELD_KINDS])

@@ -73,6 +73,24 @@ def test_int4_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, gr
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3  # bf16 activations and output
 
 
+@pytest.mark.parametrize("n,k,group", [(192, 256, 64), (128, 96, 32), (64, 576, 32), (64, 256, 128)])
+def test_w4a8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, group):
+    """int4 weights against int8 activations (``int8_x``, w4a8.cpp; emulated where this build lacks VNNI / VBMI):
+    passes of 1-6 rows over half a block (both halves up to 2 rows), spans of 48."""
+    kernels = avx512 if avx512.has_w4a8() else emulated_kernels()
+    g = torch.Generator().manual_seed(n + k + 1)
+    qt = quantize_int4(torch.randn(n, k, generator=g), group)
+    w, sz = pack_cpu_int4(qt.unpacked()), block_scale_zeros(_scale_zeros(qt))
+    x = torch.randn(130, k, generator=g).bfloat16()
+    alone = _rows_alone(lambda r: kernels.int4_gemm(r, w, sz, group, True, False, None, True), x)
+    for m in ROW_COUNTS:
+        assert torch.equal(kernels.int4_gemm(x[:m], w, sz, group, True, False, None, True), alone[:m]), f"{m} rows"
+        assert torch.equal(kernels.int4_gemm(x[-m:], w, sz, group, True, False, None, True), alone[-m:]), \
+            f"last {m} rows"
+    ref = F.linear(x.float(), qt.dequantize(torch.float32))
+    assert ((alone.float() - ref).norm() / ref.norm()).item() < 0.03  # int8 activations per 32 inputs
+
+
 @pytest.mark.parametrize("n,k", [(192, 256), (64, 576)])
 def test_int5_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
     """5-bit weights (GGUF Q5_0 / Q5_1 / Q5_K): the int4 chains with the fifth bits added (``int5_high``)."""
@@ -400,12 +418,14 @@ def test_default_model_answers_the_same_whatever_runs_beside_it():
     assert check(model) == []
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8", "w8a8"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "w8a8", "int4-a8"])
 def test_quantized_model_answers_the_same_whatever_runs_beside_it(quantizable_model, quantization):
-    """Weights quantized, the LM head int8, bf16 activations: the AVX512-BF16 kernels, emulated in a process of their
-    own where this machine has no AVX-512 (slow, so fewer and smaller batches there, and int4 alone: the default of
-    AVX-512 machines; the int8 and w8a8 kernels' rows are checked under emulation above)."""
-    settings = dict(quantization=quantization, quantize_embeddings=True, dtype="bfloat16", max_model_len=256)
+    """Weights quantized, the LM head int8, bf16 activations (int4-a8: int4 against int8 activations, the w4a8
+    kernel): the AVX512-BF16 kernels, emulated in a process of their own where this machine has no AVX-512 (slow, so
+    fewer and smaller batches there, and int4 alone: the default of AVX-512 machines; the int8, w8a8 and w4a8
+    kernels' rows are checked under emulation in their unit tests)."""
+    settings = dict(quantization=quantization.removesuffix("-a8"), quantize_embeddings=True, dtype="bfloat16",
+                    max_model_len=256, int8_activations=quantization.endswith("-a8"))
     if _native_avx512():
         assert check(quantizable_model, **settings) == []
         return

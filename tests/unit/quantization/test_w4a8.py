@@ -1,0 +1,96 @@
+"""int4 weights against int8 activations (``EngineConfig.int8_activations``, ember/kernels/w4a8.cpp): the kernel
+against a reference of its arithmetic in plain torch (x quantized per row and block of 32, round half to even, exact
+integer products, the offsets from the bf16 x's own sums), what it refuses, and which weights take it (a row's bits
+whatever rows share the call: tests/e2e/test_batch_invariance.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels import cpu_kernels, emulated_kernels
+from ember.quantization import QuantizedMatmul, quantize_int4
+from ember.quantization.held import held_kinds
+from ember.quantization.kernels import W4A8_BLOCK, _scale_zeros, block_scale_zeros, pack_cpu_int4
+
+
+@pytest.fixture(scope="module")
+def k():
+    """The native build where it has the kernel (AVX512-BF16, VNNI, VBMI), else the emulated one."""
+    native = cpu_kernels()
+    return native if native is not None and native.has_w4a8() else emulated_kernels()
+
+
+def _weight(n: int, k: int, group: int, seed: int = 0):
+    torch.manual_seed(seed)
+    qt = quantize_int4(torch.randn(n, k) * 0.05, group)
+    sz = _scale_zeros(qt)
+    return qt, pack_cpu_int4(qt.unpacked()), block_scale_zeros(sz), sz
+
+
+def _reference(x: torch.Tensor, qt, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """The kernel's arithmetic in float64: per block b of 32 inputs, (integer sum * x scale) * weight scale; per
+    group, the bf16 x's sum times (zero - 8 scale)."""
+    m, k = x.shape
+    n = qt.shape[0]
+    xb = x.float().view(m, k // W4A8_BLOCK, W4A8_BLOCK)
+    xs = (xb.abs().amax(-1) / 127).clamp(min=1e-10)
+    q = torch.round(xb / xs[..., None]).clamp(-127, 127)  # float32 quotient, round half to even
+    isum = torch.einsum("mbk,nbk->mbn", q.double(), qt.unpacked().double().view(n, k // W4A8_BLOCK, W4A8_BLOCK))
+    scale, zero = sz[..., 0].double(), sz[..., 1].double()  # [G, N]
+    per = group // W4A8_BLOCK
+    y = (isum * xs.double()[..., None] * scale.repeat_interleave(per, 0)[None]).sum(1)
+    return y + x.double().view(m, k // group, group).sum(-1) @ (zero - 8 * scale)
+
+
+@pytest.mark.parametrize("n,kdim,group", [(64, 64, 32), (128, 256, 64), (192, 576, 32), (128, 1024, 128)])
+def test_kernel_is_the_int8_block_product_rescaled(k, n, kdim, group):
+    """Every pass size (1-6 rows, both halves' passes from 3) and a span past 48 rows; an all-zero block and a row
+    of outliers: within the bf16 result's rounding (2**-8 relative) of the float64 reference."""
+    qt, w, szb, sz = _weight(n, kdim, group)
+    for rows in (1, 2, 3, 5, 6, 7, 13, 50):
+        x = torch.randn(rows, kdim).bfloat16()
+        x[0, :W4A8_BLOCK] = 0
+        x[-1, 3] = 300.0
+        y = k.int4_gemm(x, w, szb, group, True, False, None, True)
+        ref = _reference(x, qt, sz, group)
+        err = (y.double() - ref).abs() / (ref.abs() + 1e-3)
+        assert err.max().item() < 2**-8 + 1e-4, (n, kdim, group, rows)
+
+
+def test_kernel_refuses_what_it_cannot_take(k):
+    """Groups not a multiple of its 32-input blocks and 5-bit weights (the fifth bits) are refused by name."""
+    qt, w, szb, _ = _weight(64, 64, 16)
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"int4_gemm: int8_x=True needs groups a multiple of 32, got 16"):
+        k.int4_gemm(x, w, szb, 16, True, False, None, True)
+    high = torch.zeros(64 * 64 // 8, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"int4_gemm: int8_x=True takes 4-bit weights only \(high given\)"):
+        k.int4_gemm(x, w, szb, 16, True, False, high, True)
+
+
+def test_layers_take_int8_activations_only_where_asked_and_the_kernel_runs():
+    """A QuantizedMatmul asked for int8 activations runs them on the int4 path where the native kernel is built
+    and AMX does not run (held as 'w4a8 g32'); int8 weights and groups of 16 keep bf16 activations."""
+    native = cpu_kernels()
+    qt = quantize_int4(torch.randn(128, 256) * 0.05, 32)
+    plain, asked = QuantizedMatmul("int4", qt), QuantizedMatmul("int4", qt, int8_activations=True)
+    assert not plain.int8_x
+    from ember import envs
+
+    runs = (native is not None and native.has_w4a8() and not (envs.cpu_amx_enabled() and native.has_amx()))
+    assert asked.int8_x == runs
+    x = torch.randn(4, 256).bfloat16()
+    ref = x.float() @ qt.dequantize().t()
+    assert ((asked(x).float() - ref).norm() / ref.norm()).item() < 0.03
+    assert not QuantizedMatmul("int4", quantize_int4(torch.randn(128, 256), 16), int8_activations=True).int8_x
+    from ember.quantization import quantize_int8
+
+    assert not QuantizedMatmul("int8", quantize_int8(torch.randn(128, 256)), int8_activations=True).int8_x
+
+    class Layer(torch.nn.Module):
+        def __init__(self, mm):
+            super().__init__()
+            self.qmm = mm
+
+    assert held_kinds(Layer(asked)) == {("w4a8 g32" if runs else "int4 g32"): 128 * 256}
