@@ -68,9 +68,10 @@ class EngineConfig:
     # batch, chunking, prefix-cache hits, preemption); False takes faster kernels whose rounding depends on the
     # batch (docs/batch_invariance.md has what each path costs; CUDA is not covered yet)
     batch_invariant: bool = True
-    # int4 weights multiply activations quantized to int8 per row and block of 32 inputs (llama.cpp's Q8_0, which it
-    # does for every quantized GGUF on CPU), exact integer products on VNNI: prefill and batched decode about 1.5x
-    # faster on CPUs without AMX, the logits a little further from float (docs/quantization.md); batch invariant
+    # int4 and int8 weights multiply activations quantized to int8 per row and block of 32 inputs (as llama.cpp's
+    # Q8_0 blocks, with a float32 scale), exact integer products: on CPUs with AVX512-BF16, VNNI and VBMI where AMX
+    # does not run the weights (Zen 4 / 5), W1 about 1.2x (kernels 1.3-1.7x from 16 rows), the log-probabilities
+    # about twice as far from float as int4's (docs/int8_activations.md); batch invariant; ignored elsewhere
     int8_activations: bool = False
     # weights: None = as the checkpoint stores them (a quantized .asmodel stays quantized; GGUF Q8_0/Q4_0/Q4_1/Q4_K
     # blocks stay int8/int4 unless dtype is float32); "none" = float; "int8" | "int4" | "w8a8" = quantize at load;

@@ -31,8 +31,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights: none (float), int8, int4, w8a8, or calibrated: awq (int4) or smoothquant (w8a8) "
                         "(default: as the checkpoint stores them)")
     g.add_argument("--int8-activations", action="store_true",
-                   help="int4 weights multiply activations quantized to int8 per block of 32 (llama.cpp's Q8_0; "
-                        "VNNI CPUs without AMX): faster prefill and batches, logits a little further from float")
+                   help="int4 / int8 weights multiply activations quantized to int8 per block of 32 (CPUs with "
+                        "AVX512-BF16, VNNI and VBMI, without AMX: Zen 4 / 5): faster prefill and batches, "
+                        "log-probabilities further from float (docs/int8_activations.md)")
     g.add_argument("--calibration", default=None, metavar="FILE",
                    help="awq / smoothquant: a UTF-8 text file to calibrate on (default: the shipped text)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),

@@ -40,7 +40,7 @@ _failed = False
 _emulated: ModuleType | None = None
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "rms_norm.cpp", "quant_gemm.cpp", "elementwise.cpp",
             "prefill_attention.cpp", "w8a8.cpp", "dense_gemm.cpp", "int6_gemm.cpp",
-            "w4a8.cpp")
+            "w4a8.cpp", "w8a8_blocks.cpp")
 # part of the cache key only
 _HEADERS = ("avx512_util.h", "avx512_emulation.h", "amx.h", "checks.h", "quant_blocks.h", "w4a8.h")
 _READY = "ready"  # written once a build has loaded: holds the library's path

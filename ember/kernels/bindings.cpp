@@ -15,6 +15,7 @@ bool has_amx();
 torch::Tensor int6_gemm(torch::Tensor x, torch::Tensor w, bool invariant);
 bool has_int6();
 torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant);
+torch::Tensor int8_x8_gemm(torch::Tensor x, torch::Tensor wv, torch::Tensor negcorr, torch::Tensor scales);
 torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scales);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
@@ -43,6 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the int4 kernel and int8_exact_gemm may use AMX tiles here (built with them, granted by the OS)");
   m.def("int8_gemm", &int8_gemm, "bf16 x [M, K] . int8 W^T * row scales -> bf16 [M, N]", py::arg("x"), py::arg("w"),
         py::arg("scales"), py::arg("invariant") = true);
+  m.def("int8_x8_gemm", &int8_x8_gemm, "bf16 x [M, K] quantized per block of 32 to int8 . int8 W^T (pack_x8's "
+        "layout) * row scales -> bf16 [M, N] (VNNI)", py::arg("x"), py::arg("wv"), py::arg("negcorr"),
+        py::arg("scales"));
   m.def("int8_exact_gemm", &int8_exact_gemm, "bf16 x [M, K] in exact integer parts . int8 W^T on AMX -> bf16 [M, N]",
         py::arg("x"), py::arg("w"), py::arg("row_sums"), py::arg("scales"));
   m.def("w8a8_linear", &w8a8_linear, "x [M, K] quantized per row to int8 . int8 W^T (VNNI via _int_mm) * scales");

@@ -47,7 +47,9 @@ struct W4A8Consts {
 // Per row and block of QB inputs: q = round-half-even(x / s), s = max(max|x| / 127, 1e-10), and the block's sum of
 // x (a fixed tree of float32 adds), whose sums over a weight group give the offsets' factor. One pass over x: the
 // sums as a scalar loop of their own cost a 512-token prefill of the default model 7% (120 calls).
-void quantize_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* bsum) {
+}  // namespace
+
+void quantize_x8_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* bsum) {
   const int64_t blocks = K / QB;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
@@ -69,6 +71,8 @@ void quantize_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q, fl
       }
   });
 }
+
+namespace {
 
 // y[0 : R, the columns of halves H0 .. H0 + NH - 1] of one block of the pack (blk: its K x 32 bytes; szb: its
 // [groups, 64, 2] (scale, zero) pairs). Half 0 is columns 0-15 and 32-47 (the low and high nibbles of a pair step's
@@ -158,7 +162,7 @@ bool w4a8_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
   const int64_t blocks = K / QB, groups = K / group, per = group / QB;
   std::unique_ptr<int8_t[]> q(new int8_t[M * K]);  // written whole before it is read: no zeroing
   std::vector<float> d(M * blocks), bsum(M * blocks), xsum(M * groups);
-  quantize_blocks(x, M, K, q.get(), d.data(), bsum.data());
+  quantize_x8_blocks(x, M, K, q.get(), d.data(), bsum.data());
   for (int64_t m = 0; m < M; ++m)  // a group's sum of x: its blocks' sums in order
     for (int64_t g = 0; g < groups; ++g) {
       float sum = bsum[m * blocks + g * per];
@@ -188,6 +192,9 @@ bool w4a8_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
 
 bool has_w4a8() { return true; }
 #else
+void quantize_x8_blocks(const c10::BFloat16*, int64_t, int64_t, int8_t*, float*, float*) {
+  TORCH_CHECK(false, "quantize_x8_blocks needs AVX512-BF16 with VNNI and VBMI");
+}
 bool w4a8_rows(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const c10::BFloat16*, int64_t, int64_t,
                c10::BFloat16*) {
   return false;

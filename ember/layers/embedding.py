@@ -113,7 +113,8 @@ class LMHead(VocabEmbedding):
             return
         if owner.qt is not None:
             # shares the int8 table with the embedding when tied
-            self.qmm = QuantizedMatmul("int8", owner.qt, batch_invariant=batch_invariant)
+            self.qmm = QuantizedMatmul("int8", owner.qt, batch_invariant=batch_invariant,
+                                       int8_activations=int8_activations)
             return
         self.dense = dense_kernels(device, self.weight.dtype, batch_invariant)
         if prepack and self.dense is None:

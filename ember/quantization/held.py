@@ -8,15 +8,16 @@ import torch
 
 from ember.config import INT4_GROUP_SIZES
 
-# every kind a layer can hold, in one order on every rank (their counts are summed over the ranks); w4a8: int4
-# weights multiplying int8 activations (EngineConfig.int8_activations)
-HELD_KINDS = tuple(f"{m} g{g}" for m in ("int4", "w4a8", "int5") for g in INT4_GROUP_SIZES) + ("int6", "int8", "w8a8")
+# every kind a layer can hold, in one order on every rank (their counts are summed over the ranks); "a8": the
+# weights multiply int8 activations per 32 inputs (EngineConfig.int8_activations)
+HELD_KINDS = (tuple(f"{m} g{g}{a}" for m in ("int4", "int5") for g in INT4_GROUP_SIZES for a in ("", " a8"))
+              + ("int6", "int8", "int8 a8", "w8a8"))
 
 
 def held_kinds(model: torch.nn.Module) -> dict[str, int]:
-    """Weights (rows x inputs) per kind as the layers hold them: 'int4 g32', 'w4a8 g32', 'int5 g32', 'int6', 'int8',
-    'w8a8'. Each matmul once (a tied LM head's is its table's) and each quantized embedding table an LM head does not
-    share."""
+    """Weights (rows x inputs) per kind as the layers hold them: 'int4 g32', 'int4 g32 a8', 'int5 g32', 'int6',
+    'int8', 'int8 a8', 'w8a8'. Each matmul once (a tied LM head's is its table's) and each quantized embedding table
+    an LM head does not share."""
     modules = list(model.modules())
     shared = {id(m.tied_to) for m in modules if getattr(m, "tied_to", None) is not None}
     seen: set[int] = set()
@@ -31,9 +32,8 @@ def held_kinds(model: torch.nn.Module) -> dict[str, int]:
                 continue
             seen.add(id(mm))
             for part in getattr(mm, "parts", (mm,)):
-                grouped = part.method in ("int4", "int5")
-                method = "w4a8" if part.method == "int4" and part.int8_x else part.method
-                add(f"{method} g{part.group_size}" if grouped else method, part.n * part.k)
+                kind = f"{part.method} g{part.group_size}" if part.method in ("int4", "int5") else part.method
+                add(kind + " a8" if part.int8_x else kind, part.n * part.k)
         table = getattr(module, "qt", None)  # an embedding's int8 rows: a head's own are its qmm, counted above
         if table is not None and not hasattr(module, "tied_to") and id(module) not in shared:
             rows, cols = table.shape

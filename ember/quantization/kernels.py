@@ -178,6 +178,20 @@ def _scale_zeros(qt: QuantizedTensor) -> torch.Tensor:
     return torch.stack([qt.scales, zeros], dim=-1).transpose(0, 1).contiguous().bfloat16()
 
 
+def pack_x8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] (K a multiple of W4A8_BLOCK) -> what ember's int8-activation kernel reads (``int8_x8_gemm``): the
+    weight per 16 rows (zeros past N) with each row's 4 inputs of a step side by side, int8 [ceil(N/16), K/4, 16,
+    4], and -128 * each row's sum over each block, int32 [ceil(N/16), K/W4A8_BLOCK, 16] (the kernel multiplies q +
+    128 against the signed weight)."""
+    n, k = w.shape
+    panels = -(-n // 16)
+    padded = torch.zeros(panels * 16, k, dtype=torch.int8)
+    padded[:n] = w
+    wv = padded.view(panels, 16, k // 4, 4).transpose(1, 2).contiguous()
+    sums = padded.view(panels, 16, k // W4A8_BLOCK, W4A8_BLOCK).sum(-1, dtype=torch.int32).transpose(1, 2)
+    return wv, (-128 * sums).contiguous()
+
+
 def block_scale_zeros(sz: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
     """[K/g, N, 2] -> [N/block, K/g, block, 2]: ember's int4 kernel reads a block of output rows at a time, and with
     its scales next to each other they stream from memory beside its weights. With row stride N each group's pairs
@@ -364,8 +378,12 @@ class _Int8PackPath(_WeightOnlyPath):
 
 
 class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
-    __slots__ = ("s32", "row_sums")
+    """``x8``: the weight as ``pack_x8`` lays it out, where the int8 activations run (a second copy of the int8
+    weight, beside the row layout the embedding lookups and the other paths read)."""
+
+    __slots__ = ("s32", "row_sums", "x8")
     name = "cpu-int8"
+    takes_int8_x = True
     ember_min_rows = EMBER_INT8_MIN_ROWS
     ember_max_small_rows = EMBER_INT8_ROWS_MAX
 
@@ -380,8 +398,15 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
         if (kernels := _ember_gemm()) is not None and envs.cpu_amx_enabled() and kernels.has_amx() \
                 and self.k < 65536:
             self.row_sums = self.w.sum(1, dtype=torch.int32)
+        # int8 activations per 32 inputs (w8a8_blocks.cpp, VNNI; invariant at every row count) where asked for and
+        # the exact AMX path does not run
+        self.int8_x = (self.int8_x and self.row_sums is None and kernels is not None and kernels.has_w4a8()
+                       and self.k % W4A8_BLOCK == 0)
+        self.x8 = pack_x8(self.w) if self.int8_x else None
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
+        if self.x8 is not None:
+            return kernels.int8_x8_gemm(xb, *self.x8, self.s32)
         if self.row_sums is not None:
             return kernels.int8_exact_gemm(xb, self.w, self.row_sums, self.s32)
         if not self.invariant and xb.shape[0] > EMBER_INT8_ROWS_MAX and (self.n % _INT4_BLOCK_N or self.k % 2):
@@ -390,7 +415,7 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
         return kernels.int8_gemm(xb, self.w, self.s32, self.invariant)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (*super().tensors(), self.s32, self.row_sums) if t is not None]
+        return [t for t in (*super().tensors(), self.s32, self.row_sums, *(self.x8 or ())) if t is not None]
 
 
 class CudaInt8Path(_Int8PackPath):

@@ -220,8 +220,10 @@ class Worker:
         if quant is None or not (quant.mixed or self.int8_activations):
             return quant.describe() if quant else None
         counts = held_kinds(self.model)
-        summed = self.agree_sum([counts.get(kind, 0) for kind in HELD_KINDS])
-        return describe_held(dict(zip(HELD_KINDS, summed)), quant.describe())
+        held = dict(zip(HELD_KINDS, self.agree_sum([counts.get(kind, 0) for kind in HELD_KINDS])))
+        if not quant.mixed and not any(n for kind, n in held.items() if kind.endswith(" a8")):
+            return quant.describe()  # int8 activations asked for, taken by no weight: the config's words
+        return describe_held(held, quant.describe())
 
     def _agree(self, values: list[int], op: str) -> list[int]:
         """Each value reduced over every rank with ``op`` ('SUM', 'MIN': a torch.distributed.ReduceOp)."""

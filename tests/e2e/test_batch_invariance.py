@@ -21,14 +21,14 @@ from conftest import TESTS, default_gguf, save_random_model
 from internals import worker_of
 from invariance import check
 
-from ember import LLM, ConfigError, SamplingParams
+from ember import LLM, ConfigError, SamplingParams, envs
 from ember.kernels import cpu_kernels, emulated_kernels
 from ember.layers import linear as linear_module
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import Linear, MergedLinear, mkldnn_prepack_available
 from ember.quantization import QuantizedMatmul
 from ember.quantization.kernels import (_scale_zeros, block_scale_zeros, pack_cpu_int4, pack_cpu_int5_high,
-                                        pack_cpu_int6)
+                                        pack_cpu_int6, pack_x8)
 from ember.quantization.tensor import QuantizedTensor, quantize_int4, quantize_int8
 
 HERE = TESTS
@@ -87,6 +87,23 @@ def test_w4a8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k, gr
         assert torch.equal(kernels.int4_gemm(x[:m], w, sz, group, True, False, None, True), alone[:m]), f"{m} rows"
         assert torch.equal(kernels.int4_gemm(x[-m:], w, sz, group, True, False, None, True), alone[-m:]), \
             f"last {m} rows"
+    ref = F.linear(x.float(), qt.dequantize(torch.float32))
+    assert ((alone.float() - ref).norm() / ref.norm()).item() < 0.03  # int8 activations per 32 inputs
+
+
+@pytest.mark.parametrize("n,k", [(192, 256), (77, 96), (130, 576)])
+def test_int8_kernel_with_int8_activations_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
+    """int8 weights against int8 activations (``int8_x8_gemm``, w8a8_blocks.cpp, on ``pack_x8``'s layout; emulated
+    where this build lacks VNNI / VBMI): passes of 1-12 rows against a 16-row panel, spans of 48."""
+    kernels = avx512 if avx512.has_w4a8() else emulated_kernels()
+    g = torch.Generator().manual_seed(n * k + 1)
+    qt = quantize_int8(torch.randn(n, k, generator=g))
+    s, (wv, nc) = qt.scales.view(-1).float(), pack_x8(qt.data)
+    x = torch.randn(130, k, generator=g).bfloat16()
+    alone = _rows_alone(lambda r: kernels.int8_x8_gemm(r, wv, nc, s), x)
+    for m in ROW_COUNTS:
+        assert torch.equal(kernels.int8_x8_gemm(x[:m], wv, nc, s), alone[:m]), f"{m} rows"
+        assert torch.equal(kernels.int8_x8_gemm(x[-m:], wv, nc, s), alone[-m:]), f"last {m} rows"
     ref = F.linear(x.float(), qt.dequantize(torch.float32))
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 0.03  # int8 activations per 32 inputs
 
@@ -426,6 +443,16 @@ def test_quantized_model_answers_the_same_whatever_runs_beside_it(quantizable_mo
     kernels' rows are checked under emulation in their unit tests)."""
     settings = dict(quantization=quantization.removesuffix("-a8"), quantize_embeddings=True, dtype="bfloat16",
                     max_model_len=256, int8_activations=quantization.endswith("-a8"))
+    if quantization.endswith("-a8"):
+        native = cpu_kernels()
+        if native is None or not native.has_w4a8() or (envs.cpu_amx_enabled() and native.has_amx()):
+            pytest.skip("int8 activations run natively only (AVX512-BF16, VNNI and VBMI, without AMX); the kernels' "
+                        "rows are checked under emulation above")
+        llm = LLM(quantizable_model, **settings)
+        held = llm.model_info.quantization
+        llm.shutdown()
+        kinds = [part.rsplit(" (", 1)[0] for part in held.split(" + ")]
+        assert kinds == ["int4 g128 a8", "int8 a8"], held  # every weight takes them, the int8 LM head too
     if _native_avx512():
         assert check(quantizable_model, **settings) == []
         return

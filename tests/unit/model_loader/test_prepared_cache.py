@@ -38,14 +38,15 @@ def test_the_key_follows_the_checkpoint_the_settings_and_the_switches(tmp_path, 
     assert key is not None and key == prepared.entry_key(_config(str(gguf)), ParallelContext())
     others = [prepared.entry_key(_config(str(gguf), dtype="bfloat16"), ParallelContext()),
               prepared.entry_key(_config(str(gguf), quantization="int8"), ParallelContext()),
-              prepared.entry_key(_config(str(gguf), batch_invariant=False), ParallelContext())]
+              prepared.entry_key(_config(str(gguf), batch_invariant=False), ParallelContext()),
+              prepared.entry_key(_config(str(gguf), int8_activations=True), ParallelContext())]
     monkeypatch.setenv("EMBER_CPU_AMX", "0")
     others.append(prepared.entry_key(_config(str(gguf)), ParallelContext()))
     monkeypatch.delenv("EMBER_CPU_AMX")
     st = os.stat(gguf)
     os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file rewritten
     others.append(prepared.entry_key(_config(str(gguf)), ParallelContext()))
-    assert len({key, *others}) == 6
+    assert len({key, *others}) == 7
 
     folder = tmp_path / "hf"
     folder.mkdir()
