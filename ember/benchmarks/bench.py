@@ -46,7 +46,7 @@ def add_bench_parser(sub) -> None:
                        "ember with float weights, quantization='none'; ember-int8: int8 weights, bf16 activations, "
                        "quantization='int8'; ember-w8a8: int8 weights and per-token int8 activations, "
                        "quantization='w8a8'; ember-variant: batch_invariant=False, kernels whose rounding depends "
-                       "on the batch; ember-a8: int4 weights against int8 activations, int8_activations=True; "
+                       "on the batch; ember-a8: int4 / int8 weights against int8 activations, int8_activations=True; "
                        "ember-ngram: n-gram speculative decoding, up to 8 tokens; ember-suffix: "
                        "suffix decoding, vLLM's defaults (up to 24 tokens); ember-prediction: OpenAI's predicted "
                        "outputs with --prompts text (copy and code prompts send their expected answer); ember-draft: "

@@ -92,7 +92,7 @@ class ModelConfig:
     batch_invariant: bool = True  # kernels whose per-row results do not depend on the batch (EngineConfig)
     draft: "ModelConfig | None" = None  # speculative decoding's draft model, loaded beside this one (worker.drafter)
     verify_tokens: int = 0  # speculative decoding's longest draft: start-up times verifying 1 .. this many (0: none)
-    int8_activations: bool = False  # int4 weights multiply int8-quantized activations (EngineConfig)
+    int8_activations: bool = False  # int4 / int8 weights multiply int8-quantized activations (EngineConfig)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,11 +44,11 @@ struct W4A8Consts {
   }
 };
 
+}  // namespace
+
 // Per row and block of QB inputs: q = round-half-even(x / s), s = max(max|x| / 127, 1e-10), and the block's sum of
 // x (a fixed tree of float32 adds), whose sums over a weight group give the offsets' factor. One pass over x: the
 // sums as a scalar loop of their own cost a 512-token prefill of the default model 7% (120 calls).
-}  // namespace
-
 void quantize_x8_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* bsum) {
   const int64_t blocks = K / QB;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -154,7 +154,6 @@ EMBER_INLINE void w4a8_block_rows(const W4A8Consts& c, const int8_t* q, const fl
 }
 
 }  // namespace
-EMBER_FIXED_ORDER_END
 
 bool w4a8_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const c10::BFloat16* sz, int64_t N,
                int64_t group, c10::BFloat16* y) {
@@ -189,6 +188,7 @@ bool w4a8_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
   });
   return true;
 }
+EMBER_FIXED_ORDER_END  // after the driver: the inlined passes take its options
 
 bool has_w4a8() { return true; }
 #else

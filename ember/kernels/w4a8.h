@@ -1,5 +1,5 @@
-// int8 activations per row and block of W4A8_BLOCK inputs (EngineConfig.int8_activations): w4a8.cpp (int4 weights;
-// the quantization of x) and w8a8_blocks.cpp (int8 weights), called by int4_gemm / int8_gemm (quant_gemm.cpp).
+// int8 activations per row and block of W4A8_BLOCK inputs (EngineConfig.int8_activations): w4a8.cpp (int4 weights,
+// called by int4_gemm in quant_gemm.cpp; the quantization of x) and w8a8_blocks.cpp (int8 weights, int8_x8_gemm).
 #pragma once
 #include <c10/util/BFloat16.h>
 
