@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_util.h"
@@ -109,6 +110,16 @@ constexpr int64_t ROW_SPAN = 48;  // a multiple of 3 and of INV_PASS
 // chains (2 threads, AMD Zen 5, 2026-11-28, the default model's 120 int4 weights, interleaved in one process): 1
 // row 0.97-1.00x the time, 4 rows 0.82-0.84x, 5 0.82x, 6 0.76x, 9 0.86x, 12-48 0.90x.
 constexpr int INV_PASS = 6;
+
+// fn(std::integral_constant<int, R>{}) with R = min(n, MAX) for n >= 1: a pass over R rows, R fixed at compile time
+// so that the pass's sums stay in registers (the int8-activation kernels' row passes)
+template <int MAX, typename Fn>
+EMBER_INLINE void rows_pass(int64_t n, Fn fn) {
+  if constexpr (MAX > 1) {
+    if (n < MAX) return rows_pass<MAX - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, MAX>{});
+}
 
 // each row's sum over each group of x [M, K], summed in a fixed order: the offsets' factor (int4's paths, int6's).
 // Groups of a multiple of 16: 16 lanes along the group, then _mm512_reduce_add_ps' tree; as one scalar chain they

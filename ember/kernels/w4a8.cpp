@@ -46,13 +46,15 @@ struct W4A8Consts {
 
 }  // namespace
 
-// Per row and block of QB inputs: q = round-half-even(x / s), s = max(max|x| / 127, 1e-10), and the block's sum of
-// x (a fixed tree of float32 adds), whose sums over a weight group give the offsets' factor. One pass over x: the
-// sums as a scalar loop of their own cost a 512-token prefill of the default model 7% (120 calls).
-void quantize_x8_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* bsum) {
+// Per row and block of QB inputs: q = round-half-even(x / s), s = max(max|x| / 127, 1e-10), and (bsum given) the
+// block's sum of x (a fixed tree of float32 adds), whose sums over a weight group give the offsets' factor. One pass
+// over x: the sums as a scalar loop of their own cost a 512-token prefill of the default model 7% (120 calls).
+void quantize_x8_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* bsum,
+                        bool plus128) {
   const int64_t blocks = K / QB;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i bias = _mm512_set1_epi32(plus128 ? 128 : 0);  // q + 128: its low byte is the uint8 (vpmovdb)
     for (int64_t m = begin; m < end; ++m)
       for (int64_t b = 0; b < blocks; ++b) {
         const c10::BFloat16* xb = x + m * K + b * QB;
@@ -60,13 +62,13 @@ void quantize_x8_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q,
         const float s = ember_fixed::max(
             _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / 127.f, 1e-10f);
         d[m * blocks + b] = s;
-        bsum[m * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        if (bsum != nullptr) bsum[m * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         const __m512 sv = _mm512_set1_ps(s);
         const __m512 v[2] = {v0, v1};
         for (int h = 0; h < 2; ++h) {  // cvtps_epi32 rounds half to even (the default MXCSR mode)
           const __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(v[h], sv));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * QB + 16 * h),
-                           _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(r, lo), hi)));
+                           _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(r, lo), hi), bias)));
         }
       }
   });
@@ -161,7 +163,7 @@ bool w4a8_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
   const int64_t blocks = K / QB, groups = K / group, per = group / QB;
   std::unique_ptr<int8_t[]> q(new int8_t[M * K]);  // written whole before it is read: no zeroing
   std::vector<float> d(M * blocks), bsum(M * blocks), xsum(M * groups);
-  quantize_x8_blocks(x, M, K, q.get(), d.data(), bsum.data());
+  quantize_x8_blocks(x, M, K, q.get(), d.data(), bsum.data(), false);
   for (int64_t m = 0; m < M; ++m)  // a group's sum of x: its blocks' sums in order
     for (int64_t g = 0; g < groups; ++g) {
       float sum = bsum[m * blocks + g * per];
@@ -176,14 +178,9 @@ bool w4a8_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
       const float* dm = d.data() + m * blocks;
       const float* sm = xsum.data() + m * groups;
       c10::BFloat16* ym = y + m * N + nb * NB;
-      switch (ember_fixed::min<int64_t>(PASS, m1 - m)) {
-        case 1: w4a8_block_rows<1>(c, qm, dm, sm, K, group, blk, szb, N, ym); break;
-        case 2: w4a8_block_rows<2>(c, qm, dm, sm, K, group, blk, szb, N, ym); break;
-        case 3: w4a8_block_rows<3>(c, qm, dm, sm, K, group, blk, szb, N, ym); break;
-        case 4: w4a8_block_rows<4>(c, qm, dm, sm, K, group, blk, szb, N, ym); break;
-        case 5: w4a8_block_rows<5>(c, qm, dm, sm, K, group, blk, szb, N, ym); break;
-        default: w4a8_block_rows<PASS>(c, qm, dm, sm, K, group, blk, szb, N, ym); break;
-      }
+      rows_pass<PASS>(m1 - m, [&](auto rows) {
+        w4a8_block_rows<decltype(rows)::value>(c, qm, dm, sm, K, group, blk, szb, N, ym);
+      });
     }
   });
   return true;
@@ -192,7 +189,7 @@ EMBER_FIXED_ORDER_END  // after the driver: the inlined passes take its options
 
 bool has_w4a8() { return true; }
 #else
-void quantize_x8_blocks(const c10::BFloat16*, int64_t, int64_t, int8_t*, float*, float*) {
+void quantize_x8_blocks(const c10::BFloat16*, int64_t, int64_t, int8_t*, float*, float*, bool) {
   TORCH_CHECK(false, "quantize_x8_blocks needs AVX512-BF16 with VNNI and VBMI");
 }
 bool w4a8_rows(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const c10::BFloat16*, int64_t, int64_t,

@@ -18,6 +18,7 @@
 
 #include "avx512_util.h"
 #include "checks.h"
+#include "quant_blocks.h"
 #include "w4a8.h"
 
 #if defined(EMBER_AVX512_BF16) && defined(EMBER_AVX512_VNNI) && defined(EMBER_AVX512_VBMI)
@@ -65,10 +66,9 @@ bool w8a8_block_rows(const c10::BFloat16* x, int64_t M, int64_t K, const int8_t*
   if (K % QB != 0) return false;
   const int64_t blocks = K / QB;
   std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
-  std::vector<float> d(M * blocks), bsum(M * blocks);
-  quantize_x8_blocks(x, M, K, q.get(), d.data(), bsum.data());
-  uint8_t* xu = reinterpret_cast<uint8_t*>(q.get());
-  for (int64_t i = 0; i < M * K; ++i) xu[i] ^= 0x80;  // q + 128
+  std::vector<float> d(M * blocks);
+  quantize_x8_blocks(x, M, K, q.get(), d.data(), nullptr, true);  // q + 128
+  const uint8_t* xu = reinterpret_cast<const uint8_t*>(q.get());
   const int64_t panels = (N + NC - 1) / NC, spans = (M + SPAN - 1) / SPAN;
   at::parallel_for(0, panels * spans, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -83,20 +83,9 @@ bool w8a8_block_rows(const c10::BFloat16* x, int64_t M, int64_t K, const int8_t*
         const uint8_t* xm = xu + m * K;
         const float* dm = d.data() + m * blocks;
         c10::BFloat16* ym = y + m * N + n0;
-        switch (ember_fixed::min<int64_t>(PASS, m1 - m)) {
-          case 1: panel_rows<1>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 2: panel_rows<2>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 3: panel_rows<3>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 4: panel_rows<4>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 5: panel_rows<5>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 6: panel_rows<6>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 7: panel_rows<7>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 8: panel_rows<8>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 9: panel_rows<9>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 10: panel_rows<10>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          case 11: panel_rows<11>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-          default: panel_rows<PASS>(xm, dm, K, panel, nc, ws, cols, ym, N); break;
-        }
+        ember_quant::rows_pass<PASS>(m1 - m, [&](auto rows) {
+          panel_rows<decltype(rows)::value>(xm, dm, K, panel, nc, ws, cols, ym, N);
+        });
       }
     }
   });
