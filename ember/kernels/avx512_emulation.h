@@ -264,6 +264,11 @@ inline float reduce_add_ps(V512 a) {
     for (int j = 0; j < w; ++j) a.f[j] = a.f[j] + a.f[j + w];
   return a.f[0];
 }
+inline int32_t reduce_add_epi32(V512 a) {  // wrapping, exact in any order
+  uint32_t t = 0;
+  for (int j = 0; j < 16; ++j) t += a.u[j];
+  return static_cast<int32_t>(t);
+}
 inline float reduce_max_ps(V512 a) {
   float m = a.f[0];
   for (int j = 1; j < 16; ++j) m = a.f[j] > m ? a.f[j] : m;
@@ -362,6 +367,7 @@ EMBER_FIXED_ORDER_END
 #define _mm512_shuffle_f32x4 ember_emu::shuffle_x4
 #define _mm512_shuffle_i32x4 ember_emu::shuffle_x4
 #define _mm512_reduce_add_ps ember_emu::reduce_add_ps
+#define _mm512_reduce_add_epi32 ember_emu::reduce_add_epi32
 #define _mm512_reduce_max_ps ember_emu::reduce_max_ps
 #undef _mm_prefetch
 #define _mm_prefetch(p, hint) __builtin_prefetch(p)

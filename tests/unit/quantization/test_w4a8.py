@@ -1,7 +1,8 @@
 """int8 activations per block of 32 (``EngineConfig.int8_activations``) against int4 weights (ember/kernels/w4a8.cpp)
 and int8 ones (w8a8_blocks.cpp): each kernel against a reference of its arithmetic in plain torch (x quantized per
-row and block of 32, round half to even, exact integer products; int4's offsets from the bf16 x's own sums), what
-they refuse, and which weights take them (a row's bits whatever rows share the call: test_batch_invariance.py)."""
+row and block of 32, round half to even, exact integer products; int4's offsets from the quantized x's sums), how
+close int4's result is to the exact product, what they refuse, and which weights take them (a row's bits whatever rows
+share the call: test_batch_invariance.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _x8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(x: torch.Tensor, qt, sz: torch.Tensor, group: int) -> torch.Tensor:
     """The kernel's arithmetic in float64: per block b of 32 inputs, (integer sum * x scale) * weight scale; per
-    group, the bf16 x's sum times (zero - 8 scale)."""
+    group, the quantized x's sum (each block's x scale times its sum of q) times (zero - 8 scale)."""
     m, k = x.shape
     n = qt.shape[0]
     q, xs = _x8(x)
@@ -46,7 +47,8 @@ def _reference(x: torch.Tensor, qt, sz: torch.Tensor, group: int) -> torch.Tenso
     scale, zero = sz[..., 0].double(), sz[..., 1].double()  # [G, N]
     per = group // W4A8_BLOCK
     y = (isum * xs.double()[..., None] * scale.repeat_interleave(per, 0)[None]).sum(1)
-    return y + x.double().view(m, k // group, group).sum(-1) @ (zero - 8 * scale)
+    xsum = (q.double().sum(-1) * xs.double()).view(m, k // group, per).sum(-1)
+    return y + xsum @ (zero - 8 * scale)
 
 
 @pytest.mark.parametrize("n,kdim,group", [(64, 64, 32), (128, 256, 64), (192, 576, 32), (128, 1024, 128)])
@@ -62,6 +64,25 @@ def test_kernel_is_the_int8_block_product_rescaled(k, n, kdim, group):
         ref = _reference(x, qt, sz, group)
         err = (y.double() - ref).abs() / (ref.abs() + 1e-3)
         assert err.max().item() < 2**-8 + 1e-4, (n, kdim, group, rows)
+
+
+def test_int4_result_is_as_close_to_the_exact_product_as_the_quantized_x_is(k):
+    """Against x W^T in float64 (W as held: scale (q - 8) + zero, zero-mean like trained weights), the kernel's error
+    is the int8 rounding of x itself (x' W^T) plus the bf16 output's: the offsets take x's rounding too, so it
+    cancels instead of adding (with the bf16 x's own sums in the offsets this error was twice x' W^T's)."""
+    torch.manual_seed(5)
+    n, kdim, group = 256, 576, 32
+    qt, w, szb, sz = _weight(n, kdim, group)
+    scale, zero = sz[..., 0].double().t(), sz[..., 1].double().t()  # [N, G]: the kernel's bf16 pairs
+    wd = ((qt.unpacked().double() - 8).view(n, -1, group) * scale[..., None] + zero[..., None]).view(n, kdim)
+    x = (torch.randn(16, kdim) * torch.rand(16, kdim).pow(4) * 4).bfloat16()  # heavy-tailed, as activations
+    exact = x.double() @ wd.t()
+    q, xs = _x8(x)
+    quantized = (q.double() * xs.double()[..., None]).view(16, kdim) @ wd.t()
+    y = k.int4_gemm(x, w, szb, group, True, False, None, True).double()
+    floor = (quantized - exact).norm().item()
+    assert floor > 0.005 * exact.norm().item()  # the int8 rounding is there to measure
+    assert (y - exact).norm().item() < 1.1 * floor + 2**-8 * exact.norm().item()
 
 
 @pytest.mark.parametrize("n,kdim", [(16, 32), (70, 96), (576, 576), (33, 1536)])
