@@ -39,10 +39,14 @@ SETTINGS = {"float32": {"dtype": "float32"}, "default": {"dtype": "bfloat16"},
 LLAMACPP = r"""
 import json, sys
 import numpy as np
+import llama_cpp
 from llama_cpp import Llama
 model, data, out = sys.argv[1:4]
-d = json.load(open(data))
+with open(data) as f:
+    d = json.load(f)
 llm = Llama(model_path=model, n_ctx=1024, n_batch=512, logits_all=True, n_threads=2, verbose=False)
+def end(t):  # every end-of-generation token (Gemma's <end_of_turn> too), as ember stops at all of its EOS ids
+    return llama_cpp.llama_vocab_is_eog(llm._model.vocab, t)
 def logp(row):
     row = np.asarray(row, dtype=np.float64)
     m = row.max()
@@ -60,11 +64,12 @@ for p in d["prompts"]:
     for _ in range(d["new"]):
         t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         toks.append(t)
-        if t == llm.token_eos():
+        if end(t):
             break
         llm.eval([t])
     greedy.append(toks)
-json.dump({"scores": scores, "greedy": greedy}, open(out, "w"))
+with open(out, "w") as f:
+    json.dump({"scores": scores, "greedy": greedy}, f)
 """
 
 
@@ -111,7 +116,8 @@ def main() -> None:
     path = args.model or default_model_path()
     llm = LLM(args.model, max_model_len=1024)
     tok = llm.tokenizer
-    ids = tok.encode(open(TEXT, encoding="utf-8").read())[:TOKENS]
+    with open(TEXT, encoding="utf-8") as f:
+        ids = tok.encode(f.read())[:TOKENS]
     chat = tok.has_chat_template  # a file without one (Gemma 3 270M's GGUF): the questions as plain text
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
                if chat else tok.encode(q) for q in QUESTIONS]
@@ -121,18 +127,24 @@ def main() -> None:
     if os.path.isfile(args.llamacpp_python):
         with tempfile.TemporaryDirectory() as tmp:
             data, out = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
-            json.dump({"windows": wins, "prompts": prompts, "new": NEW}, open(data, "w"))
-            subprocess.run([args.llamacpp_python, "-c", LLAMACPP, path, data, out], check=True)
-            runs["llama.cpp"] = json.load(open(out)) | {"quantization": "the file's blocks, Q8 activations"}
+            with open(data, "w") as f:
+                json.dump({"windows": wins, "prompts": prompts, "new": NEW}, f)
+            run = subprocess.run([args.llamacpp_python, "-c", LLAMACPP, path, data, out])
+            if run.returncode == 0:
+                with open(out) as f:
+                    runs["llama.cpp"] = json.load(f) | {"quantization": "the file's blocks, Q8 activations"}
+            else:  # ember's columns are still worth keeping
+                print(f"llama.cpp failed (exit {run.returncode}): its column is left out", file=sys.stderr)
     else:
         print(f"no llama.cpp environment at {args.llamacpp_python}: its column is left out", file=sys.stderr)
     ref = runs["float32"]
     result = {"model": os.path.basename(path), "text": f"{TOKENS} tokens of tests/data/alice_ch1.txt, windows of "
-              f"{WINDOW}", "greedy": f"{len(QUESTIONS)} chat prompts, {NEW} new tokens",
+              f"{WINDOW}", "greedy": f"{len(QUESTIONS)} {'chat' if chat else 'plain'} prompts, {NEW} new tokens",
               "reference": "float32 (the file's blocks dequantized)",
               "settings": {name: {"quantization": run["quantization"]} | summary(run, ref)
                            for name, run in runs.items()}}
-    json.dump(result, open(args.out, "w"), indent=1)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
     for name, s in result["settings"].items():
         print(f"{name:18s} ppl {s['perplexity']:.4f}  mean |d logprob| {s['mean_abs_logprob_change']:.4f}  greedy "
               f"prefix {s['greedy_mean_common_prefix']:.1f} / {NEW}, first token {s['greedy_same_first_token']} / "

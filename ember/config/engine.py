@@ -70,7 +70,7 @@ class EngineConfig:
     batch_invariant: bool = True
     # int4 and int8 weights multiply activations quantized to int8 per row and block of 32 inputs (as llama.cpp's
     # Q8_0 blocks, with a float32 scale), exact integer products: on CPUs with AVX512-BF16, VNNI and VBMI where AMX
-    # does not run the weights (Zen 4 / 5), W1 about 1.3x (kernels 1.2-2.8x), batch invariant; the log-probabilities
+    # does not run the weights (Zen 4 / 5), W1 about 1.3x (kernels 1.1-2.8x), batch invariant; the log-probabilities
     # further from float32's (SmolLM2: 0.077 against 0.051 mean change; llama.cpp 0.060), so greedy answers part
     # from float32's sooner: off by default (docs/int8_activations.md); ignored elsewhere
     int8_activations: bool = False

@@ -16,8 +16,8 @@ bool w4a8_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, c
 bool has_w4a8();
 
 // x [M, K] -> q (int8, round half to even of x / scale; plus128: stored as q + 128 in uint8), scale = max(max|x| /
-// 127, 1e-10) and (bsum not null) the sum of x, per row and block of W4A8_BLOCK inputs ([M, K / W4A8_BLOCK] each);
-// K a multiple of W4A8_BLOCK.
+// 127, 1e-10) and (bsum not null) scale * the sum of q (the quantized x's sum), per row and block of W4A8_BLOCK
+// inputs ([M, K / W4A8_BLOCK] each); K a multiple of W4A8_BLOCK.
 void quantize_x8_blocks(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* bsum,
                         bool plus128);
 
