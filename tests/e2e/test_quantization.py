@@ -427,3 +427,22 @@ def test_dashinfer_quantization_switches(llama_dir, tmp_path):
     assert worker.kv_format.kind == "uint4" and worker.loaded.model.quant.method == "int4"
     engine.stop_model("tq")
     engine.release_model("tq")
+
+
+def test_int8_activations_taken_by_no_weight_warns_and_keeps_the_configs_words(llama_dir, monkeypatch, caplog):
+    """int8_activations=True where no weight can take them (here the int4 / int8 paths told so; on a CPU without
+    AVX512-BF16 + VNNI + VBMI, or with AMX running the weights, the same happens): the load says so by name, and
+    model_info.quantization keeps the configuration's words rather than a list of held kinds."""
+    from ember.quantization import kernels as qk
+
+    monkeypatch.setattr(qk.CpuInt4Path, "takes_int8_x", False)
+    monkeypatch.setattr(qk.CpuInt8Path, "takes_int8_x", False)
+    with caplog.at_level("WARNING", logger="ember"):
+        llm = LLM(llama_dir, dtype="bfloat16", quantization="int4", int8_activations=True, kv_cache_memory="16MiB")
+    try:
+        assert llm.model_info.quantization == "int4 g128"
+        assert "int8_activations=True is taken by no weight of this model" in caplog.text
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
