@@ -51,6 +51,8 @@ class Entry:
         if m.get("gpu"):
             return f"GPU: {m['gpu']}"
         cpu, cores = m.get("cpu") or "CPU not recorded", m.get("cores")
+        if m.get("cpu_id"):  # records before it was kept share the bare model name's tables
+            cpu = f"{cpu} ({m['cpu_id']})"
         return f"CPU: {cpu}, {cores} cores" if cores else f"CPU: {cpu}"
 
     @property

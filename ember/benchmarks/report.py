@@ -15,16 +15,25 @@ log = logging.getLogger("ember.bench")
 
 
 def machine() -> dict:
-    cpu = platform.processor()
+    """The machine a record's figures belong to. ``cpu_id`` (x86 family and model) tells apart CPUs whose model name
+    is the same: a cloud VM says "AMD EPYC" for Zen 4 (family 25) and Zen 5 (26) alike, and their figures differ."""
+    cpu, fields = platform.processor(), {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    cpu = fields.get("model name", cpu)
     import torch
 
     info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    if fields.get("cpu family") and fields.get("model"):
+        info["cpu_id"] = f"family {fields['cpu family']} model {fields['model']}"
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

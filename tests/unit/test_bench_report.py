@@ -95,6 +95,30 @@ def test_the_newest_record_per_machine_model_and_workload(records):
     assert text.index("### CPU: Test CPU, 2 cores") < text.index("### GPU: Test GPU")
 
 
+def test_cpus_of_one_model_name_are_told_apart_by_family_and_model(tmp_path, monkeypatch):
+    """A cloud VM names Zen 4 and Zen 5 alike ("AMD EPYC"): records carry the x86 family and model (report.machine
+    reads /proc/cpuinfo's first processor), so each CPU's figures get a table of their own; a record from before
+    (no cpu_id) keeps the bare name's table."""
+    from ember.benchmarks import report
+
+    info = report.machine()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            if "cpu family" in f.read():  # x86 Linux
+                assert re.fullmatch(r"family \d+ model \d+", info["cpu_id"]), info
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    for name, date, cpu_id in (("zen4.json", "2026-02-01T00:00:00", "family 25 model 17"),
+                               ("zen5.json", "2026-02-02T00:00:00", "family 26 model 2"),
+                               ("before.json", "2026-01-01T00:00:00", None)):
+        machine = dict(MACHINE, cpu="AMD EPYC", date=date) | ({"cpu_id": cpu_id} if cpu_id else {})
+        (bench / name).write_text(json.dumps(_throughput(date, {"ember": [1, 2, 3], "vllm": [1, 1, 1]},
+                                                         machine=machine)))
+    chosen = current.current(current.load(str(bench)))
+    assert sorted(e.kind for e in chosen) == ["CPU: AMD EPYC (family 25 model 17), 2 cores",
+                                              "CPU: AMD EPYC (family 26 model 2), 2 cores", "CPU: AMD EPYC, 2 cores"]
+
+
 def test_the_command_writes_and_checks_the_block_between_the_markers(records, capsys):
     bench, doc = records
     args = ["bench", "report", "--dir", str(bench), "--doc", str(doc)]
