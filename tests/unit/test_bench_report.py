@@ -95,7 +95,7 @@ def test_the_newest_record_per_machine_model_and_workload(records):
     assert text.index("### CPU: Test CPU, 2 cores") < text.index("### GPU: Test GPU")
 
 
-def test_cpus_of_one_model_name_are_told_apart_by_family_and_model(tmp_path, monkeypatch):
+def test_cpus_of_one_model_name_are_told_apart_by_family_and_model(tmp_path):
     """A cloud VM names Zen 4 and Zen 5 alike ("AMD EPYC"): records carry the x86 family and model (report.machine
     reads /proc/cpuinfo's first processor), so each CPU's figures get a table of their own; a record from before
     (no cpu_id) keeps the bare name's table."""
