@@ -219,8 +219,8 @@ def render(bench_dir: str, doc_path: str) -> str:
            "own variants) and speculative decoding's text-prompt runs, which the docs that discuss them cite. "
            "Medians over the repeats, each repeat's figure in parentheses; \"ember / backend\" is ember's median "
            "over the backend's (output tok/s, or batch-1 decode tok/s); TPOT is the time per output token after the "
-           "first. Compare figures within one record only; a machine is its CPU's name and cores, and in records "
-           "from 2026-11-29 on its x86 family and model (a VM's \"AMD EPYC\" is Zen 4 at family 25, Zen 5 at 26).")]
+           "first. Compare figures within one record only (records from 2026-11-29 on name the x86 family and "
+           "model too).")]
     kind = None
     for e in chosen:
         if e.kind != kind:
