@@ -27,7 +27,7 @@ from ember.model_loader.trtllm import TRTLLMCheckpoint
 from ember.model_loader.weight_checks import checked_weights
 from ember.models import resolve_architecture
 from ember.quantization import QUANT_ALGORITHMS, QuantConfig
-from ember.quantization.held import held_kinds
+from ember.quantization.held import held_kinds, takes_int8_activations
 from ember.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
@@ -108,7 +108,7 @@ def _build_model(config: ModelConfig, parallel: ParallelContext) -> LoadedModel:
     device = torch.device(config.device)
     prepack = device.type == "cpu" and mkldnn_prepack_available(dtype)
     finalize(model, device, prepack, config.batch_invariant, config.int8_activations)
-    if config.int8_activations and not any(kind.endswith(" a8") for kind in held_kinds(model)):
+    if config.int8_activations and not takes_int8_activations(held_kinds(model)):
         logger.warning("int8_activations=True is taken by no weight of this model here: it needs int4 / int8 "
                        "weights and the CPU kernels for them (AVX512-BF16 with VNNI and VBMI, AMX not running the "
                        "weights); bf16 activations run (docs/int8_activations.md)")

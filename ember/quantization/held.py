@@ -8,10 +8,10 @@ import torch
 
 from ember.config import INT4_GROUP_SIZES
 
-# every kind a layer can hold, in one order on every rank (their counts are summed over the ranks); "a8": the
-# weights multiply int8 activations per 32 inputs (EngineConfig.int8_activations)
-HELD_KINDS = (tuple(f"{m} g{g}{a}" for m in ("int4", "int5") for g in INT4_GROUP_SIZES for a in ("", " a8"))
-              + ("int6", "int8", "int8 a8", "w8a8"))
+A8 = " a8"  # a kind's mark where its weights multiply int8 activations per 32 inputs (EngineConfig.int8_activations)
+# every kind a layer can hold, in one order on every rank (their counts are summed over the ranks)
+HELD_KINDS = (tuple(f"{m} g{g}{a}" for m in ("int4", "int5") for g in INT4_GROUP_SIZES for a in ("", A8))
+              + ("int6", "int8", "int8" + A8, "w8a8"))
 
 
 def held_kinds(model: torch.nn.Module) -> dict[str, int]:
@@ -33,12 +33,17 @@ def held_kinds(model: torch.nn.Module) -> dict[str, int]:
             seen.add(id(mm))
             for part in getattr(mm, "parts", (mm,)):
                 kind = f"{part.method} g{part.group_size}" if part.method in ("int4", "int5") else part.method
-                add(kind + " a8" if part.int8_x else kind, part.n * part.k)
+                add(kind + A8 if part.int8_x else kind, part.n * part.k)
         table = getattr(module, "qt", None)  # an embedding's int8 rows: a head's own are its qmm, counted above
         if table is not None and not hasattr(module, "tied_to") and id(module) not in shared:
             rows, cols = table.shape
             add(table.kind, rows * cols)
     return counts
+
+
+def takes_int8_activations(counts: dict[str, int]) -> bool:
+    """Whether any weight counted (``held_kinds``, or its sums over the ranks) multiplies int8 activations."""
+    return any(n for kind, n in counts.items() if kind.endswith(A8))
 
 
 def describe_held(counts: dict[str, int], fallback: str) -> str:

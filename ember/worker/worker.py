@@ -30,7 +30,7 @@ from ember.protocol import (
     WorkerOutput,
     WorkerStats,
 )
-from ember.quantization.held import HELD_KINDS, describe_held, held_kinds
+from ember.quantization.held import HELD_KINDS, describe_held, held_kinds, takes_int8_activations
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
 from ember.worker.drafter import Drafter, measure_draft_cost
@@ -221,7 +221,7 @@ class Worker:
             return quant.describe() if quant else None
         counts = held_kinds(self.model)
         held = dict(zip(HELD_KINDS, self.agree_sum([counts.get(kind, 0) for kind in HELD_KINDS])))
-        if not quant.mixed and not any(n for kind, n in held.items() if kind.endswith(" a8")):
+        if not quant.mixed and not takes_int8_activations(held):
             return quant.describe()  # int8 activations asked for, taken by no weight: the config's words
         return describe_held(held, quant.describe())
 
