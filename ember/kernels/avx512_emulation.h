@@ -223,6 +223,7 @@ inline V512 multishift_epi64_epi8(V512 ctrl, V512 b) {
   }
   return r;
 }
+inline V512 permutexvar_ps(V512 idx, V512 a) { EMU_MAP16(r.u[j] = a.u[idx.i[j] & 15]); }
 inline V512 permutexvar_epi16(V512 idx, V512 a) {
   V512 r;
   for (int j = 0; j < 32; ++j) r.h[j] = a.h[idx.h[j] & 31];
@@ -353,6 +354,7 @@ EMBER_FIXED_ORDER_END
 #define _mm512_dpbusd_epi32 ember_emu::dpbusd_epi32
 #define _mm512_permutexvar_epi8 ember_emu::permutexvar_epi8
 #define _mm512_permutex2var_epi8 ember_emu::permutex2var_epi8
+#define _mm512_permutexvar_ps ember_emu::permutexvar_ps
 #define _mm512_permutexvar_epi16 ember_emu::permutexvar_epi16
 #define _mm512_multishift_epi64_epi8 ember_emu::multishift_epi64_epi8
 #define _mm512_unpacklo_epi16(a, b) ember_emu::unpack(a, b, 2, false)

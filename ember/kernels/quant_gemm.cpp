@@ -4,8 +4,9 @@
 // bf16 (torch's packed ops do not round it either).
 // Batch invariant (the default, `invariant`): a row's result is the same bits whatever rows share the call. int4
 // reads the pack up to 6 rows of x at a time against each 64-column block with the same chain of sums at every row
-// count; int8 runs every output as one chain of 32-input dot products (int8_gemm_inv: the weight converted where
-// it lies, for groups of up to 12 rows in turn). The arithmetic is compiled in a fixed order.
+// count; int8 runs every output as one chain of 32-input dot products (int8_gemm_inv: up to 12 rows the weight
+// converted where it lies, more in 4 x 4 tiles against weights converted once). The arithmetic is compiled in a
+// fixed order.
 // Otherwise (batch_invariant=False): int4 from 128 rows and int8 from 5 lay 64 output columns out as bf16 pairs in
 // each thread's cache (a panel; int4 panels hold w rounded to bf16) and run every row block against it, int8 up
 // to 4 rows as float dots along the weight's rows: faster where measured, with results that depend on the rows.
@@ -452,8 +453,8 @@ void int4_amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* 
 // y[m, n] = bf16(reduce16(acc) * scale[n]), acc's lane l summing, chunk after chunk of 32 inputs, the vdpbf16ps
 // products of inputs 2l, 2l + 1 (x as it is, w's integers as exact bf16); reduce16 is the same tree for every
 // slot. One row reads the weight rows one after another (int8_row_in_turn); up to 12 rows each weight chunk is
-// converted where it lies and dotted with every row; more run groups of up to 12 rows over tiles of weight rows
-// in cache (int8_groups_inv).
+// converted where it lies and dotted with every row; more run 4 x 4 tiles against a tile of weight rows converted
+// once into a per-thread buffer (int8_groups_inv).
 constexpr int64_t KC = 32;  // inputs a chunk
 
 // 32 int8 at p -> their 32 exact bf16, in order
@@ -741,20 +742,30 @@ struct PaddedRows {
 template <int M, int B>
 inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64_t rows, int64_t N,
                        c10::BFloat16* y, int64_t ldy) {
-  alignas(64) float sc[16] = {};
-  for (int m = 0; m < M; ++m)
-    for (int64_t j = 0; j < rows; ++j) sc[m * B + j] = scales[n0 + j];
+  static_assert(M * B <= 16 && 16 % B == 0, "one slot a sum");
+  // slot m * B + j takes scale j: the rows' scales (zeros past the last row) repeated, built in registers (filled
+  // slot by slot in memory, the vector load waited on the 16 stores: int8_groups_inv at 64 rows of the 49152 x 576
+  // LM head went from 1.26x dense_gemm's time to 1.17x, AMD Zen 4)
+  const __m512i lane = _mm512_set_epi32(15 % B, 14 % B, 13 % B, 12 % B, 11 % B, 10 % B, 9 % B, 8 % B, 7 % B, 6 % B,
+                                        5 % B, 4 % B, 3 % B, 2 % B, 1 % B, 0);
+  const __m512 s = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << rows) - 1), scales + n0);
   alignas(64) c10::BFloat16 out[16];
-  _mm256_store_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums, _mm512_load_ps(sc))));
-  for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, rows * sizeof(c10::BFloat16));
+  const __m512 scaled = _mm512_mul_ps(sums, _mm512_permutexvar_ps(lane, s));
+  _mm256_store_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(scaled));
+  if (rows == B)
+    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, B * sizeof(c10::BFloat16));
+  else
+    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, rows * sizeof(c10::BFloat16));
 }
 
 // Rows m0 .. m0 + M - 1 of x against weight rows n0 .. n0 + B - 1 (B <= N - n0 of them real, the rest zeros): each
 // weight chunk is converted where it lies (from L1 when an earlier row group of this block converted it), then dot
 // with every row; M * B <= 24 sums stay in registers, reduced 16 at a time by the one transposing add tree.
-template <int M, int B>
+// CONV: the chunks come converted already (conv[c * B + j]: chunk c of weight row n0 + j, int8_convert_rows).
+template <int M, int B, bool CONV = false>
 EMBER_INLINE void int8_block_inv(const PaddedRows& x, int64_t m0, int64_t K, const int8_t* w, const int8_t* tails,
-                                 const float* scales, int64_t N, int64_t n0, bool prefetch, c10::BFloat16* y) {
+                                 const float* scales, int64_t N, int64_t n0, bool prefetch, c10::BFloat16* y,
+                                 const __m512i* conv = nullptr) {
   static_assert(M * B <= 24 && (M * B <= 16 || B == 2), "24 sums at most; rows 8 on in the second tree");
   constexpr int PF = 2;
   alignas(64) static const int8_t zeros[KC] = {};  // the rows past N of the last block
@@ -764,7 +775,8 @@ EMBER_INLINE void int8_block_inv(const PaddedRows& x, int64_t m0, int64_t K, con
   const c10::BFloat16* xr = x.p + m0 * x.stride;
   for (int64_t c = 0; c < chunks; ++c) {
     __m512bh wv[B];
-    for (int j = 0; j < B; ++j) {
+    for (int j = 0; j < B && CONV; ++j) wv[j] = (__m512bh)_mm512_load_si512(conv + c * B + j);
+    for (int j = 0; j < B && !CONV; ++j) {
       const int64_t n = n0 + j;
       const int8_t* src = n >= N ? zeros : c < full ? w + n * K + c * KC : tails + n * KC;
       if (prefetch && c < full && c % 2 == 0 && n + PF * B < N)
@@ -855,24 +867,65 @@ void with_rows(int64_t m, F&& f) {
   }
 }
 
-// more than 12 rows: a tile of 16 pairs of weight rows runs each group of up to 12 rows over its pairs in turn, the
-// tile staying in cache (a pair at a time, every group read x's rows again for each pair: 48 rows of the 49152 x 576
-// LM head 8.4-9.2 -> 7.1-7.2 ms, the 151936 x 1536 one at 16-128 rows 0.76-0.78x the time). Against 4 x 4 tiles of
-// weights converted into a per-thread buffer (before; the same bits), 2 threads, AMD Zen 5, 2026-11-28, the 49152 x
-// 576 LM head: 13 rows 5.9-6.1 -> 2.3-2.9 ms, 24 rows 6.5-6.8 -> 3.6-4.0, 64 rows 14.5 -> 9.7-10.9, 256 rows 54 -> 51
-constexpr int64_t INT8_TILE_PAIRS = 16;
+// The chunks of weight rows n0 .. n0 + B - 1 as exact bf16 into conv[c * B + j] (a row past N as zeros), each row
+// read front to back: the layout int8_block_inv<., B, true> reads.
+template <int B>
+EMBER_INLINE void int8_convert_rows(const int8_t* w, const int8_t* tails, int64_t N, int64_t K, int64_t n0,
+                                    __m512i* conv) {
+  const int64_t chunks = (K + KC - 1) / KC, full = K / KC;
+  for (int64_t j = 0; j < B; ++j) {
+    const int64_t n = n0 + j;
+    for (int64_t c = 0; c < chunks; ++c)
+      conv[c * B + j] = n >= N ? _mm512_setzero_si512()
+                               : int8_chunk_bf16(c < full ? w + n * K + c * KC : tails + n * KC);
+  }
+}
+
+// f(std::integral_constant<int, m>{}) for m in 1 .. 4
+template <typename F>
+void with_rows4(int64_t m, F&& f) {
+  switch (m) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// more than 12 rows: 4 x 4 tiles, as dense_gemm's. Each thread converts a tile of weight rows to bf16 once, into a
+// buffer of about 16 kB, and runs every 4 rows of x (from L2) against each of its blocks of 4 weight rows (in L1),
+// while the next tile's rows are prefetched into L2. Before, each group of up to 12 rows converted a pair of weight
+// rows where it lay, once a group (Zen 4's 512-bit conversions share the pipes with vdpbf16ps), and kept 24 sums.
+// 2 threads, AMD Zen 4, 2026-11-29, the builds in turn (with store_sums' scales built in registers): the 49152 x 576
+// LM head at 16 rows 5.2-6.3 -> 3.8-4.1 ms, 48 rows 11.9-12.6 -> 9.6-10.2, 64 rows 16.1-16.8 -> 12.6-13.1
+// (dense_gemm's bf16: 11.8-12.2), the 262144 x 640 one at 64 rows 105-117 -> 84-90. (On the Zen 5 of 2026-11-28 the
+// pairs had beaten an earlier 4 x 4 version that converted the weights again for every tile of x rows.) The same
+// chains and trees: the same bits.
+constexpr int INT8_TB = 4;  // weight rows (and x rows) of a tile
 void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
                      c10::BFloat16* y) {
   const std::vector<int8_t> tails = int8_tails(w, N, K);
-  const int64_t pairs = (N + 1) / 2;
-  at::parallel_for(0, (pairs + INT8_TILE_PAIRS - 1) / INT8_TILE_PAIRS, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = (N + INT8_TB - 1) / INT8_TB, chunks = (K + KC - 1) / KC, per = INT8_TB * chunks;
+  const int64_t tile = ember_fixed::max<int64_t>(1, 16384 / (per * 64));  // blocks a tile
+  at::parallel_for(0, (blocks + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> conv(tile * per);  // [block][chunk][INT8_TB]
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b0 = t * INT8_TILE_PAIRS, b1 = ember_fixed::min(pairs, b0 + INT8_TILE_PAIRS);
-      for (int64_t m0 = 0; m0 < M; m0 += 12)
-        for (int64_t b = b0; b < b1; ++b)
-          with_rows(ember_fixed::min<int64_t>(12, M - m0), [&](auto rows) {  // rows m0 .. against pair b
-            int8_block_inv<decltype(rows)::value, 2>(x, m0, K, w, tails.data(), scales, N, b * 2, m0 == 0, y);
+      const int64_t b0 = t * tile, b1 = ember_fixed::min(blocks, b0 + tile);
+      for (int64_t b = b0; b < b1; ++b)
+        int8_convert_rows<INT8_TB>(w, tails.data(), N, K, b * INT8_TB, conv.data() + (b - b0) * per);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t next = b + tile;  // the same block of this thread's next tile: into L2 while this one runs
+        if (t + 1 < end && next < blocks) {
+          const char* p = reinterpret_cast<const char*>(w + next * INT8_TB * K);
+          const int64_t bytes = (ember_fixed::min(N, (next + 1) * INT8_TB) - next * INT8_TB) * K;
+          for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += INT8_TB)
+          with_rows4(ember_fixed::min<int64_t>(INT8_TB, M - m0), [&](auto r) {  // rows m0 .. against block b
+            int8_block_inv<decltype(r)::value, INT8_TB, true>(x, m0, K, w, tails.data(), scales, N, b * INT8_TB,
+                                                              false, y, conv.data() + (b - b0) * per);
           });
+      }
     }
   });
 }
