@@ -5,8 +5,8 @@
 // Batch invariant (the default, `invariant`): a row's result is the same bits whatever rows share the call. int4
 // reads the pack up to 6 rows of x at a time against each 64-column block with the same chain of sums at every row
 // count; int8 runs every output as one chain of 32-input dot products (int8_gemm_inv: up to 12 rows the weight
-// converted where it lies, more in 4 x 4 tiles against weights converted once). The arithmetic is compiled in a
-// fixed order.
+// converted where it lies, more in 4 x 4 tiles against weights converted once, where K <= 4096). The arithmetic is
+// compiled in a fixed order.
 // Otherwise (batch_invariant=False): int4 from 128 rows and int8 from 5 lay 64 output columns out as bf16 pairs in
 // each thread's cache (a panel; int4 panels hold w rounded to bf16) and run every row block against it, int8 up
 // to 4 rows as float dots along the weight's rows: faster where measured, with results that depend on the rows.
@@ -454,7 +454,7 @@ void int4_amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* 
 // products of inputs 2l, 2l + 1 (x as it is, w's integers as exact bf16); reduce16 is the same tree for every
 // slot. One row reads the weight rows one after another (int8_row_in_turn); up to 12 rows each weight chunk is
 // converted where it lies and dotted with every row; more run 4 x 4 tiles against a tile of weight rows converted
-// once into a per-thread buffer (int8_groups_inv).
+// once into a per-thread buffer (int8_groups_inv; rows longer than INT8_TILE_MAX_K: int8_pairs_inv).
 constexpr int64_t KC = 32;  // inputs a chunk
 
 // 32 int8 at p -> their 32 exact bf16, in order
@@ -744,8 +744,9 @@ inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64
                        c10::BFloat16* y, int64_t ldy) {
   static_assert(M * B <= 16 && 16 % B == 0, "one slot a sum");
   // slot m * B + j takes scale j: the rows' scales (zeros past the last row) repeated, built in registers (filled
-  // slot by slot in memory, the vector load waited on the 16 stores: int8_groups_inv at 64 rows of the 49152 x 576
-  // LM head went from 1.26x dense_gemm's time to 1.17x, AMD Zen 4)
+  // slot by slot in memory, the vector load waited on the 16 stores: int8_groups_inv's 4 x 4 tiles before their
+  // prefetch, 64 rows of the 49152 x 576 LM head, went from 1.26x dense_gemm's time to 1.17x; AMD Zen 4, 2 threads,
+  // 2026-11-29)
   const __m512i lane = _mm512_set_epi32(15 % B, 14 % B, 13 % B, 12 % B, 11 % B, 10 % B, 9 % B, 8 % B, 7 % B, 6 % B,
                                         5 % B, 4 % B, 3 % B, 2 % B, 1 % B, 0);
   const __m512 s = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << rows) - 1), scales + n0);
@@ -759,9 +760,9 @@ inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64
 }
 
 // Rows m0 .. m0 + M - 1 of x against weight rows n0 .. n0 + B - 1 (B <= N - n0 of them real, the rest zeros): each
-// weight chunk is converted where it lies (from L1 when an earlier row group of this block converted it), then dot
-// with every row; M * B <= 24 sums stay in registers, reduced 16 at a time by the one transposing add tree.
-// CONV: the chunks come converted already (conv[c * B + j]: chunk c of weight row n0 + j, int8_convert_rows).
+// weight chunk is converted where it lies (int8_rows_inv), or comes converted already with CONV (conv[c * B + j]:
+// chunk c of weight row n0 + j, int8_convert_rows; int8_groups_inv), then dot with every row; M * B <= 24 sums stay
+// in registers, reduced 16 at a time by the one transposing add tree.
 template <int M, int B, bool CONV = false>
 EMBER_INLINE void int8_block_inv(const PaddedRows& x, int64_t m0, int64_t K, const int8_t* w, const int8_t* tails,
                                  const float* scales, int64_t N, int64_t n0, bool prefetch, c10::BFloat16* y,
@@ -832,9 +833,10 @@ template <int M>
 void int8_rows_inv(const PaddedRows& x, int64_t K, const int8_t* w, const float* scales, int64_t N,
                    c10::BFloat16* y) {
   // up to 12 rows (a row verifying up to 11 drafted tokens) each weight row is converted once for every x row; 4 x 4
-  // tiles of weights converted into a buffer first were slower from 5 rows. The 49152 x 576 LM head (AMD Zen 5, 2
-  // threads): 5 rows 1.59 -> 0.93-1.04 ms, 8 rows 2.27 -> 1.08-1.17 (4 rows: 0.61-0.67); from 9 rows two weight
-  // rows a pass (up to 24 sums) instead of one: 9 rows 1.8 -> 1.5 ms, 12 rows 2.4 -> 1.7
+  // tiles of weights converted into a buffer first were slower from 5 rows (a version converting them for every tile
+  // of x rows; int8_groups_inv's at 13 rows 3.3-3.6 ms against 12 rows here 2.6-2.9, AMD Zen 4). The 49152 x 576 LM
+  // head (AMD Zen 5, 2 threads): 5 rows 1.59 -> 0.93-1.04 ms, 8 rows 2.27 -> 1.08-1.17 (4 rows: 0.61-0.67); from 9
+  // rows two weight rows a pass (up to 24 sums) instead of one: 9 rows 1.8 -> 1.5 ms, 12 rows 2.4 -> 1.7
   constexpr int B = M == 1 ? 16 : M <= 4 ? 4 : 2;
   const std::vector<int8_t> tails = int8_tails(w, N, K);
   at::parallel_for(0, (N + B - 1) / B, M == 1 ? 8 : 16, [&](int64_t begin, int64_t end) {
@@ -892,10 +894,34 @@ void with_rows4(int64_t m, F&& f) {
   }
 }
 
-// more than 12 rows: 4 x 4 tiles, as dense_gemm's. Each thread converts a tile of weight rows to bf16 once, into a
-// buffer of about 16 kB, and runs every 4 rows of x (from L2) against each of its blocks of 4 weight rows (in L1),
-// while the next tile's rows are prefetched into L2. Before, each group of up to 12 rows converted a pair of weight
-// rows where it lay, once a group (Zen 4's 512-bit conversions share the pipes with vdpbf16ps), and kept 24 sums.
+// more than 12 rows, long weight rows (K > INT8_TILE_MAX_K): a tile of 16 pairs of weight rows runs each group of
+// up to 12 rows over its pairs in turn, each pair converted where it lies, once a group (48 rows of the 49152 x 576 LM
+// head 8.4-9.2 -> 7.1-7.2 ms against a pair at a time for all groups, AMD Zen 5, 2026-11-28). Against the tiles
+// below (AMD Zen 4, 2 threads, 2026-11-29, two rounds): K = 8960 at 512 rows 37.6-43.1 against 47.1-49.2 ms, at 64
+// rows level; K = 3072 and 4864 level; K = 2048 at 64 rows 6.9-7.1 against 4.3, K = 1536 5.6-5.8 against 4.4-4.6.
+constexpr int64_t INT8_TILE_MAX_K = 4096;
+constexpr int64_t INT8_TILE_PAIRS = 16;
+void int8_pairs_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
+                    c10::BFloat16* y) {
+  const std::vector<int8_t> tails = int8_tails(w, N, K);
+  const int64_t pairs = (N + 1) / 2;
+  at::parallel_for(0, (pairs + INT8_TILE_PAIRS - 1) / INT8_TILE_PAIRS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = t * INT8_TILE_PAIRS, b1 = ember_fixed::min(pairs, b0 + INT8_TILE_PAIRS);
+      for (int64_t m0 = 0; m0 < M; m0 += 12)
+        for (int64_t b = b0; b < b1; ++b)
+          with_rows(ember_fixed::min<int64_t>(12, M - m0), [&](auto rows) {  // rows m0 .. against pair b
+            int8_block_inv<decltype(rows)::value, 2>(x, m0, K, w, tails.data(), scales, N, b * 2, m0 == 0, y);
+          });
+    }
+  });
+}
+
+// more than 12 rows, K up to INT8_TILE_MAX_K: 4 x 4 tiles, as dense_gemm's. Each thread converts a tile of weight
+// rows to bf16 once, into a buffer of about 16 kB (from K = 2048 one block of 4 rows: 8 K bytes), and runs every 4
+// rows of x (from L2) against each of its blocks of 4 weight rows, while the next tile's rows are prefetched into L2.
+// Before (int8_pairs_inv at every K), each group of up to 12 rows converted a pair of weight rows where it lay, once a
+// group (Zen 4's 512-bit conversions share the pipes with vdpbf16ps), and kept 24 sums.
 // 2 threads, AMD Zen 4, 2026-11-29, the builds in turn (with store_sums' scales built in registers): the 49152 x 576
 // LM head at 16 rows 5.2-6.3 -> 3.8-4.1 ms, 48 rows 11.9-12.6 -> 9.6-10.2, 64 rows 16.1-16.8 -> 12.6-13.1
 // (dense_gemm's bf16: 11.8-12.2), the 262144 x 640 one at 64 rows 105-117 -> 84-90. (On the Zen 5 of 2026-11-28 the
@@ -906,7 +932,7 @@ void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w,
                      c10::BFloat16* y) {
   const std::vector<int8_t> tails = int8_tails(w, N, K);
   const int64_t blocks = (N + INT8_TB - 1) / INT8_TB, chunks = (K + KC - 1) / KC, per = INT8_TB * chunks;
-  const int64_t tile = ember_fixed::max<int64_t>(1, 16384 / (per * 64));  // blocks a tile
+  const int64_t tile = ember_fixed::max<int64_t>(1, 16384 / (ember_fixed::max<int64_t>(per, 1) * 64));  // blocks
   at::parallel_for(0, (blocks + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> conv(tile * per);  // [block][chunk][INT8_TB]
     for (int64_t t = begin; t < end; ++t) {
@@ -933,7 +959,10 @@ void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w,
 void int8_gemm_inv(const c10::BFloat16* xp, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
                    c10::BFloat16* y) {
   const PaddedRows x(xp, M, K);
-  if (M < 1 || M > 12)  // no rows: the groups' loop runs none
+  if (M < 1) return;
+  if (M > 12 && K > INT8_TILE_MAX_K)
+    int8_pairs_inv(x, M, K, w, scales, N, y);
+  else if (M > 12)
     int8_groups_inv(x, M, K, w, scales, N, y);
   else
     with_rows(M, [&](auto rows) { int8_rows_inv<decltype(rows)::value>(x, K, w, scales, N, y); });

@@ -145,15 +145,16 @@ def test_int6_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
-@pytest.mark.parametrize("n,k", [(192, 256), (77, 100), (64, 32), (130, 576), (9, 40)])
+@pytest.mark.parametrize("n,k", [(192, 256), (77, 100), (64, 32), (130, 576), (9, 40), (75, 64), (21, 4130)])
 def test_int8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
-    """Output counts that are not multiples of the kernels' blocks, inputs that are not multiples of 32."""
+    """Output counts that are not multiples of the kernels' blocks, inputs that are not multiples of 32; from 13 rows
+    4 x 4 tiles, and pairs of weight rows where K > 4096."""
     g = torch.Generator().manual_seed(n + k)
     qt = quantize_int8(torch.randn(n, k, generator=g))
     s32 = qt.scales.view(-1).float()
     x = torch.randn(70, k, generator=g).bfloat16()
     alone = _rows_alone(lambda r: avx512.int8_gemm(r, qt.data, s32), x)
-    for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 17, 64, 70):
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 17, 64, 70):
         assert torch.equal(avx512.int8_gemm(x[:m], qt.data, s32), alone[:m]), f"{m} rows"
         assert torch.equal(avx512.int8_gemm(x[-m:], qt.data, s32), alone[-m:]), f"last {m} rows"
     ref = F.linear(x.float(), qt.dequantize(torch.float32))

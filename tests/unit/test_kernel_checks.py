@@ -280,7 +280,7 @@ def test_int8_gemm_rejects(k, case, match):
 @pytest.mark.parametrize("invariant", [True, False])
 def test_int8_gemm_takes_any_width_strided_weights_and_no_rows(k, invariant):
     """K = 36 and N = 70 (no multiple of 16 or 64) against the dequantized weight; a strided weight is copied;
-    zero rows give [0, N] (the row-wise kernel read four rows of x before)."""
+    zero rows give [0, N] (the row-wise kernel read four rows of x before); no inputs give zeros."""
     _avx512(k)
     (x, w, s), qt = _int8_args()
     y = k.int8_gemm(x, w, s, invariant)
@@ -288,6 +288,10 @@ def test_int8_gemm_takes_any_width_strided_weights_and_no_rows(k, invariant):
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.01
     assert torch.equal(k.int8_gemm(x, _noncontiguous(w), s, invariant), y)
     assert k.int8_gemm(x[:0], w, s, invariant).shape == (0, 70)
+    if invariant:  # no inputs: zeros, at every row count (13 rows: the tiles' path)
+        for m in (3, 13):
+            y0 = k.int8_gemm(x.new_zeros(m, 0), w.new_zeros(70, 0), s, True)
+            assert torch.equal(y0, torch.zeros(m, 70, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("case,match", [
