@@ -883,17 +883,6 @@ EMBER_INLINE void int8_convert_rows(const int8_t* w, const int8_t* tails, int64_
   }
 }
 
-// f(std::integral_constant<int, m>{}) for m in 1 .. 4
-template <typename F>
-void with_rows4(int64_t m, F&& f) {
-  switch (m) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
-}
-
 // more than 12 rows, long weight rows (K > INT8_TILE_MAX_K): a tile of 16 pairs of weight rows runs each group of
 // up to 12 rows over its pairs in turn, each pair converted where it lies, once a group (48 rows of the 49152 x 576 LM
 // head 8.4-9.2 -> 7.1-7.2 ms against a pair at a time for all groups, AMD Zen 5, 2026-11-28). Against the tiles
@@ -947,9 +936,10 @@ void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w,
           for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
         }
         for (int64_t m0 = 0; m0 < M; m0 += INT8_TB)
-          with_rows4(ember_fixed::min<int64_t>(INT8_TB, M - m0), [&](auto r) {  // rows m0 .. against block b
-            int8_block_inv<decltype(r)::value, INT8_TB, true>(x, m0, K, w, tails.data(), scales, N, b * INT8_TB,
-                                                              false, y, conv.data() + (b - b0) * per);
+          with_rows(ember_fixed::min<int64_t>(INT8_TB, M - m0), [&](auto r) {  // rows m0 .. against block b
+            if constexpr (decltype(r)::value <= INT8_TB)
+              int8_block_inv<decltype(r)::value, INT8_TB, true>(x, m0, K, w, tails.data(), scales, N, b * INT8_TB,
+                                                                false, y, conv.data() + (b - b0) * per);
           });
       }
     }
