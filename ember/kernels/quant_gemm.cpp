@@ -759,6 +759,11 @@ inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64
     for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, rows * sizeof(c10::BFloat16));
 }
 
+// Chunk c of weight row n (chunks = full + a partial last one): in place, or its zero-padded copy in int8_tails'.
+EMBER_INLINE const int8_t* int8_chunk_at(const int8_t* w, const int8_t* tails, int64_t K, int64_t n, int64_t c) {
+  return c < K / KC ? w + n * K + c * KC : tails + n * KC;
+}
+
 // Rows m0 .. m0 + M - 1 of x against weight rows n0 .. n0 + B - 1 (B <= N - n0 of them real, the rest zeros): each
 // weight chunk is converted where it lies (int8_rows_inv), or comes converted already with CONV (conv[c * B + j]:
 // chunk c of weight row n0 + j, int8_convert_rows; int8_groups_inv), then dot with every row; M * B <= 24 sums stay
@@ -779,7 +784,7 @@ EMBER_INLINE void int8_block_inv(const PaddedRows& x, int64_t m0, int64_t K, con
     for (int j = 0; j < B && CONV; ++j) wv[j] = (__m512bh)_mm512_load_si512(conv + c * B + j);
     for (int j = 0; j < B && !CONV; ++j) {
       const int64_t n = n0 + j;
-      const int8_t* src = n >= N ? zeros : c < full ? w + n * K + c * KC : tails + n * KC;
+      const int8_t* src = n >= N ? zeros : int8_chunk_at(w, tails, K, n, c);
       if (prefetch && c < full && c % 2 == 0 && n + PF * B < N)
         _mm_prefetch(reinterpret_cast<const char*>(src + PF * B * K), _MM_HINT_T0);
       wv[j] = (__m512bh)int8_chunk_bf16(src);
@@ -820,7 +825,7 @@ EMBER_INLINE void int8_row_in_turn(const PaddedRows& x, int64_t K, const int8_t*
     const int64_t n = n0 + j;
     __m512 a = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const int8_t* src = c < full ? w + n * K + c * KC : tails + n * KC;
+      const int8_t* src = int8_chunk_at(w, tails, K, n, c);
       if (c < full && c % 2 == 0 && n + PF < N) _mm_prefetch(reinterpret_cast<const char*>(src + PF * K), _MM_HINT_T0);
       a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x.p + c * KC), (__m512bh)int8_chunk_bf16(src));
     }
@@ -874,12 +879,11 @@ void with_rows(int64_t m, F&& f) {
 template <int B>
 EMBER_INLINE void int8_convert_rows(const int8_t* w, const int8_t* tails, int64_t N, int64_t K, int64_t n0,
                                     __m512i* conv) {
-  const int64_t chunks = (K + KC - 1) / KC, full = K / KC;
+  const int64_t chunks = (K + KC - 1) / KC;
   for (int64_t j = 0; j < B; ++j) {
     const int64_t n = n0 + j;
     for (int64_t c = 0; c < chunks; ++c)
-      conv[c * B + j] = n >= N ? _mm512_setzero_si512()
-                               : int8_chunk_bf16(c < full ? w + n * K + c * KC : tails + n * KC);
+      conv[c * B + j] = n >= N ? _mm512_setzero_si512() : int8_chunk_bf16(int8_chunk_at(w, tails, K, n, c));
   }
 }
 
