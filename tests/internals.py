@@ -18,11 +18,12 @@ def worker_of(engine: Any):
     return core_of(engine).executor._worker
 
 
-def oracle_drafts(monkeypatch: Any, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+def oracle_drafts(monkeypatch: Any, prompts: list[list[int]], outputs: list[list[int]], vocab: int = 49152) -> None:
     """Speculative decoding's drafts from known answers (a random model copies nothing, so n-gram lookup would
     rarely draft): from a sequence on the path of one of ``outputs``, the answer's next tokens with every third
-    position replaced by a wrong token, so drafts are kept whole, in part and not at all; elsewhere no draft. Every
-    decoding row drafts what it can (drafts cost nothing to the speculator's cost model)."""
+    position replaced by a wrong token (an id below vocab), so drafts are kept whole, in part and not at all;
+    elsewhere no draft. Every decoding row drafts what it can (drafts cost nothing to the speculator's cost
+    model)."""
     import ember.core.speculator as speculator
     from ember.core.ngram import NgramIndex
 
@@ -30,7 +31,7 @@ def oracle_drafts(monkeypatch: Any, prompts: list[list[int]], outputs: list[list
         for p, out in zip(prompts, outputs):
             if context[:len(p)] == p and context[len(p):] == out[:len(context) - len(p)]:
                 i = len(context) - len(p)
-                return [t if (i + j) % 3 != 2 else (t + 1) % 49152 for j, t in enumerate(out[i:i + k])]
+                return [t if (i + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(out[i:i + k])]
         return []
 
     monkeypatch.setattr(NgramIndex, "propose", propose)

@@ -80,12 +80,13 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--output-cap", type=int, default=None, help="at most this many output tokens a request")
         p.add_argument("--prompt-cap", type=int, default=None, help="at most this many prompt tokens a request")
     lat.add_argument("--prompt-lens", default="32,512", help="prompt lengths, comma separated (default 32,512)")
-    lat.add_argument("--prompts", default="random", choices=["random", "text"],
+    lat.add_argument("--prompts", default="random", choices=["random", "text", "json"],
                      help="random: --runs prompts of random tokens per length in --prompt-lens; text: --runs chat "
                           "prompts of each kind: copy (a passage to copy), code (a file to return with a docstring "
                           "added), chat (open questions), rendered with the model's chat template (speculative "
                           "decoding's figures; ember-ngram and ember-suffix speculate, ember-prediction sends "
-                          "predictions)")
+                          "predictions); json: --runs listings to answer with a JSON record, ending at EOS, for the "
+                          "guided backends (ember-json, ember-json-ngram)")
     lat.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     lat.add_argument("--runs", type=int, default=5, help="requests per prompt length and repeat (default 5)")
     srv.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (inf: all at once)")
@@ -180,6 +181,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         raise ValueError("--backends ember-prediction needs `ember bench latency --prompts text` (only its copy and "
                          f"code prompts carry a prediction), not {args.mode}"
                          + (f" with --prompts {args.prompts}" if args.mode == "latency" else ""))
+    unguided = [b for b in backends if b not in ("ember-json", "ember-json-ngram")]
+    if args.mode == "latency" and args.prompts == "json" and unguided:
+        raise ValueError(f"--prompts json asks for JSON records: run it with the guided backends ember-json and "
+                         f"ember-json-ngram, not {', '.join(unguided)}")
     if args.draft_quantization is not None and "ember-draft" not in backends:
         raise ValueError("--draft-quantization is read by the ember-draft backend only: add it to --backends")
     drafting = [b for b in backends if b.endswith("-draft")]
@@ -205,10 +210,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         plan = {b: (backend_python(b, args.venvs, pythons), _model_for(b, model)) for b in backends}
         return run_scaling(args, backends, model, plan, dtypes, options, sweep, record)
     groups = None  # latency: each request's group in the tables (None: by prompt length)
-    if args.mode == "latency" and args.prompts == "text":
-        requests, groups = _text_requests(tokenizer, args.runs, args.output_len, args.seed)
-        record["prompts"] = "text"
-        tag = "latency-text"
+    if args.mode == "latency" and args.prompts in ("text", "json"):
+        requests, groups = _text_requests(tokenizer, args.runs, args.output_len, args.seed, args.prompts == "json")
+        record["prompts"] = args.prompts
+        tag = f"latency-{args.prompts}"
     elif args.mode == "latency":
         lens = [int(x) for x in args.prompt_lens.split(",")]
         requests = [r for n in lens for r in fixed_requests(n, args.output_len, args.runs, vocab, args.seed)]
@@ -272,11 +277,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     return record
 
 
-def _text_requests(tokenizer, runs: int, output_len: int, seed: int) -> tuple[list[BenchRequest], list[str]]:
-    from ember.benchmarks.text_prompts import text_prompts
+def _text_requests(tokenizer, runs: int, output_len: int, seed: int,
+                   records: bool = False) -> tuple[list[BenchRequest], list[str]]:
+    from ember.benchmarks.text_prompts import record_prompts, text_prompts
 
-    prompts = text_prompts(tokenizer, runs, seed)
-    return ([BenchRequest(ids, output_len, predicted) for _, ids, predicted in prompts],
+    prompts = (record_prompts if records else text_prompts)(tokenizer, runs, seed)
+    return ([BenchRequest(ids, output_len, predicted, stop_at_eos=records) for _, ids, predicted in prompts],
             [f"prompt_{kind}" for kind, _, _ in prompts])
 
 

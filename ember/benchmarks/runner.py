@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from ember import envs
 
 BACKENDS = ("ember", "ember-float", "ember-int8", "ember-w8a8", "ember-json", "ember-lora", "ember-eager",
-            "ember-variant", "ember-a8", "ember-ngram", "ember-suffix", "ember-prediction", "ember-draft", "hf", "vllm",
-            "llamacpp", "llamacpp-draft")
+            "ember-variant", "ember-a8", "ember-ngram", "ember-suffix", "ember-prediction", "ember-draft",
+            "ember-json-ngram", "hf", "vllm", "llamacpp", "llamacpp-draft")
 BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)",
                  "ember-int8": "ember (int8, bf16 activations)", "ember-w8a8": "ember (w8a8)",
                  "ember-json": "ember (JSON-schema guided)",
@@ -24,6 +24,7 @@ BACKEND_NAMES = {"ember": "ember", "ember-float": "ember (float weights)",
                  "ember-ngram": "ember (n-gram speculation)",
                  "ember-suffix": "ember (suffix decoding)", "ember-prediction": "ember (predicted outputs)",
                  "ember-draft": "ember (draft-model speculation)",
+                 "ember-json-ngram": "ember (JSON-schema guided, n-gram speculation)",
                  "hf": "transformers", "vllm": "vLLM-CPU",
                  "llamacpp": "llama.cpp", "llamacpp-draft": "llama.cpp (draft-model speculation)"}
 # variants of ember's own driver: the engine arguments they add (the default keeps a GGUF's quantized blocks)
@@ -41,7 +42,9 @@ EMBER_VARIANTS = {"ember": {}, "ember-float": {"quantization": "none"}, "ember-i
                   "ember-suffix": {"speculative_config": {"method": "suffix"}},  # vLLM's defaults: up to 24 tokens
                   # requests that carry a prediction send it (no speculative_config: predictions draft anyway)
                   "ember-prediction": {"predictions": True},
-                  "ember-draft": {}}  # its speculative_config names --draft-model
+                  "ember-draft": {},  # its speculative_config names --draft-model
+                  "ember-json-ngram": {"guided_json": GUIDED_SCHEMA,
+                                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 8}}}
 DRIVERS = os.path.join(os.path.dirname(__file__), "drivers")
 DEFAULT_VENVS = envs.bench_venvs()
 

@@ -9,10 +9,15 @@ gets the same token ids. They measure what random-token prompts cannot: how much
 Each copy and code prompt also carries what OpenAI's predicted outputs would send with it (``prediction``): the
 passage, and the file as given (the answer is that file with a docstring added); a chat prompt carries none. The
 ``ember-prediction`` backend sends them; the others never see them.
+
+``record_prompts`` (``--prompts json``): a book's library listing above a passage of the same text, and the ask
+for its record as JSON, whose structure the guided backends' schema (``runner.GUIDED_SCHEMA``) fixes and whose
+values copy the listing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -29,9 +34,12 @@ _QUESTIONS = ("Write a short story about a lighthouse keeper who finds a message
               "Why is the sky blue? Explain it step by step.",
               "Write a letter to a friend about a trip to the mountains.")
 KINDS = ("copy", "code", "chat")
+Prompt = tuple[str, list[int], list[int] | None]  # kind, token ids, the prediction's token ids or None
+_SHELVES = ("fiction", "history", "law", "science", "travel", "poetry", "biography", "drama", "mystery",
+            "adventure", "philosophy", "politics")
 
 
-def text_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[tuple[str, list[int], list[int] | None]]:
+def text_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[Prompt]:
     """``count`` prompts of each kind, as (kind, token ids, the prediction's token ids or None); the same arguments
     give the same prompts."""
     rng = random.Random(seed)
@@ -52,6 +60,31 @@ def text_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[tuple[
         out.append(("code", "Add a docstring to the first function of this Python code and return the whole code:"
                             f"\n\n{block}", block))
         out.append(("chat", _QUESTIONS[i % len(_QUESTIONS)], None))
+    return _render(tokenizer, out)
+
+
+def record_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[Prompt]:
+    """``count`` prompts of kind "record": a listing (title, year, shelves) above a passage, and the ask for the
+    book's record as JSON (title, year, tags); the prediction is that record. The same arguments give the same
+    prompts."""
+    rng = random.Random(seed)
+    with open(_DATA, encoding="utf-8") as f:
+        text = f.read()
+    out = []
+    for _ in range(count):
+        start = text.index("\n", rng.randrange(0, len(text) - 900)) + 1
+        passage = text[start:start + 600].rsplit(" ", 1)[0].strip()
+        words = [w.strip(".,;:()\"'") for w in passage.split()]
+        title = " ".join(w.capitalize() for w in rng.sample([w for w in words if len(w) > 3 and w.isalpha()], 3))
+        year, tags = rng.randrange(1850, 2025), rng.sample(_SHELVES, 3)
+        listing = f"Title: {title}\nFirst published: {year}\nShelved under: {', '.join(tags)}\n\n{passage}"
+        out.append(("record", f"Here is a library listing:\n\n{listing}\n\nReply with the book's record as JSON: its "
+                              "title, year and tags.", json.dumps({"title": title, "year": year, "tags": tags})))
+    return _render(tokenizer, out)
+
+
+def _render(tokenizer: Tokenizer, out: list[tuple[str, str, str | None]]) -> list[Prompt]:
+    """Each (kind, user message, prediction text) through the chat template, tokenized."""
     rendered = []
     for kind, content, predicted in out:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}])

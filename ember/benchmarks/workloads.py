@@ -16,11 +16,14 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     prediction_token_ids: list[int] | None = None  # the answer's expected tokens (--prompts text): ember-prediction's
+    stop_at_eos: bool = False  # the answer ends at EOS (--prompts json: a JSON record), not after max_tokens
 
     def to_json(self) -> dict:
         out = {"prompt_token_ids": self.prompt_token_ids, "max_tokens": self.max_tokens}
         if self.prediction_token_ids is not None:
             out["prediction_token_ids"] = self.prediction_token_ids
+        if self.stop_at_eos:
+            out["stop_at_eos"] = True
         return out
 
 

@@ -211,7 +211,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         self.block_manager.expire(time.monotonic())
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self.guides)
         batch = self.scheduler.schedule()
         outputs: dict[str, EngineOutput] = {}
         for seq in batch.interrupted:

@@ -5,6 +5,11 @@ Each step the sampled rows' allowed-token masks are computed on a helper thread 
 Rust code releases the GIL, so the two overlap) and travel to the worker inside the batch (``TokenMasks``); the
 worker waits for them only when it samples. A matcher that failed (it never should: the sampled token is always
 one its mask allowed) lets only EOS through, so its sample ends rather than run on unconstrained.
+
+With speculative decoding a guided sample drafts only tokens its grammar takes (``valid_draft``); a row verifying
+a draft of k tokens has k + 1 masks, the matcher's after each drafted token (llguidance advances it through the
+draft and rolls it back), and after the step the matcher takes the kept tokens. Past the point where the grammar
+ends only EOS is allowed, as a stopped matcher's own mask says.
 """
 
 from __future__ import annotations
@@ -51,15 +56,19 @@ class Guides:
 
         width = (self.source.vocab_size + 31) // 32
         bits = torch.zeros(len(rows), width, dtype=torch.int32)
-        live: list[tuple[Any, int]] = []
-        for j, (_, seq) in enumerate(rows):
-            m = self._matcher(seq)
+        live: list[tuple[Any, int, list[int]]] = []
+        drafted: list[tuple[int, tuple[int, ...]]] = []  # rows after a drafted token, and their EOS ids
+        j = 0
+        while j < len(rows):  # a sequence verifying a draft of k tokens holds k + 1 consecutive rows
+            seq = rows[j][1]
+            m, draft, eos = self._matcher(seq), seq.draft_token_ids, seq.request.params.eos_token_ids
             if m.is_error():  # only EOS from here on
-                for t in seq.request.params.eos_token_ids:
-                    bit = 1 << (t % 32)
-                    bits[j, t // 32] |= bit - (1 << 32 if bit >= 1 << 31 else 0)  # as an int32
+                for r in range(j, j + 1 + len(draft)):
+                    _allow(bits, r, eos)
             else:
-                live.append((m, j))
+                live.append((m, j, list(draft)))
+                drafted.extend((r, eos) for r in range(j + 1, j + 1 + len(draft)))
+            j += 1 + len(draft)
         if self._pool is None:
             import llguidance
 
@@ -68,7 +77,14 @@ class Guides:
 
         def fill() -> None:
             t0 = time.perf_counter()
-            llg.fill_next_token_bitmask_par(self._llg_executor, live, bits)
+            single = [(m, r) for m, r, draft in live if not draft]
+            if single:
+                llg.fill_next_token_bitmask_par(self._llg_executor, single, bits)
+            if drafted:  # llguidance takes drafts of one token or more
+                llg.fill_next_token_bitmask_par_with_draft_tokens(self._llg_executor, [x for x in live if x[2]], bits)
+                for r, eos in drafted:  # it leaves the rows past the grammar's end empty
+                    if not bool(bits[r].any()):
+                        _allow(bits, r, eos)
             self.mask_seconds += time.perf_counter() - t0
 
         self.masked_rows += len(rows)
@@ -76,18 +92,34 @@ class Guides:
         return TokenMasks([i for i, _ in rows], bits, self._pool.submit(fill) if live else None)
 
     def advance(self, sampled: list[Sequence], tokens: list[int], masks: TokenMasks | None) -> None:
-        """Feed each guided sample the token it took this step."""
+        """Feed each guided sample the tokens it took this step: the drafted tokens its sampler agreed with, then
+        the sampler's own."""
         if masks is None:
             return
         masks.get()  # the helper is done with the matchers (the worker has normally waited already)
         self.wait_seconds += masks.waited
-        for i in masks.rows:
+        rows, j = masks.rows, 0
+        while j < len(rows):
+            i = rows[j]
             seq, m = sampled[i], self.matchers.get(sampled[i].seq_id)
-            if m is None or m.is_error() or m.is_stopped():  # a finished grammar only takes EOS (ignore_eos)
-                continue
-            if not m.consume_token(tokens[i]):
-                logger.warning("request %s: sample %d took token %d its grammar does not allow (%s); it ends at "
-                               "the next EOS", seq.request.request_id, seq.index, tokens[i], m.get_error())
+            draft = seq.draft_token_ids
+            j += 1 + len(draft)
+            kept = 0
+            while kept < len(draft) and tokens[i + kept] == draft[kept]:
+                kept += 1
+            for t in draft[:kept] + [tokens[i + kept]]:
+                if m is None or m.is_error() or m.is_stopped():  # a finished grammar only takes EOS (ignore_eos)
+                    break
+                if not m.consume_token(t):
+                    logger.warning("request %s: sample %d took token %d its grammar does not allow (%s); it ends "
+                                   "at the next EOS", seq.request.request_id, seq.index, t, m.get_error())
+
+    def valid_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """The longest start of draft that seq's grammar takes from where seq is (``speculator.DraftCheck``)."""
+        m = self._matcher(seq)
+        if m.is_error():
+            return []
+        return draft[:m.validate_tokens(draft)]
 
     def release(self, handles: list[int]) -> None:
         for h in handles:
@@ -102,3 +134,10 @@ class Guides:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _allow(bits: torch.Tensor, row: int, token_ids: tuple[int, ...]) -> None:
+    """Set the bits of token_ids in row of an int32 bitmask (32 tokens a word)."""
+    for t in token_ids:
+        bit = 1 << (t % 32)
+        bits[row, t // 32] |= bit - (1 << 32 if bit >= 1 << 31 else 0)  # as an int32

@@ -15,7 +15,10 @@ F = ``FIXED_COST_ROWS`` (the weights' read, in rows' worth). With per-token acce
 1 + a + ... + a^k tokens. Each request keeps a decaying estimate of a (so a request that stopped
 matching is tried again later) and drafts the k in [0, num_speculative_tokens] that maximises gain per cost, and
 at most 2 + twice what its last draft kept: a copy that ends costs one long rejected draft, not several.
-Requests whose sampling reads the token history (penalties, bans), guided requests and beam searches do not draft.
+Beam searches do not draft. A request whose sampling reads the token history (penalties, bans, a thinking budget)
+verifies each position with the drafted tokens before it in its history; a guided one (structured output) drafts
+only what its grammar allows (``DraftCheck``), free drafts only (a draft model's tokens are made in the step, after
+the masks), and its masks follow the draft.
 A request whose own tokens give no n-gram draft looks up its last ``prompt_lookup_max`` tokens in the outputs of
 recently finished requests with its prefix-cache salt (``ngram.RecentOutputs``). With ``method="suffix"`` the
 lookup is suffix decoding's: the request's own ``suffix.SuffixIndex`` and the recent outputs'
@@ -36,12 +39,13 @@ model has its own; while free drafts run, the model's estimate stands still.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ember.config import SpeculativeConfig
 from ember.core.ngram import NgramIndex, RecentOutputs
 from ember.core.request import Sequence
 from ember.core.suffix import RecentSuffixes, SuffixIndex
-from ember.protocol import DRAFT_PLACEHOLDER, SamplingRow
+from ember.protocol import DRAFT_PLACEHOLDER
 
 # a verifying row's extra over a batch-1 decode step where start-up timed none (several ranks, CUDA, predictions without
 # speculative_config), as measured on a 2-core Xeon with AMX (docs/speculative.md): 1 + 0.12 to 0.22 with one
@@ -143,10 +147,15 @@ def best_k(acceptance: float, weight: float, most: int, draft_cost: float = 0.0,
 
 
 def may_speculate(seq: Sequence) -> bool:
-    """Whether seq's sampling is the same whatever its neighbours' tokens: no beam search, no grammar, no processor
-    that reads the token history (their per-sample state grows one accepted token at a time)."""
-    req = seq.request
-    return req.beams is None and req.record.grammar is None and not SamplingRow.reads_history(req.params)
+    """Whether seq samples one token a row (a beam search's rows rank continuations across its beams)."""
+    return seq.request.beams is None
+
+
+class DraftCheck(Protocol):
+    """What a guided sample's grammar allows (the core's ``Guides``)."""
+
+    def valid_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """The longest start of draft that seq's grammar takes from where seq is."""
 
 
 class Speculator:
@@ -171,9 +180,9 @@ class Speculator:
         self.states: dict[int, _SeqState] = {}  # sequence id -> its lookup index and acceptance
         self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
 
-    def propose(self, running: list[Sequence]) -> None:
+    def propose(self, running: list[Sequence], check: DraftCheck | None = None) -> None:
         """Set ``draft_token_ids`` of every running sequence: a draft for those that decode and may speculate,
-        nothing for the others."""
+        nothing for the others; a guided sequence's cut to what its grammar takes (check)."""
         decoding = []
         for seq in running:
             seq.draft_token_ids = []
@@ -189,19 +198,25 @@ class Speculator:
                     or not may_speculate(seq):
                 continue
             # the draft and the token sampled after it must fit max_tokens (and max_model_len)
-            seq.draft_token_ids = self._draft(seq, self._state(seq), weight, seq.max_num_tokens - seq.num_tokens - 1)
+            guided = check if seq.request.record.grammar is not None else None
+            seq.draft_token_ids = self._draft(seq, self._state(seq), weight, seq.max_num_tokens - seq.num_tokens - 1,
+                                              guided)
 
-    def _draft(self, seq: Sequence, st: _SeqState, weight: float, room: int) -> list[int]:
+    def _draft(self, seq: Sequence, st: _SeqState, weight: float, room: int, guided: DraftCheck | None) -> list[int]:
         """A draft free to make (the prediction's, else the lookup's) where its estimate pays for one and it finds
-        tokens; else, with a draft model, placeholders for as many tokens as its estimate pays for; else none."""
+        tokens (a guided sequence's: those its grammar takes); else, with a draft model and no grammar,
+        placeholders for as many tokens as its estimate pays for; else none."""
         most = self.config.num_speculative_tokens
         k = st.lookup.k(weight, most, room, 0.0, self.verify_costs)
         if k <= 0:
             st.lookup.idle()
         elif draft := self._free(seq, st, k):
-            st.pending = st.lookup
-            return draft
-        if st.model is None:
+            if guided is not None:
+                draft = guided.valid_draft(seq, draft)
+            if draft:
+                st.pending = st.lookup
+                return draft
+        if st.model is None or guided is not None:
             return []
         k = st.model.k(weight, most, room, self.draft_cost, self.verify_costs)
         if k <= 0:

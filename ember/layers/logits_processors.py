@@ -39,16 +39,17 @@ class RowState:
 
     def token_counts(self, row: SamplingRow, vocab_size: int, device: torch.device) -> torch.Tensor:
         """[2, V]: how often each token occurs in the whole sequence and in its output, updated in place with the
-        tokens added since the last step (a step costs O(new tokens), not O(length))."""
+        tokens added since the last step (a step costs O(new tokens), not O(length)); a verifying row's drafted
+        tokens are not counted (``Penalties`` adds them to its copy)."""
         if self.counts is None:
             self.counts = torch.zeros(2, vocab_size, dtype=torch.float32, device=device)
-        tokens, start = row.token_ids, self.counted
-        if len(tokens) > start:
-            new = torch.tensor(tokens[start:], dtype=torch.long, device=device)
+        tokens, start, end = row.token_ids, self.counted, len(row.token_ids) - row.num_draft
+        if end > start:
+            new = torch.tensor(tokens[start:end], dtype=torch.long, device=device)
             self.counts[0].index_add_(0, new, torch.ones(len(new), device=device))
             out = new[max(0, row.num_prompt_tokens - start):]
             self.counts[1].index_add_(0, out, torch.ones(len(out), device=device))
-            self.counted = len(tokens)
+            self.counted = end
         return self.counts
 
 
@@ -91,15 +92,20 @@ class NGramIndex:
     def __init__(self, n: int) -> None:
         self.n, self.upto, self.table = n, 0, {}
 
-    def banned(self, tokens: list[int]) -> set[int]:
-        """Tokens that would repeat an n-gram if appended to tokens."""
-        n = self.n
-        for end in range(max(self.upto, n), len(tokens) + 1):  # n-gram tokens[end - n:end]
+    def banned(self, tokens: list[int], num_draft: int = 0) -> set[int]:
+        """Tokens that would repeat an n-gram if appended to tokens; the last num_draft tokens (a draft being
+        verified) count for this call only, the index keeps the rest."""
+        n, kept = self.n, len(tokens) - num_draft
+        for end in range(max(self.upto, n), kept + 1):  # n-gram tokens[end - n:end]
             self.table.setdefault(tuple(tokens[end - n:end - 1]), set()).add(tokens[end - 1])
-        self.upto = len(tokens) + 1
+        self.upto = kept + 1
         if len(tokens) + 1 < n:
             return set()
-        return self.table.get(tuple(tokens[len(tokens) - n + 1:]) if n > 1 else (), set())
+        key = tuple(tokens[len(tokens) - n + 1:]) if n > 1 else ()
+        out = self.table.get(key, set())
+        tail = {tokens[end - 1] for end in range(max(kept + 1, n), len(tokens) + 1)
+                if tuple(tokens[end - n:end - 1]) == key}  # the draft's own n-grams
+        return out | tail if tail else out
 
 
 def bad_word_tokens(tokens: list[int], bad_words: list[list[int]]) -> list[int]:
@@ -126,6 +132,10 @@ class Penalties:
         sub = logits[idx]
         f32 = dict(dtype=torch.float32, device=device)
         counts = torch.stack([states[i].token_counts(batch[i], vocab, device) for i in rows])  # [R, 2, V]
+        for r, i in enumerate(rows):  # a verifying row's drafted tokens, all output tokens, in this copy only
+            if batch[i].num_draft:
+                drafted = torch.tensor(batch[i].token_ids[-batch[i].num_draft:], dtype=torch.long, device=device)
+                counts[r].index_add_(1, drafted, torch.ones(2, len(drafted), device=device))
         rep = torch.tensor([p.repetition_penalty for p in params], **f32)
         if bool((rep != 1).any()):
             which = torch.tensor([1 if p.repetition_penalty_output_only else 0 for p in params], device=device)
@@ -156,7 +166,7 @@ class TokenBans:
                 if p.no_repeat_ngram_size:
                     if states[i].ngram is None:
                         states[i].ngram = NGramIndex(p.no_repeat_ngram_size)
-                    ids.extend(states[i].ngram.banned(row.token_ids))
+                    ids.extend(states[i].ngram.banned(row.token_ids, row.num_draft))
                 ids.extend(bad_word_tokens(row.token_ids, p.bad_words_ids))
         if banned:
             logits = logits.clone()
@@ -173,14 +183,26 @@ class ThinkingScan:
     def __init__(self, first: int = 0) -> None:
         self.scanned, self.start = first, -1  # tags ending before token ``first`` are not looked at
 
-    def update(self, tokens: list[int], start_tag: tuple[int, ...], end_tag: tuple[int, ...]) -> int:
-        for end in range(self.scanned + 1, len(tokens) + 1):  # a tag ending at tokens[end - 1]
+    def update(self, tokens: list[int], start_tag: tuple[int, ...], end_tag: tuple[int, ...],
+               num_draft: int = 0) -> int:
+        """The open block's start after tokens; the last num_draft (a draft being verified) are scanned for this
+        call only."""
+        kept = len(tokens) - num_draft
+        self._scan(tokens, kept, start_tag, end_tag)
+        if not num_draft:
+            return self.start
+        ahead = ThinkingScan()
+        ahead.scanned, ahead.start = self.scanned, self.start
+        ahead._scan(tokens, len(tokens), start_tag, end_tag)
+        return ahead.start
+
+    def _scan(self, tokens: list[int], upto: int, start_tag: tuple[int, ...], end_tag: tuple[int, ...]) -> None:
+        for end in range(self.scanned + 1, upto + 1):  # a tag ending at tokens[end - 1]
             if _ends(tokens, end, start_tag):
                 self.start = end
             elif self.start >= 0 and end - len(end_tag) >= self.start and _ends(tokens, end, end_tag):
                 self.start = -1
-        self.scanned = len(tokens)
-        return self.start
+        self.scanned = max(self.scanned, upto)
 
 
 def _ends(tokens: list[int], end: int, tag: tuple[int, ...]) -> bool:
@@ -204,7 +226,7 @@ class ThinkingBudget:
             # whitespace tokens after it), never in the conversation before it
             scan = states[i].thinking = states[i].thinking or ThinkingScan(
                 max(0, row.num_prompt_tokens - len(start_tag) - len(end_tag) - 4))
-            start = scan.update(row.token_ids, start_tag, end_tag)
+            start = scan.update(row.token_ids, start_tag, end_tag, row.num_draft)
             if start < 0 or len(row.token_ids) - max(start, row.num_prompt_tokens) < p.thinking_token_budget:
                 continue
             # the end tag's next token: after the longest part of it the output already ends with

@@ -63,6 +63,9 @@ class SamplingRow:
     num_output_tokens: int
     token_ids: list[int] | None = None  # prompt + output, sent only to rows whose processors read the history
     num_prompt_tokens: int = 0
+    # a row verifying a draft: the last num_draft of token_ids are drafted tokens before this position, not kept
+    # yet, so the processors' state between steps (counts, n-gram index, thinking scan) does not take them in
+    num_draft: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:

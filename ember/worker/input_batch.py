@@ -205,8 +205,9 @@ class InputBatch:
 
     def _plan_draft(self, rows: StepRows, held: HeldSequence, handle: int, draft: list[int]) -> None:
         """A decoding row verifying a draft: its last token and the draft as one short prefill span, every position
-        sampled (row j as the sample's output token j would be). Only the last token counts as computed: the core
-        sends the count once it knows which drafted tokens were kept."""
+        sampled (row j as the sample's output token j would be, its history holding the j drafted tokens before
+        it). Only the last token counts as computed: the core sends the count once it knows which drafted tokens
+        were kept."""
         bs, c, table, tokens = self.block_size, held.num_computed_tokens, held.block_ids, held.token_ids
         n, start = 1 + len(draft), len(rows.input_ids)
         rows.input_ids.append(tokens[c])
@@ -221,7 +222,10 @@ class InputBatch:
         done = len(tokens) - held.num_prompt_tokens
         for j in range(n):
             rows.sample_rows.append(start + j)
-            rows.sampling.append(SamplingRow(handle, held.params, held.seed, done + j, None, held.num_prompt_tokens))
+            # position j's history: the sequence's tokens and the j drafted before it (penalties, bans read it)
+            history = (tokens + draft[:j] if j else tokens) if held.reads_history else None
+            rows.sampling.append(SamplingRow(handle, held.params, held.seed, done + j, history,
+                                             held.num_prompt_tokens, j))
         held.num_computed_tokens = c + 1
 
 

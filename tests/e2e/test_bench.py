@@ -179,6 +179,9 @@ def test_missing_baseline_environment_is_a_clear_error(llama_dir, tmp_path, caps
     for mode in (["throughput"], ["latency"], ["latency", "--prompts", "random"]):
         assert main(["bench", *mode, "--model", llama_dir, "--backends", "ember,ember-prediction"]) == 2
         assert "ember-prediction needs `ember bench latency --prompts text`" in capsys.readouterr().err
+    # the JSON records are for the guided backends: an unguided one would write free text until max_tokens' worth
+    assert main(["bench", "latency", "--prompts", "json", "--model", llama_dir, "--backends", "ember-json,ember"]) == 2
+    assert "run it with the guided backends ember-json and ember-json-ngram, not ember" in capsys.readouterr().err
 
 
 def _vocab(model: str) -> list[int]:

@@ -180,24 +180,31 @@ def small_vocab(tmp_path_factory, tokenizer_dir):
     for f in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, f), out)
     llm = LLM(out, dtype="float32", max_num_seqs=8, kv_cache_memory="16MiB")
-    yield hf, llm
+    # the same model verifying drafts (each position sampled with the drafted tokens before it in its history)
+    spec = LLM(out, dtype="float32", max_num_seqs=8, kv_cache_memory="16MiB",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    yield hf, llm, spec
     llm.shutdown()
+    spec.shutdown()
 
 
-@pytest.mark.parametrize("case", ["ngram1", "ngram2", "ngram3", "bad_words", "rep_output_only"])
-def test_token_bans_and_penalties_match_transformers(case, small_vocab):
+@pytest.mark.parametrize("case", ["ngram1", "ngram2", "ngram3", "bad_words", "rep_output_only", "rep"])
+def test_token_bans_and_penalties_match_transformers(case, small_vocab, monkeypatch):
+    """Each case also with speculative decoding: drafts of the expected answer with every third token wrong
+    (``oracle_drafts``), kept whole, in part and not at all, give the same tokens."""
     from transformers.generation.logits_process import (NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
                                                         RepetitionPenaltyLogitsProcessor)
 
     from conftest import random_prompts
+    from internals import oracle_drafts
 
     from ember import SamplingParams
 
-    hf, llm = small_vocab
+    hf, llm, spec = small_vocab
     prompts = random_prompts(4, 3, 12, 1000, seed=11)
     prompts = [[t % 61 + 3 for t in p] for p in prompts]  # into the small vocabulary, past BOS/EOS
     steps = 64
-    changed = []
+    changed, answers, requests = [], [], []
     for prompt in prompts:
         # bad words chosen from the unconstrained greedy output, so that they bite
         free = _hf_processed_greedy(hf, prompt, steps, [])
@@ -207,6 +214,8 @@ def test_token_bans_and_penalties_match_transformers(case, small_vocab):
         elif case == "bad_words":
             words = [[free[0]], [free[3], free[4]], [prompt[-1], free[0], 7]]
             kwargs, procs = {"bad_words_ids": words}, [NoBadWordsLogitsProcessor(words)]
+        elif case == "rep":
+            kwargs, procs = {"repetition_penalty": 1.8}, [RepetitionPenaltyLogitsProcessor(1.8)]
         else:
             kwargs = {"repetition_penalty": 1.8, "repetition_penalty_output_only": True}
             procs = [RepetitionPenaltyLogitsProcessor(1.8, prompt_ignore_length=len(prompt))]
@@ -215,7 +224,16 @@ def test_token_bans_and_penalties_match_transformers(case, small_vocab):
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert got == expected, case
         changed.append(got != free)
+        answers.append(expected)
+        requests.append(params)
     assert any(changed)  # the constraint bit somewhere
+    oracle_drafts(monkeypatch, prompts, answers, vocab=64)
+    before = spec.stats()
+    outs = spec.generate(prompts, requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == answers, case
+    after = spec.stats()
+    drafted, kept = (after[k] - before[k] for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+    assert 0 < kept < drafted
 
 
 def test_stop_token_sequence_ends_generation_and_stays_in_output(tiny_llm):
@@ -268,10 +286,11 @@ def test_unseeded_draws_come_from_the_samplers_own_generator():
     assert after_a == torch.rand(1).item()
 
 
-def test_thinking_budget_forces_the_end_tag_then_decodes_as_transformers(tiny_llm, llama_dir):
+def test_thinking_budget_forces_the_end_tag_then_decodes_as_transformers(tiny_llm, llama_dir, monkeypatch):
     """A prompt that opens <think>: after thinking_token_budget tokens the end tag's tokens are forced (several
     tokens in this vocabulary), then greedy decoding goes on; every unforced token equals transformers' greedy
-    token on the same prefix. A prompt without an open block decodes as without a budget."""
+    token on the same prefix, with speculative decoding too. A prompt without an open block decodes as without a
+    budget."""
     from conftest import hf_float32, hf_greedy
 
     from ember import SamplingParams
@@ -288,6 +307,19 @@ def test_thinking_budget_forces_the_end_tag_then_decodes_as_transformers(tiny_ll
         thought = hf_greedy(hf, prompt, budget)
         after = hf_greedy(hf, prompt + thought + end, 4)
         assert out == thought + end + after, budget
+    # with speculative decoding: drafts of that answer, every third token wrong, through the forced end tag
+    from internals import oracle_drafts
+
+    from ember import LLM
+
+    budget, answer = 3, thought + end + after
+    oracle_drafts(monkeypatch, [prompt], [answer])
+    with LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB",
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as spec:
+        out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=len(answer), ignore_eos=True,
+                                                     thinking_token_budget=budget), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == answer
+        assert 0 < spec.stats()["spec_decode_num_accepted_tokens"] < spec.stats()["spec_decode_num_draft_tokens"]
     plain = [120, 340, 560, 780]
     free = tiny_llm.generate([plain], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids

@@ -200,3 +200,96 @@ def test_bad_constraints_fail_before_work_and_the_engine_goes_on(llm, so, messag
                      use_tqdm=False)
     assert llm.client.stats()["guided_rows"] == before
     assert llm.generate("hi", _greedy(4, regex="[a-z]{4}"), use_tqdm=False)[0].outputs[0].finish_reason == "stop"
+
+
+# ----- with speculative decoding -----
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    engine = LLM(dtype="float32", max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=512,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1})
+    yield engine
+    engine.shutdown()
+
+
+def test_drafts_follow_the_grammar_and_change_no_token(llm, spec_llm, monkeypatch):
+    """n-gram drafts for guided requests: cut to what the grammar takes (spied on: some are cut), verified with a
+    mask after each drafted token; every reply is the one decoding without speculation gives, token for token,
+    greedy and seeded, and drafts are kept and rejected."""
+    from ember.core.guided import Guides
+
+    cuts, valid_draft = [], Guides.valid_draft
+
+    def spy(self, seq, draft):
+        kept = valid_draft(self, seq, draft)
+        cuts.append(len(kept) < len(draft))
+        return kept
+
+    monkeypatch.setattr(Guides, "valid_draft", spy)
+    record = {"name": "Ada Lovelace", "born": 1815, "languages": ["English", "French", "Italian"],
+              "known_for": "the first published computer program"}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                               "languages": {"type": "array", "items": {"type": "string"}},
+                                               "known_for": {"type": "string"}},
+              "required": list(record), "additionalProperties": False}
+    copy = _chat(llm, f"Reply with exactly this JSON object: {json.dumps(record)}")
+    extract = _chat(llm, "Ada Lovelace, born in 1815, spoke English, French and Italian, and is known for the first "
+                         "published computer program. Give her record as JSON.")
+    phone = _chat(llm, "Our office number is 555-0199, call 555-0199 now. What is the number?")
+    prompts = [copy, copy, extract, phone, phone]
+    params = [_greedy(96, json=schema), _greedy(96, json=schema, disable_any_whitespace=True),
+              _greedy(96, json=schema), _greedy(16, regex=r"[0-9]{3}-[0-9]{4}"),
+              SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=16,
+                             structured_outputs=SO(regex=r"(call )?[0-9]{3}-[0-9]{4}( now)?"))]
+    want = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    before = spec_llm.stats()
+    outs = spec_llm.generate(prompts, params, use_tqdm=False)
+    after = spec_llm.stats()
+    assert [[c.token_ids for c in o.outputs] for o in outs] == want
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), schema)
+    assert all(re.fullmatch(r"(call )?[0-9]{3}-[0-9]{4}( now)?", c.text) for c in outs[4].outputs)
+    drafted, kept = (after[k] - before[k] for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+    assert 0 < kept < drafted and any(cuts) and not all(cuts)
+
+
+
+def test_a_drafts_masks_are_the_masks_one_token_steps_give(llm):
+    """``Guides.masks`` for a row verifying a draft against a matcher taking the same tokens one step at a time,
+    as decoding without drafts does: the mask after each drafted token, EOS drafted where the grammar may go on or
+    end or after its end, and past its end only EOS (llguidance leaves the row after such an EOS empty; a stopped
+    matcher allows EOS). Then ``advance`` feeds the matcher the kept tokens."""
+    from types import SimpleNamespace
+
+    import llguidance.torch as llg
+
+    from ember.core.guided import Guides
+    from ember.frontend.structured_output import Grammars
+
+    tok, eos = llm.client.tokenizer, llm.client.tokenizer.eos_token_id
+    grammars = Grammars(tok, (eos,))
+    grammar = grammars.compile(SO(regex=r"[0-9]{3}-[0-9]{3}( now)?"))
+    number, full = (tok.encode(t, add_special_tokens=False) for t in ("199-555", "199-555 now"))
+    request = SimpleNamespace(record=SimpleNamespace(grammar=grammar), params=SimpleNamespace(eos_token_ids=(eos,)))
+    guides = Guides(grammars)
+    cut = SimpleNamespace(seq_id=0, request=request, draft_token_ids=[])
+    assert guides.valid_draft(cut, number + [eos, eos, 7]) == number + [eos]  # nothing after the grammar's end
+    assert guides.valid_draft(cut, number[:2] + [eos]) == number[:2]  # EOS only where it may end
+    for draft in (number, number + [eos], full + [eos], number[:2]):
+        seq = SimpleNamespace(seq_id=1 + len(draft), request=request, draft_token_ids=draft)
+        masks = guides.masks([seq] * (len(draft) + 1))
+        got = masks.get()
+        one = grammars.matcher(grammar)
+        for j in range(len(draft) + 1):
+            want = torch.zeros(1, got.shape[1], dtype=torch.int32)
+            if one.is_stopped():
+                want[0, eos // 32] = 1 << (eos % 32)
+            else:
+                llg.fill_next_token_bitmask(one, want, 0)
+                if j < len(draft):
+                    assert one.consume_token(draft[j])
+            assert torch.equal(got[j], want[0]), (draft, j)
+        after = number[len(draft)] if len(draft) < len(number) else eos
+        guides.advance([seq] * (len(draft) + 1), draft + [after], masks)  # every drafted token kept, then one more
+        m = guides.matchers[seq.seq_id]
+        assert not m.is_error() and m.is_stopped() == (len(draft) >= len(number))
+    guides.shutdown()

@@ -95,7 +95,7 @@ def _loras(n: int) -> list | None:
 def _params(r: dict):
     from ember import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True,
+    return SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=not r.get("stop_at_eos"),
                           structured_outputs={"json": _GUIDE} if _GUIDE else None)
 
 

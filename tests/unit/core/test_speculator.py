@@ -89,15 +89,19 @@ def test_a_draft_never_runs_past_max_tokens(always_draft):
                 assert len(draft) <= max_tokens - 1
 
 
-def test_no_draft_for_beams_penalties_or_when_the_batch_is_large(monkeypatch):
+def test_no_draft_for_beams_or_when_the_batch_is_large(monkeypatch):
     prompt = [10, 11, 12, 10, 11]
     patterns = {0: [12, 10, 11]}
     monkeypatch.setattr(speculator, "verify_extra", lambda k, costs=None: 0.0)
     core = make_core(script=copying_script(patterns), speculative=NGRAM)
-    core.add(request("pen", prompt, max_tokens=8, temperature=0.0, seed=0, repetition_penalty=1.2))
     core.add(request("beam", prompt, max_tokens=8, beam_width=2))
     run(core)
     assert core.speculator.counts.drafts == 0
+    # a request whose sampling reads its history drafts: each position's row carries the drafted tokens before it
+    core = make_core(script=copying_script(patterns), speculative=NGRAM)
+    core.add(request("pen", prompt, max_tokens=8, temperature=0.0, seed=0, repetition_penalty=1.2))
+    run(core)
+    assert core.speculator.counts.drafts > 0
     big = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=1)
     core, _ = _run({0: [12, 10, 11], 1: [12, 10, 11]}, [prompt, prompt], big, [8, 8])  # 2 rows > 1: no draft
     assert core.speculator.counts.drafts == 0
