@@ -26,6 +26,7 @@ from ember.config import EngineConfig, ResolvedConfig
 from ember.core.engine_core import EngineCore
 from ember.core.guided import GrammarSource
 from ember.errors import EngineDeadError
+from ember.openmp import release_pool
 from ember.protocol import (
     AbortRequest,
     AddRequests,
@@ -80,6 +81,7 @@ class EngineLoop:
         self._pending: dict[int, Future] = {}  # utility calls sent, by id, until their result comes back
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
+        self._busy = True  # the loop has stepped since it last waited for a command (start-up counts)
         self._thread = threading.Thread(target=self._main, args=(config, resolved, grammars),
                                         name="ember-engine", daemon=True)
         self._thread.start()
@@ -160,6 +162,9 @@ class EngineLoop:
         """Take every pending command (waiting for one when idle), then run one step. False: shut down."""
         core = self.core
         idle = not core.has_work()
+        if idle and self._busy:  # going idle: this thread's OpenMP workers go, so another engine's stay quick
+            release_pool()
+        self._busy = not idle
         try:
             item = self._inbox.get(block=idle, timeout=IDLE_CHECK_S if idle else None)
         except queue.Empty:

@@ -27,6 +27,7 @@ from ember.frontend.structured_output import Grammars
 from ember.lora.request import LoRARequest
 from ember.model_loader import load_tokenizer, read_shape
 from ember.model_loader.pooler import folder_pooler, with_model_defaults
+from ember.openmp import release_pool
 from ember.protocol import ModelInfo, PoolingParams
 from ember.sampling_params import OutputKind, SamplingParams
 from ember.tokenizer import Message, Tokenizer
@@ -126,6 +127,8 @@ class EngineClient:
                                        [c.request_id for c in core], record.pooling is not None))
             records.extend(core)
         self._outputs.register(states)
+        if isinstance(self._loop, EngineLoop):  # the core steps on a thread of this process: see ember.openmp
+            release_pool()
         try:
             self._loop.add(records)
         except BaseException:

@@ -27,7 +27,7 @@ LAYERS = [
 ]
 # small shared modules any layer may use: records, settings and helpers that import no layer above their own
 SHARED = {"envs", "errors", "dtypes", "cache", "config", "sampling_params", "outputs", "tokenizer", "version",
-          "quantization.config", "layers.kv_cache", "lora", "protocol"}
+          "quantization.config", "layers.kv_cache", "lora", "protocol", "openmp"}
 # what the clients (entrypoints, facades, server) may use of the engine: the front end's client, the shared
 # records, and the model files' own tools (conversion, serialization)
 CLIENT_MAY_USE = {"frontend", "model_loader"}

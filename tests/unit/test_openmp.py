@@ -1,0 +1,40 @@
+"""``ember.openmp.release_pool``: the calling thread's OpenMP worker threads go (they would keep an engine's
+parallel regions waking sleeping workers: ember/openmp.py), and come back at its next parallel region."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from ember import openmp
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+                    reason="needs Linux's /proc and at least 2 torch threads")
+def test_release_pool_frees_the_calling_threads_workers():
+    openmp.release_pool()  # looks libgomp up (torch has loaded it)
+    if not openmp._pause:
+        pytest.skip("torch's OpenMP here is not a libgomp with omp_pause_resource_all")
+    counts = []
+
+    def work() -> None:
+        counts.append(_threads())
+        x = torch.ones(1 << 22)  # a parallel region: this thread gets a pool of workers
+        counts.append(_threads())
+        openmp.release_pool()
+        counts.append(_threads())
+        x.add_(1)
+        counts.append(_threads())
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    before, with_pool, released, again = counts
+    assert with_pool > before and released == before and again == with_pool
