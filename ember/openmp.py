@@ -7,14 +7,15 @@ than it has CPUs, libgomp's workers stop spinning between regions and sleep (a f
 ``x @ x`` in the caller's thread, or a second engine's idle loop, was enough: the default model's batch-1 decode
 fell from ~160 to ~68 tok/s on a 2-vCPU AMD EPYC. ``release_pool`` frees the calling thread's pool (OpenMP 5.0's
 ``omp_pause_resource_all``; libgomp recreates it at that thread's next region): a thread about to hand work to an
-engine on another thread calls it, and so does an engine's loop going idle. Elsewhere (another OpenMP runtime, no
-libgomp loaded) it does nothing.
+engine on another thread calls it, and so does an engine's loop going idle. Elsewhere (not Linux, another OpenMP
+runtime, no libgomp loaded) it does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Any
 
 _OMP_PAUSE_SOFT = 1
@@ -31,13 +32,23 @@ def release_pool() -> None:
 
 
 def _lookup() -> Any:
-    """The loaded libgomp's omp_pause_resource_all; None while no libgomp is loaded (this never loads one)."""
+    """The loaded libgomp's omp_pause_resource_all (torch's own copy may be renamed, as in aarch64 wheels); None
+    while torch is not imported (this never loads a library), False where there is none to call: no /proc (not
+    Linux), no libgomp, one older than OpenMP 5.0, or LLVM's / Intel's runtime under its name (their pause stops
+    every thread's pool)."""
     try:
-        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except (OSError, AttributeError):  # not loaded (yet), or no dlopen flags here (Windows)
-        return None
-    fn = getattr(lib, "omp_pause_resource_all", None)
-    if fn is None:  # a libgomp older than OpenMP 5.0
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if "/libgomp" in line}
+    except OSError:
         return False
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        fn = getattr(lib, "omp_pause_resource_all", None)
+        if fn is None or hasattr(lib, "kmp_get_blocktime"):
+            return False
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return False if "torch" in sys.modules else None  # torch loads its OpenMP runtime when imported

@@ -8,8 +8,8 @@ one its mask allowed) lets only EOS through, so its sample ends rather than run 
 
 With speculative decoding a guided sample drafts only tokens its grammar takes (``valid_draft``); a row verifying
 a draft of k tokens has k + 1 masks, the matcher's after each drafted token (llguidance advances it through the
-draft and rolls it back), and after the step the matcher takes the kept tokens. Past the point where the grammar
-ends only EOS is allowed, as a stopped matcher's own mask says.
+draft and rolls it back), and after the step the matcher takes the kept tokens. A row after a drafted token taken
+once the grammar had ended (llguidance leaves it empty) gets the row before it: the stopped matcher's own mask.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ember.core.request import Sequence
+from ember.core.speculator import kept_tokens
 from ember.worker.token_masks import TokenMasks
 
 logger = logging.getLogger("ember")
@@ -57,17 +58,19 @@ class Guides:
         width = (self.source.vocab_size + 31) // 32
         bits = torch.zeros(len(rows), width, dtype=torch.int32)
         live: list[tuple[Any, int, list[int]]] = []
-        drafted: list[tuple[int, tuple[int, ...]]] = []  # rows after a drafted token, and their EOS ids
+        drafted: list[int] = []  # rows after a drafted token
         j = 0
         while j < len(rows):  # a sequence verifying a draft of k tokens holds k + 1 consecutive rows
             seq = rows[j][1]
-            m, draft, eos = self._matcher(seq), seq.draft_token_ids, seq.request.params.eos_token_ids
+            m, draft = self._matcher(seq), seq.draft_token_ids
+            if j + len(draft) >= len(rows) or rows[j + len(draft)][1] is not seq:  # llguidance writes k + 1 rows
+                raise RuntimeError(f"guided rows {j}..{j + len(draft)} are not all sample {seq.seq_id}'s")
             if m.is_error():  # only EOS from here on
                 for r in range(j, j + 1 + len(draft)):
-                    _allow(bits, r, eos)
+                    _allow(bits, r, seq.request.params.eos_token_ids)
             else:
                 live.append((m, j, list(draft)))
-                drafted.extend((r, eos) for r in range(j + 1, j + 1 + len(draft)))
+                drafted.extend(range(j + 1, j + 1 + len(draft)))
             j += 1 + len(draft)
         if self._pool is None:
             import llguidance
@@ -82,9 +85,9 @@ class Guides:
                 llg.fill_next_token_bitmask_par(self._llg_executor, single, bits)
             if drafted:  # llguidance takes drafts of one token or more
                 llg.fill_next_token_bitmask_par_with_draft_tokens(self._llg_executor, [x for x in live if x[2]], bits)
-                for r, eos in drafted:  # it leaves the rows past the grammar's end empty
+                for r in drafted:  # in order: a run of empty rows takes the stopped matcher's mask before it
                     if not bool(bits[r].any()):
-                        _allow(bits, r, eos)
+                        bits[r] = bits[r - 1]
             self.mask_seconds += time.perf_counter() - t0
 
         self.masked_rows += len(rows)
@@ -104,9 +107,7 @@ class Guides:
             seq, m = sampled[i], self.matchers.get(sampled[i].seq_id)
             draft = seq.draft_token_ids
             j += 1 + len(draft)
-            kept = 0
-            while kept < len(draft) and tokens[i + kept] == draft[kept]:
-                kept += 1
+            kept = kept_tokens(draft, tokens[i:i + 1 + len(draft)])
             for t in draft[:kept] + [tokens[i + kept]]:
                 if m is None or m.is_error() or m.is_stopped():  # a finished grammar only takes EOS (ignore_eos)
                     break

@@ -178,6 +178,7 @@ class EngineLoop:
                 self._cancel_calls()
                 return False
             self._handle(core, item)
+            self._busy = True  # a command may have run torch work (a utility): release its pool when idle
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ember.core.request import CoreRequest, Sequence
 from ember.core.scheduler import Scheduler
-from ember.core.speculator import Speculator
+from ember.core.speculator import Speculator, kept_tokens
 from ember.core.stop import check_stop
 from ember.protocol import EngineOutput, FinishReason, WorkerOutput
 
@@ -24,9 +24,7 @@ class OneSample:
         after the whole draft) follows; every token kept is checked against the stop rules in turn."""
         draft = seq.draft_token_ids
         sampled = result.token_ids[row:row + 1 + len(draft)]
-        kept = 0
-        while kept < len(draft) and sampled[kept] == draft[kept]:
-            kept += 1
+        kept = kept_tokens(draft, sampled)
         out = seq.request.output_in(outputs)
         sample = out.sample(seq.index)
         if draft:

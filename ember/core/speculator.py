@@ -146,6 +146,15 @@ def best_k(acceptance: float, weight: float, most: int, draft_cost: float = 0.0,
     return best
 
 
+def kept_tokens(draft: list[int], sampled: list[int]) -> int:
+    """How many drafted tokens a verified row keeps: those before the first its sampler disagreed with (sampled[j]:
+    the token sampled where draft[j] stands)."""
+    kept = 0
+    while kept < len(draft) and sampled[kept] == draft[kept]:
+        kept += 1
+    return kept
+
+
 def may_speculate(seq: Sequence) -> bool:
     """Whether seq samples one token a row (a beam search's rows rank continuations across its beams)."""
     return seq.request.beams is None
@@ -197,8 +206,10 @@ class Speculator:
             if seq.num_output_tokens == 0 or not (self.lookup or seq.request.record.prediction_token_ids) \
                     or not may_speculate(seq):
                 continue
-            # the draft and the token sampled after it must fit max_tokens (and max_model_len)
             guided = check if seq.request.record.grammar is not None else None
+            if guided is None and seq.request.record.grammar is not None:
+                continue  # nothing to say what its grammar takes
+            # the draft and the token sampled after it must fit max_tokens (and max_model_len)
             seq.draft_token_ids = self._draft(seq, self._state(seq), weight, seq.max_num_tokens - seq.num_tokens - 1,
                                               guided)
 

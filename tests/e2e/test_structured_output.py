@@ -25,7 +25,6 @@ from ember.sampling_params import StructuredOutputsParams as SO
 from ember.worker.token_masks import TokenMasks
 
 
-
 @pytest.fixture(scope="module")
 def llm():
     # a 512-token step budget: the prompts are short, and start-up's measuring prefill is of the budget's size
@@ -216,8 +215,10 @@ def test_drafts_follow_the_grammar_and_change_no_token(llm, spec_llm, monkeypatc
     """n-gram drafts for guided requests: cut to what the grammar takes (spied on: some are cut), verified with a
     mask after each drafted token; every reply is the one decoding without speculation gives, token for token,
     greedy and seeded, and drafts are kept and rejected."""
+    import ember.core.speculator as speculator
     from ember.core.guided import Guides
 
+    monkeypatch.setattr(speculator, "verify_extra", lambda k, costs=None: 0.0)  # every draft as long as it can be
     cuts, valid_draft = [], Guides.valid_draft
 
     def spy(self, seq, draft):
@@ -252,12 +253,12 @@ def test_drafts_follow_the_grammar_and_change_no_token(llm, spec_llm, monkeypatc
     assert 0 < kept < drafted and any(cuts) and not all(cuts)
 
 
-
 def test_a_drafts_masks_are_the_masks_one_token_steps_give(llm):
     """``Guides.masks`` for a row verifying a draft against a matcher taking the same tokens one step at a time,
-    as decoding without drafts does: the mask after each drafted token, EOS drafted where the grammar may go on or
-    end or after its end, and past its end only EOS (llguidance leaves the row after such an EOS empty; a stopped
-    matcher allows EOS). Then ``advance`` feeds the matcher the kept tokens."""
+    as decoding without drafts does (a stopped matcher's mask is llguidance's, one EOS, whatever EOS ids the request
+    has): the mask after each drafted token, EOS drafted where the grammar may go on or end or after its end
+    (llguidance leaves the row after such an EOS empty). Then ``advance`` feeds the matcher the kept tokens: all,
+    or those before the first the sampler disagreed with and the sampler's own."""
     from types import SimpleNamespace
 
     import llguidance.torch as llg
@@ -268,28 +269,38 @@ def test_a_drafts_masks_are_the_masks_one_token_steps_give(llm):
     tok, eos = llm.client.tokenizer, llm.client.tokenizer.eos_token_id
     grammars = Grammars(tok, (eos,))
     grammar = grammars.compile(SO(regex=r"[0-9]{3}-[0-9]{3}( now)?"))
-    number, full = (tok.encode(t, add_special_tokens=False) for t in ("199-555", "199-555 now"))
-    request = SimpleNamespace(record=SimpleNamespace(grammar=grammar), params=SimpleNamespace(eos_token_ids=(eos,)))
+    number, full, two = (tok.encode(t, add_special_tokens=False) for t in ("199-555", "199-555 now", "2"))
+    request = SimpleNamespace(record=SimpleNamespace(grammar=grammar),
+                              params=SimpleNamespace(eos_token_ids=(eos, eos + 1)))  # a second EOS id
     guides = Guides(grammars)
     cut = SimpleNamespace(seq_id=0, request=request, draft_token_ids=[])
     assert guides.valid_draft(cut, number + [eos, eos, 7]) == number + [eos]  # nothing after the grammar's end
     assert guides.valid_draft(cut, number[:2] + [eos]) == number[:2]  # EOS only where it may end
+
+    def one_token_steps(tokens: list[int]) -> list[torch.Tensor]:
+        one, out = grammars.matcher(grammar), []
+        for t in tokens + [None]:
+            out.append(torch.zeros(1, (grammars.vocab_size + 31) // 32, dtype=torch.int32))
+            llg.fill_next_token_bitmask(one, out[-1], 0)
+            if t is not None and not one.is_stopped():  # as Guides.advance: a stopped grammar takes nothing
+                assert one.consume_token(t)
+        return out
+
     for draft in (number, number + [eos], full + [eos], number[:2]):
         seq = SimpleNamespace(seq_id=1 + len(draft), request=request, draft_token_ids=draft)
         masks = guides.masks([seq] * (len(draft) + 1))
         got = masks.get()
-        one = grammars.matcher(grammar)
-        for j in range(len(draft) + 1):
-            want = torch.zeros(1, got.shape[1], dtype=torch.int32)
-            if one.is_stopped():
-                want[0, eos // 32] = 1 << (eos % 32)
-            else:
-                llg.fill_next_token_bitmask(one, want, 0)
-                if j < len(draft):
-                    assert one.consume_token(draft[j])
+        for j, want in enumerate(one_token_steps(draft)):
             assert torch.equal(got[j], want[0]), (draft, j)
         after = number[len(draft)] if len(draft) < len(number) else eos
         guides.advance([seq] * (len(draft) + 1), draft + [after], masks)  # every drafted token kept, then one more
         m = guides.matchers[seq.seq_id]
         assert not m.is_error() and m.is_stopped() == (len(draft) >= len(number))
+    # the sampler disagrees at drafted position 4 ("2", not "5"): the matcher takes 4 drafted tokens and the "2"
+    seq = SimpleNamespace(seq_id=99, request=request, draft_token_ids=number)
+    masks = guides.masks([seq] * (len(number) + 1))
+    guides.advance([seq] * (len(number) + 1), number[:4] + two + [7] * (len(number) - 4), masks)
+    seq.draft_token_ids = []
+    after = guides.masks([seq]).get()[0]
+    assert torch.equal(after, one_token_steps(number[:4] + two)[-1][0])
     guides.shutdown()
