@@ -201,6 +201,20 @@ def test_predicted_outputs_draft_and_report_usage(server, api, model, llm):
     assert "prediction" in e.value.body["message"]
 
 
+def test_predictions_draft_for_a_schema_and_for_penalties(api, model):
+    """A prediction drafts for a request whose reply follows a JSON schema and for one with penalties too: the reply
+    is the one without a prediction, and predicted tokens are kept."""
+    record = '{"city": "Paris", "population": 2148000}'
+    messages = [{"role": "user", "content": f"Reply with this JSON object: {record}"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    for extra in ({"response_format": fmt}, {"frequency_penalty": 0.5, "presence_penalty": 0.3}):
+        plain = api.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0, **extra)
+        r = api.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
+                                        prediction={"type": "content", "content": record}, **extra)
+        assert r.choices[0].message.content == plain.choices[0].message.content, extra
+        assert r.usage.completion_tokens_details.accepted_prediction_tokens > 3, (extra, r.choices[0].message.content)
+
+
 def test_errors_are_openai_objects(server, api, model):
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model=model, messages=QUESTION, temperature=5.0, top_p=0.0)
