@@ -6,9 +6,9 @@ than it has CPUs, libgomp's workers stop spinning between regions and sleep (a f
 ~300,000), so every region of a decode step (hundreds of them, most a few microseconds of work) pays a wake-up. One
 ``x @ x`` in the caller's thread, or a second engine's idle loop, was enough: the default model's batch-1 decode
 fell from ~160 to ~68 tok/s on a 2-vCPU AMD EPYC. ``release_pool`` frees the calling thread's pool (OpenMP 5.0's
-``omp_pause_resource_all``; libgomp recreates it at that thread's next region): a thread about to hand work to an
-engine on another thread calls it, and so does an engine's loop going idle. Elsewhere (not Linux, another OpenMP
-runtime, no libgomp loaded) it does nothing.
+``omp_pause_resource_all``; libgomp recreates it at that thread's next region, ~1 ms): a thread about to hand work
+to an engine on another thread calls it, and so does an engine's loop idle for a second. Elsewhere (not Linux,
+another OpenMP runtime, no libgomp loaded) it does nothing.
 """
 
 from __future__ import annotations

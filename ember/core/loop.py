@@ -81,7 +81,7 @@ class EngineLoop:
         self._pending: dict[int, Future] = {}  # utility calls sent, by id, until their result comes back
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
-        self._busy = True  # the loop has stepped since it last waited for a command (start-up counts)
+        self._busy = True  # torch work ran since the loop last freed its OpenMP workers (start-up counts)
         self._thread = threading.Thread(target=self._main, args=(config, resolved, grammars),
                                         name="ember-engine", daemon=True)
         self._thread.start()
@@ -162,15 +162,15 @@ class EngineLoop:
         """Take every pending command (waiting for one when idle), then run one step. False: shut down."""
         core = self.core
         idle = not core.has_work()
-        if idle and self._busy:  # going idle: this thread's OpenMP workers go, so another engine's stay quick
-            release_pool()
-        self._busy = not idle
         try:
             item = self._inbox.get(block=idle, timeout=IDLE_CHECK_S if idle else None)
         except queue.Empty:
             item = None
             if idle:
                 core.check_ranks()
+                if self._busy:  # idle a while: this thread's OpenMP workers go, so that another engine's, or the
+                    release_pool()  # caller's torch work, stay quick (ember.openmp); back-to-back requests keep them
+                    self._busy = False
         while item is not None:
             if isinstance(item, Shutdown):
                 self.dead = EngineDeadError("the engine was shut down")
@@ -178,13 +178,14 @@ class EngineLoop:
                 self._cancel_calls()
                 return False
             self._handle(core, item)
-            self._busy = True  # a command may have run torch work (a utility): release its pool when idle
+            self._busy = True  # a command may have run torch work (a utility)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 item = None
         if core.has_work():
             self._deliver(core.step())
+            self._busy = True
         return True
 
     def _handle(self, core: EngineCore, command: EngineCommand) -> None:
