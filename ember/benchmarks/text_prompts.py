@@ -42,15 +42,11 @@ _SHELVES = ("fiction", "history", "law", "science", "travel", "poetry", "biograp
 def text_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[Prompt]:
     """``count`` prompts of each kind, as (kind, token ids, the prediction's token ids or None); the same arguments
     give the same prompts."""
-    rng = random.Random(seed)
-    with open(_DATA, encoding="utf-8") as f:
-        text = f.read()
+    rng, text = random.Random(seed), _shipped_text()
     here = os.path.dirname(os.path.dirname(__file__))
     out = []
     for i in range(count):
-        start = rng.randrange(0, len(text) - 1700)
-        start = text.index("\n", start) + 1  # from the start of a line
-        passage = text[start:start + 1500].rsplit(" ", 1)[0]  # whole words
+        passage = _passage(rng, text, 1500, 200)
         out.append(("copy", f'Copy this text:\n\n"""{passage}"""', passage))
         with open(os.path.join(here, _SOURCES[i % len(_SOURCES)]), encoding="utf-8") as f:
             source = f.read()
@@ -67,13 +63,10 @@ def record_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[Prom
     """``count`` prompts of kind "record": a listing (title, year, shelves) above a passage, and the ask for the
     book's record as JSON (title, year, tags); the prediction is that record. The same arguments give the same
     prompts."""
-    rng = random.Random(seed)
-    with open(_DATA, encoding="utf-8") as f:
-        text = f.read()
+    rng, text = random.Random(seed), _shipped_text()
     out = []
     for _ in range(count):
-        start = text.index("\n", rng.randrange(0, len(text) - 900)) + 1
-        passage = text[start:start + 600].rsplit(" ", 1)[0].strip()
+        passage = _passage(rng, text, 600, 300).strip()
         words = [w.strip(".,;:()\"'") for w in passage.split()]
         title = " ".join(w.capitalize() for w in rng.sample([w for w in words if len(w) > 3 and w.isalpha()], 3))
         year, tags = rng.randrange(1850, 2025), rng.sample(_SHELVES, 3)
@@ -81,6 +74,18 @@ def record_prompts(tokenizer: Tokenizer, count: int, seed: int = 0) -> list[Prom
         out.append(("record", f"Here is a library listing:\n\n{listing}\n\nReply with the book's record as JSON: its "
                               "title, year and tags.", json.dumps({"title": title, "year": year, "tags": tags})))
     return _render(tokenizer, out)
+
+
+def _shipped_text() -> str:
+    with open(_DATA, encoding="utf-8") as f:
+        return f.read()
+
+
+def _passage(rng: random.Random, text: str, length: int, slack: int) -> str:
+    """Whole words of up to ``length`` characters of text, from the start of a line after a place drawn at least
+    length + slack characters before its end."""
+    start = text.index("\n", rng.randrange(0, len(text) - length - slack)) + 1
+    return text[start:start + length].rsplit(" ", 1)[0]
 
 
 def _render(tokenizer: Tokenizer, out: list[tuple[str, str, str | None]]) -> list[Prompt]:
