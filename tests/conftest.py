@@ -8,7 +8,12 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# under pytest-xdist the workers share the CPUs: each takes its share, and so do the processes its tests start
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+torch.set_num_threads(_THREADS)
 # tests that look inside an engine (tests/internals.py) need its core in this process, the default on CPU only; the
 # core's own process (CUDA's default) is tested on every device by tests/e2e/test_core_process.py
 os.environ.setdefault("EMBER_ENGINE_CORE_PROCESS", "0")
