@@ -116,11 +116,16 @@ class Guides:
                                    "at the next EOS", seq.request.request_id, seq.index, t, m.get_error())
 
     def valid_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
-        """The longest start of draft that seq's grammar takes from where seq is (``speculator.DraftCheck``)."""
+        """The longest start of draft that seq's grammar takes from where seq is (``speculator.DraftCheck``). Ids
+        past the tokenizer's vocabulary (a model's logits can be wider: Qwen2.5's 151,936 against 151,665 tokens; a
+        prediction or a prompt of ids may hold them) end the draft before llguidance sees them: its check of such an
+        id puts the matcher in its error state for good, which would end the request at the next token."""
         m = self._matcher(seq)
-        if m.is_error():
+        vocab = self.source.vocab_size
+        n = next((i for i, t in enumerate(draft) if not 0 <= t < vocab), len(draft))
+        if m.is_error() or n == 0:
             return []
-        return draft[:m.validate_tokens(draft)]
+        return draft[:m.validate_tokens(draft[:n])]
 
     def release(self, handles: list[int]) -> None:
         for h in handles:

@@ -276,6 +276,9 @@ def test_a_drafts_masks_are_the_masks_one_token_steps_give(llm):
     cut = SimpleNamespace(seq_id=0, request=request, draft_token_ids=[])
     assert guides.valid_draft(cut, number + [eos, eos, 7]) == number + [eos]  # nothing after the grammar's end
     assert guides.valid_draft(cut, number[:2] + [eos]) == number[:2]  # EOS only where it may end
+    # an id past the tokenizer's vocabulary (logits can be wider) ends the draft, and the matcher goes on
+    assert guides.valid_draft(cut, number[:2] + [grammars.vocab_size] + number[2:]) == number[:2]
+    assert not guides.matchers[cut.seq_id].is_error() and guides.valid_draft(cut, number) == number
 
     def one_token_steps(tokens: list[int]) -> list[torch.Tensor]:
         one, out = grammars.matcher(grammar), []
