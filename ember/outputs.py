@@ -51,10 +51,14 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    # speculative decoding: tokens drafted for the request's samples and those kept (with a prediction, OpenAI's
-    # accepted_prediction_tokens; the rest are its rejected_prediction_tokens)
+    # speculative decoding: tokens drafted for the request's samples and those kept (lookup, a draft model and a
+    # prediction alike)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # a request with a prediction, once finished (OpenAI's usage.completion_tokens_details): the prediction's tokens
+    # that appear in the completion and those that do not, summed over the samples
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

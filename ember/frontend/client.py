@@ -124,7 +124,8 @@ class EngineClient:
             text, record = self._inputs.process(prompt, sp, rid, lora)
             core = fan_out(record)  # n > 1: one core request a sample
             states.append(RequestState(record.request_id, text, record.prompt_token_ids, record.params, sink,
-                                       [c.request_id for c in core], record.pooling is not None))
+                                       [c.request_id for c in core], record.pooling is not None,
+                                       record.prediction_token_ids))
             records.extend(core)
         self._outputs.register(states)
         if isinstance(self._loop, EngineLoop):  # the core steps on a thread of this process: see ember.openmp

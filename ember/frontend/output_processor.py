@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from ember.errors import BadRequestError, RequestFailedError
@@ -35,23 +36,26 @@ OutputSink = Callable[[RequestOutput | EmbeddingRequestOutput | BaseException], 
 
 
 class SampleState:
-    __slots__ = ("detokenizer", "num_tokens", "cumulative_logprob", "finish_reason")
+    __slots__ = ("detokenizer", "num_tokens", "cumulative_logprob", "finish_reason", "token_ids")
 
-    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, keeps_tokens: bool = False) -> None:
         self.detokenizer = detokenizer
         self.num_tokens = 0
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
+        self.token_ids: list[int] | None = [] if keeps_tokens else None  # the completion (a predicted request's)
 
 
 class RequestState:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "sink", "metrics", "samples",
                  "prompt_logprobs", "pending_prompt_logprobs", "num_cached_tokens", "num_host_cached_tokens",
-                 "core_ids", "pools")
+                 "core_ids", "pools", "prediction")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 sink: OutputSink, core_ids: list[str] | None = None, pools: bool = False) -> None:
+                 sink: OutputSink, core_ids: list[str] | None = None, pools: bool = False,
+                 prediction: list[int] | None = None) -> None:
         self.request_id = request_id
+        self.prediction = prediction  # OpenAI's predicted output, tokenized: counted against each completion
         self.pools = pools  # a pooling request: one EmbeddingRequestOutput when it ends
         self.core_ids = core_ids or [request_id]  # the core's requests: sample i of n > 1 is core_ids[i]
         self.prompt = prompt
@@ -143,7 +147,7 @@ class OutputProcessor:
             index = first + so.index
             ss = st.samples.get(index)
             if ss is None:
-                ss = st.samples[index] = SampleState(self._detokenizer(st))
+                ss = st.samples[index] = SampleState(self._detokenizer(st), st.prediction is not None)
             elif ss.finish_reason is not None:  # it ended here (a stop string) and a core in its own process,
                 continue  # told one step late, sent one more token: not the answer, and the sample stays ended
             reason, stop_reason, stop_str = so.finish_reason, so.stop_reason, None
@@ -177,6 +181,8 @@ class OutputProcessor:
             if reason is not None and reason is not FinishReason.ABORT and stop_str is None:
                 ss.detokenizer.flush_incomplete()
             ss.finish_reason = reason
+            if ss.token_ids is not None:
+                ss.token_ids.extend(kept)
             text = ss.detokenizer.delta(reason is not None)
             completions.append(CompletionOutput(
                 index=index, text=text, token_ids=list(kept), logprobs=new_lps if wants_lp else None,
@@ -188,6 +194,10 @@ class OutputProcessor:
             return
         if done:
             metrics.finished_time = time.time()
+            if st.prediction is not None:
+                kept = sum(_in_completion(st.prediction, s.token_ids or []) for s in st.samples.values())
+                metrics.accepted_prediction_tokens = kept
+                metrics.rejected_prediction_tokens = len(st.prediction) * len(st.samples) - kept
             self.forget([st.request_id])
         metrics.num_generated_tokens = sum(s.num_tokens for s in st.samples.values())
         cached, host = st.num_cached_tokens, st.num_host_cached_tokens
@@ -218,3 +228,12 @@ class OutputProcessor:
             if t not in out:
                 out[t] = Logprob(v, r, decode([t], skip_special_tokens=False))
         return out
+
+
+def _in_completion(prediction: list[int], completion: list[int]) -> int:
+    """OpenAI's accepted_prediction_tokens for one completion: "the number of tokens in the prediction that appeared
+    in the completion", each completion token matching at most one prediction token (the multisets' overlap). Linear
+    in both lengths, where an alignment (difflib) takes quadratic time on a prediction of one repeated token. Not the
+    drafted tokens kept: those include lookup and draft-model drafts and tokens past a stop string."""
+    have = Counter(completion)
+    return sum(min(n, have[t]) for t, n in Counter(prediction).items())

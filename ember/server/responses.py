@@ -17,22 +17,24 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, prediction: tuple[int, int] | None = None) -> dict[str, Any]:
-    """OpenAI's usage; prediction: (drafted, kept) tokens of a request with a predicted output."""
+    """OpenAI's usage; prediction: (accepted, rejected) prediction tokens of a request with a predicted output."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if prediction is not None:
-        drafted, kept = prediction
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": kept,
-                                            "rejected_prediction_tokens": drafted - kept}
+        accepted, rejected = prediction
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": rejected}
     return out
 
 
 def prediction_counts(out: RequestOutput, predicted: bool) -> tuple[int, int] | None:
-    """(drafted, kept) for a request that sent a prediction, from its final output's metrics."""
+    """(accepted, rejected) prediction tokens of a request that sent one, from its final output's metrics."""
     if not predicted:
         return None
     m = out.metrics
-    return (m.num_draft_tokens, m.num_accepted_draft_tokens) if m is not None else (0, 0)
+    if m is None or m.accepted_prediction_tokens is None or m.rejected_prediction_tokens is None:
+        return 0, 0
+    return m.accepted_prediction_tokens, m.rejected_prediction_tokens
 
 
 def _token(pos: PositionLogprobs, tid: int) -> str:

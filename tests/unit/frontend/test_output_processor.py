@@ -52,6 +52,28 @@ def test_a_stop_string_cuts_the_text_and_is_reported_back_to_the_core(tok):
     assert "r" not in proc.states  # the id is free again
 
 
+def test_prediction_tokens_are_counted_against_each_finished_completion(tok):
+    """OpenAI's accepted / rejected_prediction_tokens: the prediction's tokens that appear in the completion (as
+    multisets) and the rest, per sample, summed; set once the request ends. Drafts kept do not count (they may be
+    lookup or draft-model tokens, or past the stop string), tokens after a stop string are not in the completion."""
+    proc = OutputProcessor(tok)
+    got: list = []
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    prediction = tok.encode(" Hello world and more words", add_special_tokens=False)
+    params = SamplingParams(n=2, max_tokens=20, stop=["world"])
+    proc.register([RequestState("r", "The answer:", prompt, params, got.append, ["r#0", "r#1"], False, prediction)])
+    hello, rest, other = (tok.encode(t, add_special_tokens=False) for t in (" Hello world", " and more",
+                                                                             " Goodbye more more more"))
+    proc.process([_step("r#0", SampleOutput(0, hello + rest, num_draft_tokens=8, num_accepted_draft_tokens=8))])
+    assert got[-1].metrics.accepted_prediction_tokens is None  # not finished yet
+    proc.process([_step("r#1", SampleOutput(0, other, finish_reason=FinishReason.LENGTH))])
+    m = got[-1].metrics
+    assert got[-1].finished and m.num_accepted_draft_tokens == 8
+    assert m.accepted_prediction_tokens == len(hello) + 1  # sample 0 up to " world"; sample 1 one " more"
+    assert m.rejected_prediction_tokens == 2 * len(prediction) - m.accepted_prediction_tokens
+    assert m.accepted_prediction_tokens <= sum(len(c.token_ids) for c in got[-2].outputs + got[-1].outputs)
+
+
 def test_a_request_of_n_samples_ends_when_the_last_one_does(tok):
     """n = 2 reaches the core as two requests (``parallel_sampling.fan_out``); their outputs come back as the
     request's samples 0 and 1, a stop string found in one is reported under its core request's id."""
