@@ -38,10 +38,10 @@ def _lookup() -> Any:
     every thread's pool)."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as f:
-            paths = {line.split()[-1] for line in f if "/libgomp" in line}
+            paths = {_mapped_path(line) for line in f if "/libgomp" in line}
     except OSError:
         return False
-    for path in sorted(paths):
+    for path in sorted(paths, key=_torch_first):
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
@@ -52,3 +52,18 @@ def _lookup() -> Any:
         fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
         return fn
     return False if "torch" in sys.modules else None  # torch loads its OpenMP runtime when imported
+
+
+def _mapped_path(line: str) -> str:
+    """The file of a /proc/self/maps line (its sixth field, which may hold spaces; a replaced file's " (deleted)"
+    dropped)."""
+    path = line.rstrip("\n").split(None, 5)[-1]
+    return path.removesuffix(" (deleted)")
+
+
+def _torch_first(path: str) -> tuple[bool, str]:
+    """torch's own libgomp before any other a package brought (scikit-learn's wheels carry one): pausing another
+    runtime would leave torch's pools, the ones that slow the engine, as they are."""
+    torch = sys.modules.get("torch")
+    lib = os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "lib") if torch is not None else None
+    return (lib is None or not path.startswith(lib + os.sep)), path
