@@ -195,9 +195,9 @@ class OutputProcessor:
         if done:
             metrics.finished_time = time.time()
             if st.prediction is not None:
-                kept = sum(_in_completion(st.prediction, s.token_ids or []) for s in st.samples.values())
-                metrics.accepted_prediction_tokens = kept
-                metrics.rejected_prediction_tokens = len(st.prediction) * len(st.samples) - kept
+                found = sum(_in_completion(st.prediction, s.token_ids or []) for s in st.samples.values())
+                metrics.accepted_prediction_tokens = found
+                metrics.rejected_prediction_tokens = len(st.prediction) * len(st.samples) - found
             self.forget([st.request_id])
         metrics.num_generated_tokens = sum(s.num_tokens for s in st.samples.values())
         cached, host = st.num_cached_tokens, st.num_host_cached_tokens
