@@ -19,8 +19,10 @@ from ember.server.tool_parsers import parse
 _STARTS = "<{[`"  # the first characters of every marker, call object and fence the parsers look for
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def call_id(parser: str | None = None) -> str:
+    """A tool call's id. Mistral's chat templates refuse a conversation whose call ids are not 9 letters or digits
+    (the client sends them back with the tool results), so its calls get such ids, as vLLM gives them."""
+    return uuid.uuid4().hex[:9] if parser == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +34,10 @@ class ReplyFormat:
     reasoning: bool = False
     thinking: bool = False
     names: tuple[str, ...] = ()  # the request's tools
+    single: bool = False  # parallel_tool_calls=false: at most one call, the first (as vLLM)
 
     def parser(self) -> "ReplyParser":
-        return ReplyParser(self.tools, self.reasoning, self.thinking, self.names)
+        return ReplyParser(self.tools, self.reasoning, self.thinking, self.names, self.single)
 
 
 class ReplyParser:
@@ -42,11 +45,13 @@ class ReplyParser:
     tool parser (None: no tools, all content); ``reasoning``: split ``<think>`` text out; ``thinking``: the prompt
     opened it."""
 
-    __slots__ = ("tools", "reasoning", "thinking", "names", "text", "_reasoning", "_content", "calls", "_args",
-                 "_plain")
+    __slots__ = ("tools", "reasoning", "thinking", "names", "single", "text", "_reasoning", "_content", "calls",
+                 "_args", "_plain")
 
-    def __init__(self, tools: str | None, reasoning: bool, thinking: bool = False, names: tuple[str, ...] = ()) -> None:
+    def __init__(self, tools: str | None, reasoning: bool, thinking: bool = False, names: tuple[str, ...] = (),
+                 single: bool = False) -> None:
         self.tools, self.reasoning, self.thinking, self.names = tools, reasoning, thinking, names
+        self.single = single  # parallel_tool_calls=false: the calls after the first are dropped
         self.text = ""
         self._reasoning = self._content = ""  # what was said so far
         self.calls: list[dict[str, Any]] = []  # OpenAI's tool_calls of the message, arguments as said so far
@@ -93,9 +98,11 @@ class ReplyParser:
             delta["content"] = content[len(self._content):]
             self._content = content
         calls = []
-        for i, (name, args) in enumerate(parsed.calls if parsed is not None else ()):
+        found = parsed.calls if parsed is not None else ()
+        for i, (name, args) in enumerate(found[:1] if self.single else found):
             if i == len(self.calls):
-                self.calls.append({"id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}})
+                self.calls.append({"id": call_id(self.tools), "type": "function",
+                                   "function": {"name": name, "arguments": ""}})
                 self._args.append("")
                 calls.append({"index": i, "id": self.calls[i]["id"], "type": "function",
                               "function": {"name": name, "arguments": ""}})

@@ -151,7 +151,7 @@ def _scan_members(s: str, i: int, out: _Object) -> None:
             return
         if key == "name":
             name = _loads(s, i, end)
-            if not isinstance(name, str) or out.name is not None:
+            if not isinstance(name, str) or out.name is not None or not _utf8(name):
                 raise _Malformed(i)
             out.name = name
         elif i == out.args_start:
@@ -163,6 +163,16 @@ def _scan_members(s: str, i: int, out: _Object) -> None:
             i += 1
         elif s[i] != "}":
             raise _Malformed(i)
+
+
+def _utf8(name: str) -> bool:
+    """Whether a decoded name can go out as UTF-8: an escaped lone surrogate ("\\ud800") decodes to one, which
+    the reply's JSON encoding would fail on (a 500 instead of the text as content)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _loads(s: str, i: int, end: int) -> object:

@@ -99,7 +99,8 @@ def chat_request(client: EngineClient, req: ChatCompletionRequest, tool_parser: 
                               "limit")
     thinks = thinks and params.structured_outputs is None
     thinking = thinks and reasoning.opens_thinking(client.tokenizer.decode(ids[-4:]))
-    reply = ReplyFormat(plan.parser, thinks, thinking, tuple(t.function.name for t in req.tools or ()))
+    reply = ReplyFormat(plan.parser, thinks, thinking, tuple(t.function.name for t in req.tools or ()),
+                        req.parallel_tool_calls is False)
     if req.prediction is not None:
         return {**(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}),
                 "prediction": req.prediction.text()}, params, reply

@@ -75,7 +75,7 @@ def _streamed(parser: ReplyParser, pieces: list[str]) -> tuple[str, str, list[tu
         for c in delta.get("tool_calls", []):
             if "id" in c:  # the first delta of a call: OpenAI's shape, the name once
                 assert c["index"] not in calls and c["type"] == "function" and c["function"]["arguments"] == ""
-                assert c["id"].startswith("call_")
+                assert c["id"].startswith("call_") or (parser.tools == "mistral" and len(c["id"]) == 9)
                 calls[c["index"]] = [c["function"]["name"], ""]
             else:
                 assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
@@ -270,3 +270,40 @@ def test_auto_with_a_response_format_is_calls_or_the_json_answer(vocabulary):
     assert parse("hermes", '{"response": "snowy"}', True, ("get_weather",)) == Parsed('{"response": "snowy"}')
     auto = plan([_tool("get_weather", WEATHER_SCHEMA)], "auto", None, "hermes", answer=answer)
     assert auto.constraint.grammar.startswith("start: calls | answer")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only():
+    """parallel_tool_calls=false under tool_choice "auto" (no grammar to hold the model to one call): the reply
+    says the first call and drops the rest (as vLLM), streamed or whole."""
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "f", "arguments": {"b": 2}}\n</tool_call>')
+    for single, want in ((False, 2), (True, 1)):
+        whole = ReplyParser("hermes", False, single=single)
+        whole.feed(text, final=True)
+        streamed = ReplyParser("hermes", False, single=single)
+        for i in range(0, len(text), 7):
+            streamed.feed(text[i:i + 7], final=i + 7 >= len(text))
+        for p in (whole, streamed):
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.calls] == \
+                [("f", '{"a": 1}'), ("f", '{"b": 2}')][:want]
+
+
+def test_mistral_call_ids_are_nine_letters_or_digits():
+    """Mistral's chat templates refuse tool call ids that are not 9 alphanumerics (the next turn sends them back);
+    the other families keep OpenAI's call_ ids."""
+    mistral = ReplyParser("mistral", False)
+    mistral.feed('[TOOL_CALLS][{"name": "f", "arguments": {}}]', final=True)
+    hermes = ReplyParser("hermes", False)
+    hermes.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>', final=True)
+    (m,), (h,) = mistral.calls, hermes.calls
+    assert len(m["id"]) == 9 and m["id"].isalnum() and h["id"].startswith("call_")
+
+
+def test_a_name_with_a_lone_surrogate_escape_stays_content():
+    """A name whose JSON escape decodes to a lone surrogate cannot be written out as UTF-8 (the reply's JSON would
+    fail with a 500): the block is no call, its text stays content and encodes."""
+    text = '<tool_call>{"name": "f\\ud800", "arguments": {}}</tool_call>'
+    p = ReplyParser("hermes", False)
+    delta = p.feed(text, final=True)
+    assert not p.calls and delta["content"] == text
+    json.dumps(delta, ensure_ascii=False).encode("utf-8")
