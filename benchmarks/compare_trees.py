@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--latency-runs", type=int, default=3)
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--bench-args", default="", help="more arguments of both benchmarks (model, dtype, threads)")
+    p.add_argument("--modes", default="throughput,latency",
+                   help="which benchmarks each repeat runs (`latency` alone: batch-1 decode of a large model)")
     p.add_argument("--after-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable set for the 'after' runs only (repeatable)")
     args = p.parse_args()
@@ -48,23 +50,32 @@ def main() -> None:
     figures: dict[str, dict[str, list[float]]] = {t: {"w1": [], "b1_32": [], "b1_512": [], "ttft_512": []}
                                                   for t in trees}
     extra = args.bench_args.split()
+    modes = set(args.modes.split(","))
+    if not modes or modes - {"throughput", "latency"}:
+        p.error(f"--modes takes throughput and / or latency, got {args.modes!r}")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             for name, tree in trees.items():
                 out = os.path.join(tmp, f"{name}-{r}")
                 env = after_env if name == "after" else None
-                w1 = run_tree(tree, "throughput", out, ["--workload", "W1", *extra], env)
-                lat = run_tree(tree, "latency", out, ["--runs", str(args.latency_runs), *extra], env)
-                figures[name]["w1"].append(w1["output_tokens_per_s"])
-                figures[name]["b1_32"].append(lat["prompt_32"]["decode_tokens_per_s"])
-                figures[name]["b1_512"].append(lat["prompt_512"]["decode_tokens_per_s"])
-                figures[name]["ttft_512"].append(lat["prompt_512"]["ttft_ms_median"])
-                print(f"repeat {r + 1} {name}: W1 {w1['output_tokens_per_s']:.1f} out tok/s, batch-1 decode "
-                      f"{lat['prompt_32']['decode_tokens_per_s']:.1f} / {lat['prompt_512']['decode_tokens_per_s']:.1f}"
-                      " tok/s (prompt 32 / 512)", flush=True)
+                said = [f"repeat {r + 1} {name}:"]
+                if "throughput" in modes:
+                    w1 = run_tree(tree, "throughput", out, ["--workload", "W1", *extra], env)
+                    figures[name]["w1"].append(w1["output_tokens_per_s"])
+                    said.append(f"W1 {w1['output_tokens_per_s']:.1f} out tok/s")
+                if "latency" in modes:
+                    lat = run_tree(tree, "latency", out, ["--runs", str(args.latency_runs), *extra], env)
+                    figures[name]["b1_32"].append(lat["prompt_32"]["decode_tokens_per_s"])
+                    figures[name]["b1_512"].append(lat["prompt_512"]["decode_tokens_per_s"])
+                    figures[name]["ttft_512"].append(lat["prompt_512"]["ttft_ms_median"])
+                    said.append(f"batch-1 decode {lat['prompt_32']['decode_tokens_per_s']:.1f} / "
+                                f"{lat['prompt_512']['decode_tokens_per_s']:.1f} tok/s (prompt 32 / 512)")
+                print(" ".join(said), flush=True)
     print("\n| figure | before (median) | after (median) | after / before |\n|---|---|---|---|")
     for key, label in (("w1", "W1 output tok/s"), ("b1_32", "batch-1 decode tok/s, prompt 32"),
                        ("b1_512", "batch-1 decode tok/s, prompt 512"), ("ttft_512", "TTFT ms, prompt 512")):
+        if not figures["before"][key]:
+            continue
         b, a = statistics.median(figures["before"][key]), statistics.median(figures["after"][key])
         runs = [", ".join(f"{x:.1f}" for x in figures[t][key]) for t in ("before", "after")]
         print(f"| {label} | {b:.1f} ({runs[0]}) | {a:.1f} ({runs[1]}) | {a / b:.3f} |")
