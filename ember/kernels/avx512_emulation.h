@@ -164,6 +164,13 @@ inline V512 cvtps_epi32(V512 a) {  // round to nearest even; out of range -> the
 inline V512 cvtepi8_epi32(V128 a) { EMU_MAP16(r.i[j] = a.b[j]); }
 inline V512 cvtepu8_epi32(V128 a) { EMU_MAP16(r.i[j] = a.ub[j]); }
 inline V512 cvtepu16_epi32(V256 a) { EMU_MAP16(r.i[j] = a.h[j]); }
+inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, exact (vcvtph2ps: subnormal halves stay subnormal)
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+  if (exp == 31) return f32(sign | 0x7F800000u | (man << 13));      // infinity, NaN
+  if (exp == 0) return std::copysign(std::ldexp(static_cast<float>(man), -24), sign ? -1.f : 1.f);
+  return f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+inline V512 cvtph_ps(V256 a) { EMU_MAP16(r.f[j] = f16_to_f32(a.h[j])); }
 inline V128 cvtepi32_epi8(V512 a) {  // truncation (vpmovdb)
   V128 r;
   for (int j = 0; j < 16; ++j) r.b[j] = static_cast<int8_t>(a.i[j]);
@@ -347,6 +354,7 @@ EMBER_FIXED_ORDER_END
 #define _mm512_cvtepi8_epi32 ember_emu::cvtepi8_epi32
 #define _mm512_cvtepu8_epi32 ember_emu::cvtepu8_epi32
 #define _mm512_cvtepu16_epi32 ember_emu::cvtepu16_epi32
+#define _mm512_cvtph_ps ember_emu::cvtph_ps
 #define _mm512_cvtepi32_epi8 ember_emu::cvtepi32_epi8
 #define _mm512_cvtneps_pbh ember_emu::cvtneps_pbh
 #define _mm512_cvtne2ps_pbh ember_emu::cvtne2ps_pbh

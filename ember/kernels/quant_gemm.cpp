@@ -154,6 +154,81 @@ inline void int4_scale_offset(const Int4Consts& c, const c10::BFloat16* p, __m51
   off = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sc, _mm512_castsi512_ps(_mm512_and_si512(sv, c.top)));
 }
 
+// A block's group scales, in one of the two layouts int4_gemm takes; scale(g, j) is s for columns 16j..16j+15 of
+// group g, scale_offset also the offset that goes with the 128 + q values. PairScales: bf16 (scale, zero) pairs
+// [groups, 64, 2] (block_scale_zeros), any group size, 5 bits a weight with the values at groups of 32.
+struct PairScales {
+  const c10::BFloat16* p;  // the block's pairs
+  EMBER_INLINE __m512 scale(int64_t g, int j) const {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p + (g * NB + 16 * j) * 2), 16));
+  }
+  EMBER_INLINE void scale_offset(const Int4Consts& c, int64_t g, int j, __m512& sc, __m512& off) const {
+    int4_scale_offset(c, p + (g * NB + 16 * j) * 2, sc, off);
+  }
+};
+
+// KQuantScales: GGUF Q4_K / Q5_K's scales as the file stores them, w = d sc q + e m with d and e (-dmin) f16 a
+// super-block of 256 inputs and sc, m 6-bit integers a group of 32 (pack_k_scales): per super-block, the 64
+// columns' d, then their e (f16), then per group the columns' sc, then their m (a byte each). 4.625 bits a
+// weight with the values where the pairs take 5, and s = d sc, e m exact in float32 (the pairs round them to bf16).
+// A group's (s, off = e m - 128 s) come from the bytes (group_scales, d and e in registers a super-block), or,
+// where a block serves several row passes, from KQuantFloats, the same values laid out once (kq_floats).
+constexpr int64_t KQ_GROUPS = 8;                          // groups of 32 a super-block
+constexpr int64_t KQ_BYTES = 4 * NB + 2 * KQ_GROUPS * NB;  // a block's super-block: 1280 bytes
+struct KQuantScales {
+  const uint8_t* p;  // the block's super-blocks
+  struct Super {
+    __m512 d[4], e[4];
+  };
+  EMBER_INLINE static __m512 f16(const uint8_t* s) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  }
+  EMBER_INLINE static __m512 u8(const uint8_t* s) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+  }
+  EMBER_INLINE Super super_at(int64_t g0) const {
+    const uint8_t* sp = p + g0 / KQ_GROUPS * KQ_BYTES;
+    Super su;
+    for (int j = 0; j < 4; ++j) su.d[j] = f16(sp + 32 * j), su.e[j] = f16(sp + 2 * NB + 32 * j);
+    return su;
+  }
+  EMBER_INLINE void group_scales(const Super& su, int64_t g, int j, __m512& sc, __m512& off) const {
+    const uint8_t* gs = p + g / KQ_GROUPS * KQ_BYTES + 4 * NB + g % KQ_GROUPS * 2 * NB;
+    sc = _mm512_mul_ps(su.d[j], u8(gs + 16 * j));
+    off = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), sc, _mm512_mul_ps(su.e[j], u8(gs + NB + 16 * j)));
+  }
+  EMBER_INLINE void scale_offset(const Int4Consts&, int64_t g, int j, __m512& sc, __m512& off) const {
+    group_scales(super_at(g / KQ_GROUPS * KQ_GROUPS), g, j, sc, off);
+  }
+};
+
+// A block's K-quant (s, off) as float32 [groups][2][64] (s, then off): what group_scales gives, read back.
+struct KQuantFloats {
+  const float* p;
+  struct Super {};
+  EMBER_INLINE Super super_at(int64_t) const { return {}; }
+  EMBER_INLINE void group_scales(const Super&, int64_t g, int j, __m512& sc, __m512& off) const {
+    sc = _mm512_loadu_ps(p + g * 2 * NB + 16 * j);
+    off = _mm512_loadu_ps(p + g * 2 * NB + NB + 16 * j);
+  }
+};
+
+inline void kq_floats(const KQuantScales& ks, int64_t groups, float* out) {
+  for (int64_t g0 = 0; g0 < groups; g0 += KQ_GROUPS) {
+    const KQuantScales::Super su = ks.super_at(g0);
+    for (int64_t g = g0; g < g0 + KQ_GROUPS; ++g)
+      for (int j = 0; j < 4; ++j) {
+        __m512 sc, off;
+        ks.group_scales(su, g, j, sc, off);
+        _mm512_storeu_ps(out + g * 2 * NB + 16 * j, sc);
+        _mm512_storeu_ps(out + g * 2 * NB + NB + 16 * j, off);
+      }
+  }
+}
+
+template <typename S>
+constexpr bool k_quant_scales = std::is_same_v<S, KQuantScales> || std::is_same_v<S, KQuantFloats>;
+
 // Rows k, k + 1 of a block (64 bytes at p) -> b[j]: columns 16j..16j+15 as bf16 pairs (128 + q_k, 128 + q_k+1).
 inline void int4_unpack(const Int4Consts& c, const uint8_t* p, __m512i b[4]) {
 #ifdef EMBER_AVX512_VBMI
@@ -184,9 +259,9 @@ inline void int5_high(const Int4Consts& c, const uint32_t* hi, __m512i b[4]) {
 // interleaved chains of group sums (one row through the 120 int4 weights of the default model's shapes, 66 MB, 2
 // threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms when first measured; within noise of each other on an AMD
 // Zen 5, 2026-11-28). A row's result depends on U, not on R: the batch-invariant kernel runs U = 1 at every row count.
-template <int R, int U, bool HI>
+template <int R, int U, bool HI, typename S>
 inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
-                            int64_t gw, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t N,
+                            int64_t gw, const uint8_t* blk, const uint32_t* hib, const S& szb, int64_t N,
                             c10::BFloat16* y) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -212,14 +287,14 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) part[0][r][j] = _mm512_add_ps(part[0][r][j], part[u][r][j]);
     for (int j = 0; j < 4; ++j) {
-      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(szb + (g * NB + 16 * j) * 2), 16));
+      const __m512 sc = szb.scale(g, j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(part[0][r][j], sc, acc[r][j]);
     }
   }
   for (int64_t g = 0; g < groups; ++g)
     for (int j = 0; j < 4; ++j) {
       __m512 sc, off;
-      int4_scale_offset(c, szb + (g * NB + 16 * j) * 2, sc, off);
+      szb.scale_offset(c, g, j, sc, off);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), off, acc[r][j]);
     }
   for (int r = 0; r < R; ++r)
@@ -227,13 +302,64 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
       _mm256_storeu_si256((__m256i*)(y + r * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t K,
-                int64_t group, uint32_t* panel) {
+// int4_block_rows for K-quant scales: per group, s and off (shared by the rows; from the bytes or laid out once),
+// then acc += part s + xsum off, the offsets' term folded into the same pass over the groups.
+template <int R, bool HI, typename S>
+inline void int4_block_rows_kq(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum,
+                               int64_t groups, const uint8_t* blk, const uint32_t* hib, const S& ks, int64_t N,
+                               c10::BFloat16* y) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += KQ_GROUPS) {
+    const typename S::Super su = ks.super_at(g0);
+    for (int64_t g = g0; g < g0 + KQ_GROUPS; ++g) {
+      __m512 part[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
+      for (int64_t kp = g * 16; kp < (g + 1) * 16; ++kp) {
+        __m512i b[4];
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kp * 64 + INT4_PREFETCH), _MM_HINT_T0);
+        int4_unpack(c, blk + kp * 64, b);
+        if constexpr (HI) int5_high(c, hib + kp * 4, b);
+        for (int r = 0; r < R; ++r) {
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
+          for (int j = 0; j < 4; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], a, (__m512bh)b[j]);
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        __m512 sc, off;
+        ks.group_scales(su, g, j, sc, off);
+        for (int r = 0; r < R; ++r)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), off,
+                                      _mm512_fmadd_ps(part[r][j], sc, acc[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256((__m256i*)(y + r * N + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
+// one pass of R rows over a block: the K-quant kernel where the scales are such, else int4_block_rows
+template <int R, int U, bool HI, typename S>
+EMBER_INLINE void int4_pass(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
+                            int64_t gw, const uint8_t* blk, const uint32_t* hib, const S& szb, int64_t N,
+                            c10::BFloat16* y) {
+  if constexpr (k_quant_scales<S>)
+    int4_block_rows_kq<R, HI, S>(c, xw, kw, xsum, groups, blk, hib, szb, N, y);
+  else
+    int4_block_rows<R, U, HI, S>(c, xw, kw, xsum, groups, gw, blk, hib, szb, N, y);
+}
+
+template <typename S>
+void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, const S& szb, int64_t K, int64_t group,
+                uint32_t* panel) {
   const PanelStore store;
   const int64_t gw = group / 2;
   for (int64_t g = 0; g < K / group; ++g) {
     __m512 sc[4], off[4];
-    for (int j = 0; j < 4; ++j) int4_scale_offset(c, szb + (g * NB + 16 * j) * 2, sc[j], off[j]);
+    for (int j = 0; j < 4; ++j) szb.scale_offset(c, g, j, sc[j], off[j]);
     for (int64_t kp = g * gw; kp < (g + 1) * gw; ++kp) {
       __m512i b[4];
       int4_unpack(c, blk + kp * 64, b);
@@ -246,38 +372,38 @@ void int4_panel(const Int4Consts& c, const uint8_t* blk, const uint32_t* hib, co
 constexpr int U1 = 2, U2 = 2;  // chains at 1 and 2 rows (3 rows: 12 independent sums already)
 
 // batch invariant: one chain a group (U = 1) at every row count, in passes of up to INV_PASS rows
-template <bool HI>
+template <bool HI, typename S>
 void int4_span_invariant(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups,
-                         int64_t gw, const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t N,
+                         int64_t gw, const uint8_t* blk, const uint32_t* hib, const S& szb, int64_t N,
                          c10::BFloat16* y, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; m += INV_PASS) {
     const int32_t* xr = xw + m * kw;
     const float* sr = xsum + m * groups;
     c10::BFloat16* yr = y + m * N;
     switch (ember_fixed::min<int64_t>(INV_PASS, m1 - m)) {
-      case 1: int4_block_rows<1, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
-      case 2: int4_block_rows<2, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
-      case 3: int4_block_rows<3, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
-      case 4: int4_block_rows<4, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
-      case 5: int4_block_rows<5, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
-      default: int4_block_rows<6, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 1: int4_pass<1, 1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 2: int4_pass<2, 1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 3: int4_pass<3, 1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 4: int4_pass<4, 1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 5: int4_pass<5, 1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      default: int4_pass<6, 1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
     }
   }
 }
 
 // batch_invariant=False: 3-row passes, two chains at 1 and 2 rows
-template <bool HI>
+template <bool HI, typename S>
 void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* xsum, int64_t groups, int64_t gw,
-               const uint8_t* blk, const uint32_t* hib, const c10::BFloat16* szb, int64_t N, c10::BFloat16* y,
+               const uint8_t* blk, const uint32_t* hib, const S& szb, int64_t N, c10::BFloat16* y,
                int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; m += 3) {
     const int32_t* xr = xw + m * kw;
     const float* sr = xsum + m * groups;
     c10::BFloat16* yr = y + m * N;
     switch (ember_fixed::min<int64_t>(3, m1 - m)) {
-      case 1: int4_block_rows<1, U1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
-      case 2: int4_block_rows<2, U2, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
-      default: int4_block_rows<3, 1, HI>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 1: int4_pass<1, U1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      case 2: int4_pass<2, U2, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
+      default: int4_pass<3, 1, HI, S>(c, xr, kw, sr, groups, gw, blk, hib, szb, N, yr); break;
     }
   }
 }
@@ -287,24 +413,40 @@ void int4_span(const Int4Consts& c, const int32_t* xw, int64_t kw, const float* 
 // to read (as the kernel did from 12 rows) took 1.9x as long at 12 to 512 rows (2 threads, AMD Zen 5, 2026-11-28,
 // SmolLM2's four int4 shapes; a batch-32 decode step 44-46 -> 32-35 ms, a 512-token prefill 338-341 -> 195-214 ms;
 // the same bits).
-void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const uint32_t* hi,
-               const c10::BFloat16* sz, int64_t N, int64_t group, c10::BFloat16* y, bool invariant) {
+// sz(nb): block nb's scales (PairScales or KQuantScales)
+template <typename Scales>
+void int4_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const uint32_t* hi, Scales sz,
+               int64_t N, int64_t group, c10::BFloat16* y, bool invariant) {
   const int64_t groups = K / group, kw = K / 2, gw = group / 2;
   const std::vector<float> xsum = group_sums(x, M, K, group);
   const int32_t* xw = reinterpret_cast<const int32_t*>(x);
   block_spans<Int4Consts>(N, M, [&](const Int4Consts& c, int64_t nb, int64_t m0, int64_t m1) {
     const uint8_t* blk = w + nb * K * 32;
     const uint32_t* hib = hi == nullptr ? nullptr : hi + nb * K * 2;  // K / 2 pairs of 4 masks
-    const c10::BFloat16* szb = sz + nb * groups * NB * 2;
     c10::BFloat16* yb = y + nb * NB;
-    if (invariant && hib)
-      int4_span_invariant<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
-    else if (invariant)
-      int4_span_invariant<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
-    else if (hib)
-      int4_span<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
-    else
-      int4_span<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+    auto spans = [&](const auto& szb) {
+      if (invariant && hib)
+        int4_span_invariant<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+      else if (invariant)
+        int4_span_invariant<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+      else if (hib)
+        int4_span<true>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+      else
+        int4_span<false>(c, xw, kw, xsum.data(), groups, gw, blk, hib, szb, N, yb, m0, m1);
+    };
+    const auto szb = sz(nb);
+    if constexpr (std::is_same_v<std::decay_t<decltype(szb)>, KQuantScales>) {
+      // more than one pass over the block: its (s, off) made once (the same values, so the same bits), then read
+      // by each pass (a 512-token prefill of Qwen2.5-Coder-1.5B: see docs/quantization.md)
+      if (m1 - m0 > (invariant ? INV_PASS : 3)) {
+        thread_local std::vector<float> floats;
+        floats.resize(groups * 2 * NB);
+        kq_floats(szb, groups, floats.data());
+        spans(KQuantFloats{floats.data()});
+        return;
+      }
+    }
+    spans(szb);
   });
 }
 
@@ -989,11 +1131,13 @@ bool has_avx512_bf16() {
 }
 
 // x bf16 [M, K]; w uint8 in the 64-row int4 pack ([N, K/2], read as [N/64, K, 32]: row r of a block in byte r % 32,
-// low nibble for r < 32; torch's AVX512 pack, ember.quantization.kernels.pack_cpu_int4); scale_zeros bf16
-// [N/64, K/group, 64, 2], each block's pairs after each other (block_scale_zeros), so that a block's weights and
-// its scales are two streams the prefetchers follow. Returns bf16 [M, N]. invariant: a row's result does not
-// depend on the other rows (no bf16 panel from 128 rows, one chain count at every row count). amx: tile products
-// where the machine has them (groups of 32 to 128), at every row count (invariant by themselves).
+// low nibble for r < 32; torch's AVX512 pack, ember.quantization.kernels.pack_cpu_int4); scale_zeros, in one of
+// two layouts, each block's after each other so that a block's weights and its scales are two streams the
+// prefetchers follow: bf16 [N/64, K/group, 64, 2] (scale, zero) pairs (block_scale_zeros), or uint8 [N/64, K/256,
+// 1280], GGUF K-quant scales as stored (KQuantScales, pack_k_scales; groups of 32). Returns bf16 [M, N].
+// invariant: a row's result does not depend on the other rows (no bf16 panel from 128 rows, one chain count at
+// every row count). amx: tile products where the machine has them (groups of 32 to 128), at every row count
+// (invariant by themselves). AMX and int8_x take the pairs only.
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_zeros, int64_t group, bool invariant,
                         bool amx, const c10::optional<torch::Tensor>& high, bool int8_x) {
 #ifdef EMBER_AVX512_BF16
@@ -1004,22 +1148,33 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
   cpu(fn, "scale_zeros", scale_zeros);
   dtype(fn, "x", x, at::kBFloat16);
   dtype(fn, "w", w, at::kByte);
-  dtype(fn, "scale_zeros", scale_zeros, at::kBFloat16);
+  dtype_in(fn, "scale_zeros", scale_zeros, {at::kBFloat16, at::kByte});
   dims(fn, "x", x, 2, "[M, K]");
-  dims(fn, "scale_zeros", scale_zeros, 4, "[N/64, K/group, 64, 2]");
-  size(fn, "scale_zeros", scale_zeros, 2, NB, "64 output rows a block");
-  size(fn, "scale_zeros", scale_zeros, 3, 2, "a (scale, zero) pair");
   x = x.contiguous();
-  const int64_t K = x.size(1), N = scale_zeros.size(0) * NB;
+  const int64_t K = x.size(1);
   TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, fn, ": group = ", group,
               " must be a positive multiple of 4 that divides x's K = ", K);
-  size(fn, "scale_zeros", scale_zeros, 1, K / group, "K / group");
+  const bool kq = scale_zeros.scalar_type() == at::kByte;
+  if (kq) {
+    dims(fn, "scale_zeros", scale_zeros, 3, "[N/64, K/256, 1280] (K-quant scales)");
+    TORCH_CHECK(group == 32 && K % 256 == 0, fn, ": K-quant scales (uint8 scale_zeros) need groups of 32 and K a "
+                "multiple of 256, got group = ", group, ", K = ", K);
+    size(fn, "scale_zeros", scale_zeros, 1, K / 256, "K / 256 super-blocks");
+    size(fn, "scale_zeros", scale_zeros, 2, KQ_BYTES, "a block's super-block of K-quant scales");
+    TORCH_CHECK(!amx && !int8_x, fn, ": K-quant scales run on the AVX512-BF16 kernel only (amx and int8_x take "
+                "bf16 (scale, zero) pairs)");
+  } else {
+    dims(fn, "scale_zeros", scale_zeros, 4, "[N/64, K/group, 64, 2]");
+    size(fn, "scale_zeros", scale_zeros, 2, NB, "64 output rows a block");
+    size(fn, "scale_zeros", scale_zeros, 3, 2, "a (scale, zero) pair");
+    size(fn, "scale_zeros", scale_zeros, 1, K / group, "K / group");
+  }
+  const int64_t N = scale_zeros.size(0) * NB;
   TORCH_CHECK(w.numel() == N * K / 2, fn, ": w must hold N * K / 2 = ", N * K / 2, " bytes (N = ", N,
               " from scale_zeros, K = ", K, " from x), got shape ", w.sizes());
   auto wc = w.contiguous();
   auto szc = scale_zeros.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
-  const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
   torch::Tensor hc;  // 5-bit weights: the fifth bits (int5_high); AMX takes 4-bit weights only
   const uint32_t* hp = nullptr;
   if (high.has_value()) {
@@ -1032,6 +1187,23 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
     hp = reinterpret_cast<const uint32_t*>(hc.data_ptr<uint8_t>());
   }
   if (x.size(0) == 0) return torch::empty({0, N}, x.options());
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  auto run = [&](auto sz) {  // sz(nb): block nb's scales
+    if (!invariant && x.size(0) >= INT4_PANEL_MIN_ROWS) {
+      const Int4Consts c;
+      return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
+        int4_panel(c, wp + nb * K * 32, hp == nullptr ? nullptr : hp + nb * K * 2, sz(nb), K, group, panel);
+      }, [](int64_t) -> const float* { return nullptr; });
+    }
+    auto y = torch::empty({x.size(0), N}, x.options());
+    int4_rows(xp, x.size(0), K, wp, hp, sz, N, group, y.data_ptr<c10::BFloat16>(), invariant);
+    return y;
+  };
+  if (kq) {
+    const uint8_t* kp = szc.data_ptr<uint8_t>();
+    return run([kp, K](int64_t nb) { return KQuantScales{kp + nb * (K / 256) * KQ_BYTES}; });
+  }
+  const c10::BFloat16* sp = szc.data_ptr<c10::BFloat16>();
   if (int8_x) {  // w4a8.cpp: int8 activations against the 4-bit values, at every row count
     TORCH_CHECK(!high.has_value(), fn, ": int8_x=True takes 4-bit weights only (high given)");
     TORCH_CHECK(has_w4a8(), fn, ": int8_x=True needs the w4a8 kernel (AVX512-BF16 with VNNI and VBMI), not built "
@@ -1039,26 +1211,18 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
     TORCH_CHECK(group % W4A8_BLOCK == 0, fn, ": int8_x=True needs groups a multiple of ", W4A8_BLOCK, ", got ",
                 group);
     auto y = torch::empty({x.size(0), N}, x.options());
-    w4a8_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
+    w4a8_rows(xp, x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
     return y;
   }
 #ifdef EMBER_AMX
   if (amx && group % 32 == 0 && group <= 128 && ember_amx::granted()) {
     auto y = torch::empty({x.size(0), N}, x.options());
-    int4_amx_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
+    int4_amx_rows(xp, x.size(0), K, wp, sp, N, group, y.data_ptr<c10::BFloat16>());
     return y;
   }
 #endif
-  if (!invariant && x.size(0) >= INT4_PANEL_MIN_ROWS) {
-    const Int4Consts c;
-    return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
-      int4_panel(c, wp + nb * K * 32, hp == nullptr ? nullptr : hp + nb * K * 2, sp + nb * (K / group) * NB * 2, K,
-                 group, panel);
-    }, [](int64_t) -> const float* { return nullptr; });
-  }
-  auto y = torch::empty({x.size(0), N}, x.options());
-  int4_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, hp, sp, N, group, y.data_ptr<c10::BFloat16>(), invariant);
-  return y;
+  const int64_t groups = K / group;
+  return run([sp, groups](int64_t nb) { return PairScales{sp + nb * groups * NB * 2}; });
 #else
   TORCH_CHECK(false, "int4_gemm needs AVX512-BF16");
 #endif

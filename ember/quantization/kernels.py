@@ -178,6 +178,62 @@ def _scale_zeros(qt: QuantizedTensor) -> torch.Tensor:
     return torch.stack([qt.scales, zeros], dim=-1).transpose(0, 1).contiguous().bfloat16()
 
 
+KQ_SUPER, KQ_GROUP = 256, 32  # a K-quant super-block's inputs, and its groups' (Q4_K / Q5_K)
+_KQ_BYTES = 4 * _INT4_BLOCK_N + 2 * (KQ_SUPER // KQ_GROUP) * _INT4_BLOCK_N  # as ember/kernels/quant_gemm.cpp
+
+
+def _integer_multiples(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor | None:
+    """values [N, S * 8] as bytes q with q * factor == value exactly (factor per [N, S] repeated over its 8 groups),
+    or None where some value is no such multiple."""
+    n, groups = values.shape
+    per = factors[:, :, None]
+    q = (values.view(n, -1, KQ_SUPER // KQ_GROUP) / per).nan_to_num_(0.0).round_()  # 0 / 0: 0; x / 0: no multiple
+    if not (q.min() >= 0 and q.max() <= 255 and torch.equal((q * per).view(n, groups), values)):
+        return None
+    return q.view(n, groups).to(torch.uint8)
+
+
+def pack_k_scales(qt: QuantizedTensor, block: int = _INT4_BLOCK_N) -> torch.Tensor | None:
+    """A Q4_K / Q5_K weight's scales as the file stores them, in the layout ember's int4 kernel reads
+    (``KQuantScales``): uint8 [N/block, K/256, 1280], per block of rows and super-block the rows' f16 d
+    (``super_scales``), then their f16 e (``super_offsets``, -dmin), then per group of 32 the rows' sc, then their
+    m (scale = d sc, offset = e m). 0.625 bits a weight where the bf16 pairs take 1, and exact where they round s and
+    the zero to bf16. None where the weight has no such factors (other blocks, another group size, K not a multiple
+    of 256, factors that are not f16 values or scales that are not byte multiples of them): the pairs hold it."""
+    n, k = qt.shape
+    if (qt.super_scales is None or qt.super_offsets is None or qt.offsets is None or qt.group_size != KQ_GROUP
+            or k % KQ_SUPER or n % block):
+        return None
+    d, e = qt.super_scales.float(), qt.super_offsets.float()
+    if not (torch.equal(d.half().float(), d) and torch.equal(e.half().float(), e)):
+        return None
+    sc, m = _integer_multiples(qt.scales.float(), d), _integer_multiples(qt.offsets.float(), e)
+    if sc is None or m is None:
+        return None
+    nb, supers, groups = n // block, k // KQ_SUPER, KQ_SUPER // KQ_GROUP
+
+    def per_super(t: torch.Tensor) -> torch.Tensor:  # [N, S] f16 -> bytes [nb, S, 2 * block]
+        return t.half().view(nb, block, supers).transpose(1, 2).contiguous().view(torch.uint8)
+
+    ints = torch.stack([sc.view(nb, block, supers, groups), m.view(nb, block, supers, groups)], dim=-1)
+    ints = ints.permute(0, 2, 3, 4, 1).reshape(nb, supers, 2 * groups * block)  # [nb, S, group, sc | m, row]
+    return torch.cat([per_super(d), per_super(e), ints], dim=-1).contiguous()
+
+
+def unpack_k_scales(packed: torch.Tensor, n: int, k: int, block: int = _INT4_BLOCK_N
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invert ``pack_k_scales`` -> (scales, offsets), float32 [N, K/32]."""
+    nb, supers, groups = n // block, k // KQ_SUPER, KQ_SUPER // KQ_GROUP
+    p = packed.view(nb, supers, _KQ_BYTES)
+
+    def factor(at: int) -> torch.Tensor:  # -> [nb, S, 1, block]
+        return p[..., at:at + 2 * block].contiguous().view(torch.float16).float().view(nb, supers, 1, block)
+
+    ints = p[..., 4 * block:].reshape(nb, supers, groups, 2, block).float()
+    scales, offsets = ints[..., 0, :] * factor(0), ints[..., 1, :] * factor(2 * block)  # [nb, S, group, row]
+    return tuple(t.permute(0, 3, 1, 2).reshape(n, k // KQ_GROUP) for t in (scales, offsets))
+
+
 def pack_x8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] (K a multiple of W4A8_BLOCK) -> what ember's int8-activation kernel reads (``int8_x8_gemm``): the
     weight per 16 rows (zeros past N) with each row's 4 inputs of a step side by side, int8 [ceil(N/16), K/4, 16,
@@ -448,7 +504,7 @@ class CpuInt4Path(_CpuWeightOnly):
             self.int8_x = (self.int8_x and not self.amx and kernels.has_w4a8()
                            and self.group_size % W4A8_BLOCK == 0)
             self.block = _INT4_BLOCK_N
-            self.w, self.s = pack_cpu_int4(qt.unpacked(), self.block), block_scale_zeros(_scale_zeros(qt))
+            self.w, self.s = pack_cpu_int4(qt.unpacked(), self.block), _cpu_int4_scales(qt, self.amx or self.int8_x)
         else:
             self.int8_x = False
             self.block = torch_int4_block_rows()
@@ -462,17 +518,28 @@ class CpuInt4Path(_CpuWeightOnly):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w, self.group_size, self.s)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        g = self.group_size
+        q = self.values().float().view(self.n, self.k // g, g)
+        if self.s.dtype == torch.uint8:  # K-quant scales as stored
+            scale, offset = unpack_k_scales(self.s, self.n, self.k, self.block)
+            return (q * scale[..., None] + offset[..., None]).view(self.n, self.k).to(dtype)
         sz = self.s.float()  # [G, N, 2], or blocked for ember's kernel
         if sz.dim() == 4:
             sz = sz.transpose(0, 1).reshape(-1, self.n, 2)
-        g = self.group_size
-        q = self.values().float().view(self.n, self.k // g, g)
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
         return ((q - 8) * scale + zero).view(self.n, self.k).to(dtype)
 
     def values(self) -> torch.Tensor:
         """The stored integers as uint8 [N, K]."""
         return unpack_cpu_int4(self.w, self.n, self.k, self.block)
+
+
+def _cpu_int4_scales(qt: QuantizedTensor, pairs_only: bool) -> torch.Tensor:
+    """What ember's int4 kernel reads beside the values: a K-quant's scales as stored (``pack_k_scales``) where the
+    weight has them and the AVX512-BF16 kernel runs it, else bf16 (scale, zero) pairs (AMX and int8 activations
+    take only those). Their speeds: docs/quantization.md."""
+    ks = None if pairs_only else pack_k_scales(qt)
+    return ks if ks is not None else block_scale_zeros(_scale_zeros(qt))
 
 
 def pack_cpu_int5_high(q: torch.Tensor, block: int = _INT4_BLOCK_N) -> torch.Tensor:
@@ -503,7 +570,7 @@ class CpuInt5Path(CpuInt4Path):
     def prepare(self, qt: QuantizedTensor) -> None:
         self.amx, self.block = False, _INT4_BLOCK_N
         q = qt.unpacked()
-        self.w, self.s = pack_cpu_int4(q & 0xF, self.block), block_scale_zeros(_scale_zeros(qt))
+        self.w, self.s = pack_cpu_int4(q & 0xF, self.block), _cpu_int4_scales(qt, False)
         self.high = pack_cpu_int5_high(q, self.block)
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ channel), so rows can be sliced and stacked freely (fused QKV and gate/up projec
 - int6: ``data`` uint8 ``[N, K]``, values 0..63, in groups of 16 with ``offset = -32 * scale``: GGUF Q6_K's
   ``d * sc * (q - 32)``, its scales the exact float32 products of an f16 ``d`` a 256 values (``super_scales``
   ``[N, K / 256]``) and an int8 ``sc`` a 16, which the CPU kernel's layout holds as they were (6.6 bits a weight).
-``scales`` and ``offsets`` are float32 ``[N, K / group_size]``.
+``scales`` and ``offsets`` are float32 ``[N, K / group_size]``. GGUF Q4_K / Q5_K weights also keep their
+super-blocks' factors (``super_scales`` d, ``super_offsets`` -dmin, ``[N, K / 256]``), of which the scales and offsets
+are 6-bit integer multiples: the CPU kernel holds them so, at 4.625 bits a weight where (scale, zero) pairs take 5.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ class QuantizedTensor:
     scales: torch.Tensor
     offsets: torch.Tensor | None
     group_size: int
-    super_scales: torch.Tensor | None = None  # int6: the d each 16 scales are integer multiples of
+    # the factor a super-block of 256 inputs has its scales as integer multiples of: int6 (Q6_K), Q4_K / Q5_K's d
+    super_scales: torch.Tensor | None = None
+    super_offsets: torch.Tensor | None = None  # the same for the offsets: Q4_K / Q5_K's -dmin
 
     def _map(self, fn) -> "QuantizedTensor":
         """The same layout with fn applied to each tensor it holds."""
         keep = lambda t: None if t is None else fn(t)  # noqa: E731
         return QuantizedTensor(self.kind, fn(self.data), fn(self.scales), keep(self.offsets), self.group_size,
-                               keep(self.super_scales))
+                               keep(self.super_scales), keep(self.super_offsets))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -69,7 +73,7 @@ class QuantizedTensor:
         return self._map(lambda t: t.to(device))
 
     def nbytes(self) -> int:
-        held = (self.data, self.scales, self.offsets, self.super_scales)
+        held = (self.data, self.scales, self.offsets, self.super_scales, self.super_offsets)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
@@ -77,10 +81,11 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Row blocks of one layout stacked into one weight (the parts of a fused projection)."""
     if len(parts) == 1:
         return parts[0]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    cat = lambda ts: None if any(t is None for t in ts) else torch.cat(ts)  # noqa: E731  (all parts, or none)
     first = parts[0]
     return QuantizedTensor(first.kind, cat([p.data for p in parts]), cat([p.scales for p in parts]),
-                           cat([p.offsets for p in parts]), first.group_size, cat([p.super_scales for p in parts]))
+                           cat([p.offsets for p in parts]), first.group_size, cat([p.super_scales for p in parts]),
+                           cat([p.super_offsets for p in parts]))
 
 
 def quantize_int8_symmetric(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +186,7 @@ def _from_k_quant(raw: np.ndarray, n: int, k: int, type_name: str) -> QuantizedT
     """Q4_K / Q5_K super-blocks of 256 values (ggml's ``block_q4_K``: f16 d, f16 dmin, 12 bytes of 6-bit scales and
     mins for 8 sub-blocks of 32, [Q5_K: 32 bytes of fifth bits,] 128 bytes of 4-bit values) -> int4 / int5 in groups
     of 32 with ``scale = d * sc`` and ``offset = -dmin * m``: float32 products of an f16 and a 6-bit integer, exact,
-    so ``q * scale + offset`` is ggml's value."""
+    so ``q * scale + offset`` is ggml's value; d and -dmin kept as ``super_scales`` / ``super_offsets``."""
     five = type_name == "Q5_K"
     blocks = np.ascontiguousarray(raw).reshape(n, k // 256, 176 if five else 144)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -191,16 +196,17 @@ def _from_k_quant(raw: np.ndarray, n: int, k: int, type_name: str) -> QuantizedT
     mins = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
     scales = torch.from_numpy((d[..., None] * sc.astype(np.float32)).reshape(n, k // 32))
     offsets = torch.from_numpy((-(dmin[..., None] * mins.astype(np.float32))).reshape(n, k // 32))
+    supers = torch.from_numpy(d), torch.from_numpy(-dmin)
     # each 64 values: 32 bytes, the first 32 values in their low nibbles, the next 32 in their high ones
     at = 48 if five else 16
     qs = torch.from_numpy(blocks[..., at:at + 128].copy()).view(n, k // 256, 4, 1, 32)
     q = torch.cat([qs & 0xF, qs >> 4], dim=3)  # [n, super-block, 64-value part i, half h, l]
     if not five:
-        return QuantizedTensor("int4", pack_int4(q.reshape(n, k)), scales, offsets, 32)
+        return QuantizedTensor("int4", pack_int4(q.reshape(n, k)), scales, offsets, 32, *supers)
     # value l + 32 h of part i has its fifth bit in bit 2 i + h of qh[l]
     qh = torch.from_numpy(blocks[..., 16:48].copy()).view(n, k // 256, 1, 1, 32)
     shift = (2 * torch.arange(4, dtype=torch.uint8)[:, None] + torch.arange(2, dtype=torch.uint8)).view(1, 1, 4, 2, 1)
-    return QuantizedTensor("int5", (q | (((qh >> shift) & 1) << 4)).reshape(n, k), scales, offsets, 32)
+    return QuantizedTensor("int5", (q | (((qh >> shift) & 1) << 4)).reshape(n, k), scales, offsets, 32, *supers)
 
 
 

@@ -187,7 +187,7 @@ def _int4_args(N=128, K=128, group=32, M=3):
     ("group 48", r"group = 48 must be a positive multiple of 4 that divides x's K = 128"),
     ("group 64", r"scale_zeros.size\(1\) must be 2 \(K / group\), got 4"),
     ("x 3 dims", r"int4_gemm: x must be \[M, K\] \(2 dims\), got shape \[1, 3, 128\]"),
-    ("scale_zeros float32", r"scale_zeros must be BFloat16, got Float"),
+    ("scale_zeros float32", r"scale_zeros must be one of BFloat16, Byte, got Float"),
     ("scale_zeros 3 dims", r"scale_zeros must be \[N/64, K/group, 64, 2\] \(4 dims\)"),
     ("x K 96", r"int4_gemm: scale_zeros.size\(1\) must be 3 \(K / group\), got 4"),
 ])
