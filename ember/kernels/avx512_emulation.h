@@ -164,7 +164,7 @@ inline V512 cvtps_epi32(V512 a) {  // round to nearest even; out of range -> the
 inline V512 cvtepi8_epi32(V128 a) { EMU_MAP16(r.i[j] = a.b[j]); }
 inline V512 cvtepu8_epi32(V128 a) { EMU_MAP16(r.i[j] = a.ub[j]); }
 inline V512 cvtepu16_epi32(V256 a) { EMU_MAP16(r.i[j] = a.h[j]); }
-inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, exact (vcvtph2ps: subnormal halves stay subnormal)
+inline float f16_to_f32(uint16_t h) {  // IEEE half -> float, exact (as vcvtph2ps; subnormal halves become normal)
   const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
   if (exp == 31) return f32(sign | 0x7F800000u | (man << 13));      // infinity, NaN
   if (exp == 0) return std::copysign(std::ldexp(static_cast<float>(man), -24), sign ? -1.f : 1.f);

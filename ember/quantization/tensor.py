@@ -81,11 +81,13 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Row blocks of one layout stacked into one weight (the parts of a fused projection)."""
     if len(parts) == 1:
         return parts[0]
-    cat = lambda ts: None if any(t is None for t in ts) else torch.cat(ts)  # noqa: E731  (all parts, or none)
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    # a super-block factor kept only where every part has it (a part without one holds its scales as they are)
+    supers = lambda ts: None if any(t is None for t in ts) else torch.cat(ts)  # noqa: E731
     first = parts[0]
     return QuantizedTensor(first.kind, cat([p.data for p in parts]), cat([p.scales for p in parts]),
-                           cat([p.offsets for p in parts]), first.group_size, cat([p.super_scales for p in parts]),
-                           cat([p.super_offsets for p in parts]))
+                           cat([p.offsets for p in parts]), first.group_size, supers([p.super_scales for p in parts]),
+                           supers([p.super_offsets for p in parts]))
 
 
 def quantize_int8_symmetric(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,14 +94,18 @@ def test_the_kernel_multiplies_the_files_own_values(avx512, n, k, kind, invarian
         assert err <= err_pairs * 1.05, (rows, err, err_pairs)
 
 
-def test_rows_do_not_depend_on_the_rows_beside_them(avx512):
-    qt = _k_quant(192, 512, 11)
-    w, ks = pack_cpu_int4(qt.unpacked()), pack_k_scales(qt)
-    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
-    alone = torch.cat([avx512.int4_gemm(x[i:i + 1], w, ks, 32) for i in range(64)])
-    for m in (2, 3, 5, 6, 7, 13, 48, 49, 64):
-        assert torch.equal(avx512.int4_gemm(x[:m], w, ks, 32), alone[:m]), m
-        assert torch.equal(avx512.int4_gemm(x[-m:], w, ks, 32), alone[-m:]), m
+@pytest.mark.parametrize("kind", ["int4", "int5"])
+def test_rows_do_not_depend_on_the_rows_beside_them(avx512, kind):
+    """Up to 6 rows the scales come from the bytes, more (several passes over a block) from their float copy."""
+    qt = _k_quant(192, 768, 11, kind)
+    q = qt.unpacked()
+    w, ks = pack_cpu_int4(q & 0xF), pack_k_scales(qt)
+    high = pack_cpu_int5_high(q) if kind == "int5" else None
+    x = torch.randn(100, 768, generator=torch.Generator().manual_seed(5)).bfloat16()
+    alone = torch.cat([avx512.int4_gemm(x[i:i + 1], w, ks, 32, True, False, high) for i in range(100)])
+    for m in (2, 3, 5, 6, 7, 13, 48, 49, 97, 100):
+        assert torch.equal(avx512.int4_gemm(x[:m], w, ks, 32, True, False, high), alone[:m]), m
+        assert torch.equal(avx512.int4_gemm(x[-m:], w, ks, 32, True, False, high), alone[-m:]), m
 
 
 def test_weights_without_such_factors_keep_the_pairs():
