@@ -6,9 +6,11 @@ beam its parent's), and with prefix caching any request whose prompt starts with
 one reuses their KV. The samples of an n > 1 request share their prompt that way too, also when prefix caching is
 off: their sequences cache their blocks anyway (``Sequence.caches_prefix``), under a key only they use.
 
-Prefix caching (vLLM's design): once a block is full and computed it gets a hash of (parent block's hash, its token
-ids, extra keys such as a LoRA name); a new sequence walks its full blocks and takes every block whose hash is
-cached and whose tokens are equal (a hash collision can never serve wrong KV). A block whose last reference goes
+Prefix caching (vLLM's design): once a block is full and computed it gets a hash of its key (parent block's hash,
+its token ids, extra keys such as a LoRA name); a new sequence walks its full blocks and takes every block whose hash
+is cached and whose whole key is equal (a hash collision can never serve wrong KV: Python's hash of a tuple of ints
+can be made to collide, and a parent hash is one of those ints). With ``prefix_cache_ttl`` a cached block unused
+that long is forgotten on either tier. A block whose last reference goes
 keeps its hash and waits in the free queue in least-recently-freed order; allocation takes from the front and only
 then forgets the hash, so only unreferenced blocks are evicted, least recently used first.
 
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 from ember.core.request import Sequence
 from ember.protocol import KVWindow
 from ember.protocol import BlockCopy, CopyKind
+
+BlockKey = tuple  # (parent block's hash or None, the block's token ids, its extra key): what its hash hashes
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -64,29 +68,36 @@ class PrefixHit:
 class HostTier:
     """The host copy of evicted prefix blocks: hash -> host block, least recently stored evicted first."""
 
-    __slots__ = ("num_blocks", "free", "cached", "block_hash", "block_tokens")
+    __slots__ = ("num_blocks", "free", "cached", "block_hash", "block_keys", "released_at")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.cached: dict[int, int] = {}
         self.block_hash: dict[int, int] = {}
-        self.block_tokens: dict[int, tuple[int, ...]] = {}
+        self.block_keys: dict[int, BlockKey] = {}
+        self.released_at: dict[int, float] = {}  # when the block's last device user let go (with a TTL)
 
-    def store(self, h: int, tokens: tuple[int, ...]) -> int | None:
+    def store(self, h: int, key: BlockKey, released_at: float | None = None) -> int | None:
         """A host block for this hash (evicting the least recently stored one); None if the tier has none."""
         if h in self.cached:
             return None
         if not self.free:
             return None
         block, _ = self.free.popitem(last=False)
-        old = self.block_hash.pop(block, None)
-        if old is not None:
-            del self.cached[old]
-            del self.block_tokens[block]
-        self.cached[h], self.block_hash[block], self.block_tokens[block] = block, h, tokens
+        self.forget(block)
+        self.cached[h], self.block_hash[block], self.block_keys[block] = block, h, key
+        if released_at is not None:
+            self.released_at[block] = released_at
         self.free[block] = None  # every host block is evictable: none is ever referenced by a sequence
         return block
+
+    def forget(self, block: int) -> None:
+        """Drop the block's entry, if it holds one (it stays where it is in the free order)."""
+        h = self.block_hash.pop(block, None)
+        if h is not None:
+            del self.cached[h], self.block_keys[block]
+            self.released_at.pop(block, None)
 
     def pin(self, block: int) -> None:
         """Keep the block from eviction while it waits to be copied back."""
@@ -94,9 +105,7 @@ class HostTier:
 
     def release(self, block: int) -> None:
         """The block moved to the device: forget it here (the tiers are exclusive) and reuse it first."""
-        h = self.block_hash.pop(block)
-        del self.cached[h]
-        del self.block_tokens[block]
+        self.forget(block)
         self.free[block] = None
         self.free.move_to_end(block, last=False)
 
@@ -113,7 +122,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.block_hash: dict[int, int] = {}  # block id -> hash, for full computed blocks
-        self.block_tokens: dict[int, tuple[int, ...]] = {}  # block id -> its token ids, to rule out collisions
+        self.block_keys: dict[int, BlockKey] = {}  # block id -> its hash's key, to rule out collisions
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
         self.pending_copies: list[BlockCopy] = []
         self.queried_tokens = 0
@@ -151,8 +160,10 @@ class BlockManager:
 
     # ----- prefix cache -----
 
-    def _hash(self, parent: int | None, tokens: tuple[int, ...], extra: object = None) -> int:
-        return hash((parent, tokens, extra))
+    def _key(self, parent: int | None, tokens: tuple[int, ...], extra: object = None) -> tuple[int, BlockKey]:
+        """A block's key and its hash."""
+        key = (parent, tokens, extra)
+        return hash(key), key
 
     def _extra(self, seq: Sequence, i: int) -> object:
         """Block i's extra key: the sequence's salt, and the content hashes of the images whose placeholders it
@@ -171,13 +182,12 @@ class BlockManager:
             return hit
         bs, parent = self.block_size, None
         for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = self._hash(parent, tokens, self._extra(seq, i))
+            h, key = self._key(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), self._extra(seq, i))
             block = self.cached.get(h)
-            if block is not None and self.block_tokens[block] == tokens:
+            if block is not None and self.block_keys[block] == key:
                 hit.blocks.append(("device", block, h))
             elif self.host is not None and (hb := self.host.cached.get(h)) is not None \
-                    and self.host.block_tokens[hb] == tokens:
+                    and self.host.block_keys[hb] == key:
                 hit.blocks.append(("host", hb, h))
             else:
                 break
@@ -203,14 +213,14 @@ class BlockManager:
             if tier == "device":
                 seq.block_table.append(block)
                 continue
-            tokens = self.host.block_tokens[block]
+            key = self.host.block_keys[block]
             device_block = self._pop_free()
             self.ref_counts[device_block] = 1
             # after that eviction's copy, in order
             self.pending_copies.append(BlockCopy(CopyKind.SWAP_IN, block, device_block))
             self.host.release(block)
             self.swapped_in += 1
-            self.cached[h], self.block_hash[device_block], self.block_tokens[device_block] = device_block, h, tokens
+            self.cached[h], self.block_hash[device_block], self.block_keys[device_block] = device_block, h, key
             seq.block_table.append(device_block)
         bs, host = self.block_size, hit.num_host * self.block_size
         cached = hit.num_blocks * bs
@@ -238,14 +248,13 @@ class BlockManager:
         parent = self.block_hash.get(seq.block_table[seq.num_hashed_blocks - 1]) if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, full):
             block = seq.block_table[i]
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = self.block_hash.get(block)
             if h is None:
-                h = self._hash(parent, tokens, self._extra(seq, i))
+                h, key = self._key(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), self._extra(seq, i))
                 if h not in self.cached:  # an equal block computed twice: keep the first, this one stays private
                     self.cached[h] = block
                     self.block_hash[block] = h
-                    self.block_tokens[block] = tokens
+                    self.block_keys[block] = key
                     if self.host is not None and (hb := self.host.cached.get(h)) is not None:
                         self.host.release(hb)  # computed again where lookup could not reach it (a prompt's last
                         # block): the tiers stay exclusive and the host block is free for another
@@ -262,12 +271,12 @@ class BlockManager:
         block, _ = self.free_blocks.popitem(last=False)
         assert self.ref_counts[block] == 0, f"block {block} on the free list has references"
         h = self.block_hash.pop(block, None)
-        self.released_at.pop(block, None)
+        released = self.released_at.pop(block, None)
         if h is not None:
             del self.cached[h]
-            tokens = self.block_tokens.pop(block)
+            key = self.block_keys.pop(block)
             if self.host is not None:
-                hb = self.host.store(h, tokens)
+                hb = self.host.store(h, key, released)
                 if hb is not None:
                     self.pending_copies.append(BlockCopy(CopyKind.SWAP_OUT, block, hb))
                     self.swapped_out += 1
@@ -313,8 +322,9 @@ class BlockManager:
         seq.num_hashed_blocks = 0
 
     def expire(self, now: float) -> None:
-        """Forget cached free blocks unused for prefix_cache_ttl seconds (checked at most every 0.5 s). The free
-        list is in release order, so the walk stops at the first cached block that is still fresh."""
+        """Forget cached free blocks unused for prefix_cache_ttl seconds (checked at most every 0.5 s), on the
+        device and in the host tier (a block keeps the time its last user let go when it is evicted there). Both
+        free lists are in release order, so each walk stops at the first cached block that is still fresh."""
         if self.prefix_cache_ttl is None or now < self._next_expiry:
             return
         self._next_expiry = now + 0.5
@@ -325,9 +335,27 @@ class BlockManager:
                 continue
             if self.released_at.get(block, now) > cutoff:
                 break
-            del self.cached[h], self.block_hash[block], self.block_tokens[block]
+            del self.cached[h], self.block_hash[block], self.block_keys[block]
             self.released_at.pop(block, None)
             self.expired_blocks += 1
+        if self.host is not None:
+            for block in list(self.host.free):
+                if block not in self.host.block_hash:
+                    continue
+                if self.host.released_at.get(block, now) > cutoff:
+                    break
+                self.host.forget(block)
+                self.expired_blocks += 1
+
+    def uncache(self, seq: Sequence) -> None:
+        """Forget the prefix-cache entries of seq's blocks: their KV is not what their keys say (computed with an
+        adapter the worker could not read). Only sequences with the same key salt could share them."""
+        for block in seq.block_table:
+            h = self.block_hash.pop(block, None)
+            if h is not None:
+                del self.cached[h], self.block_keys[block]
+                self.released_at.pop(block, None)
+        seq.num_hashed_blocks = 0
 
     def take_copies(self) -> list[BlockCopy]:
         """The block copies queued since the last call, in the order they must run."""

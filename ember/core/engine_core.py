@@ -241,11 +241,14 @@ class EngineCore:
     def _fail_loras(self, failures: dict[int, str], outputs: dict[str, EngineOutput]) -> None:
         """Adapters the workers could not read this step: end every request that needs one (with the reason, in
         place of this step's output, whose tokens came from an empty slot) and free its slot; the next request
-        naming it reads its files again."""
+        naming it reads its files again. The blocks those requests hold leave the prefix cache first: the ones
+        this step computed hold the base model's KV under the adapter's key (only its requests share them)."""
         for slot, why in failures.items():
             lora_id = self.loras.resident[slot]
             self.loras.forget(lora_id)
             for req in [r for r in self.requests.values() if r.lora_id == lora_id]:
+                for seq in req.seqs:
+                    self.block_manager.uncache(seq)
                 outputs[req.request_id] = self.decoding.fail(req, why, outputs.get(req.request_id))
 
     def _forget_finished(self, reqs: Any) -> None:

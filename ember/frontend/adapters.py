@@ -20,6 +20,8 @@ class Adapters:
         self._read_shape = shape  # read from the checkpoint's config when the first adapter is checked
         self._shape: ModelShape | None = None
         self._known: dict[int, LoRARequest] = {}
+        # removed ones: an id keeps naming its adapter (it keys the adapter's prefix-cache entries, which outlive it)
+        self._retired: dict[int, LoRARequest] = {}
         self._lock = threading.Lock()
 
     def check(self, lora: object) -> LoRARequest:
@@ -31,21 +33,26 @@ class Adapters:
             raise BadRequestError(f"lora_request={lora.lora_name!r} needs an engine started with enable_lora=True "
                                   "(and max_loras / max_lora_rank to fit the adapters)")
         with self._lock:
-            known = self._known.get(lora.lora_int_id)
-            if known is not None:
-                if (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
-                    raise BadRequestError(f"lora_int_id={lora.lora_int_id} is already the adapter "
-                                          f"{known.lora_name!r} at {known.lora_path}: each adapter needs its own id")
+            known = self._known.get(lora.lora_int_id) or self._retired.get(lora.lora_int_id)
+            if known is not None and (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
+                was = "was" if lora.lora_int_id in self._retired else "is already"
+                raise BadRequestError(f"lora_int_id={lora.lora_int_id} {was} the adapter {known.lora_name!r} at "
+                                      f"{known.lora_path}: each adapter needs its own id, for the engine's life")
+            if lora.lora_int_id in self._known:
                 return known
             if self._shape is None:
                 self._shape = self._read_shape()
             inspect_adapter(lora.lora_path, self._shape, self.info.max_lora_rank)
             self._known[lora.lora_int_id] = lora
+            self._retired.pop(lora.lora_int_id, None)
             return lora
 
     def remove(self, lora_id: int) -> bool:
         with self._lock:
-            return self._known.pop(lora_id, None) is not None
+            lora = self._known.pop(lora_id, None)
+            if lora is not None:
+                self._retired[lora_id] = lora
+            return lora is not None
 
     def list(self) -> list[LoRARequest]:
         with self._lock:

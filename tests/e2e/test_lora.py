@@ -247,6 +247,10 @@ def test_bad_adapters_are_refused_before_any_work_and_the_engine_keeps_serving(l
         assert out[0].outputs[0].token_ids == peft_greedy(llama_dir, three_adapters[0], prompt, 10)[0]
         assert llm.remove_lora(3) and not llm.remove_lora(3) and llm.list_loras() == set()
         assert llm.stats()["lora_slots"] == [None]
+        # the id keeps naming a0 (its prefix-cache entries outlive it): another adapter under it is refused, a0 back
+        with pytest.raises(BadRequestError, match="lora_int_id=3 was the adapter 'a0' .* for the engine's life"):
+            llm.add_lora(LoRARequest("a1", 3, three_adapters[1]))
+        assert llm.add_lora(LoRARequest("a0", 3, three_adapters[0])) and llm.list_loras() == {3}
     finally:
         llm.shutdown()
     plain = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")

@@ -34,7 +34,7 @@ def _check(bm: BlockManager, seqs: list[Sequence]) -> None:
     assert all(bm.ref_counts[b] == 0 for b in bm.free_blocks)
     assert bm.num_free + sum(1 for r in bm.ref_counts if r > 0) == bm.num_blocks  # free + used == total
     assert all(bm.block_hash[b] == h for h, b in bm.cached.items())  # the prefix cache is consistent
-    assert set(bm.block_hash) == set(bm.cached.values()) == set(bm.block_tokens)
+    assert set(bm.block_hash) == set(bm.cached.values()) == set(bm.block_keys)
     if bm.host is not None:
         assert all(bm.host.block_hash[b] == h for h, b in bm.host.cached.items())
         assert len(bm.host.free) == bm.host.num_blocks
@@ -242,3 +242,45 @@ def test_append_copy_queues_the_copy_and_needs_a_free_block():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling_policy"):
         Scheduler(BlockManager(4, 4), 4, 16, policy="fastest")
+
+
+def test_a_hash_collision_with_another_key_misses():
+    """A hash that ignores the salt (a stand-in for a crafted collision: Python's tuple hash over ints can be made
+    to collide, and parent hashes are such ints): a block under salt "b" with the same tokens as one under "a" gets
+    the same hash; the whole key is compared, so it misses instead of serving the other adapter's KV."""
+    bm = BlockManager(8, 4)
+    bm._key = lambda parent, tokens, extra=None: (hash((parent, tokens)), (parent, tokens, extra))  # salt unhashed
+    a, b = _seq([1, 2, 3, 4, 5]), _seq([1, 2, 3, 4, 5])
+    a.cache_salt, b.cache_salt = "a", "b"
+    bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.commit(a)
+    assert bm.lookup(_seq([1, 2, 3, 4, 5])).num_blocks == 0  # no salt: another key too
+    assert bm.lookup(b).num_blocks == 0
+    b.cache_salt = "a"
+    assert bm.lookup(b).num_blocks == 1
+
+
+@pytest.mark.parametrize("host_blocks", [0, 4])
+def test_the_prefix_cache_ttl_holds_on_the_host_tier_too(host_blocks):
+    """A block evicted to the host tier keeps the time its last user let go: once prefix_cache_ttl has passed it is
+    no longer served from either tier (an hour later here), while a fresh one still is."""
+    import time
+
+    bm = BlockManager(4, 4, num_host_blocks=host_blocks, prefix_cache_ttl=10.0)
+    a = _seq([5] * 9)
+    bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.commit(a)
+    bm.free(a)
+    if host_blocks:
+        flood = _seq([6] * 16)
+        bm.allocate(flood, 16)  # every device block: a's two go to the host tier
+        bm.free(flood)
+        assert len(bm.host.cached) == 2 and bm.lookup(_seq([5] * 9)).num_host == 2
+    bm.expire(time.monotonic() + 5)
+    assert bm.lookup(_seq([5] * 9)).num_blocks == 2  # within the TTL
+    bm._next_expiry = 0.0
+    bm.expire(time.monotonic() + 3600)
+    assert bm.lookup(_seq([5] * 9)).num_blocks == 0 and bm.expired_blocks == 2
+    _check(bm, [])

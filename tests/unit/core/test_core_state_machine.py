@@ -210,18 +210,20 @@ class CoreMachine(RuleBasedStateMachine):
             return
         bm = self.core.block_manager
         assert {b: h for h, b in bm.cached.items()} == bm.block_hash
-        assert set(bm.block_tokens) == set(bm.block_hash)
-        assert all(len(t) == BLOCK for t in bm.block_tokens.values())
+        assert set(bm.block_keys) == set(bm.block_hash)
+        assert all(len(key[1]) == BLOCK for key in bm.block_keys.values())
+        assert all(hash(key) == bm.block_hash[b] for b, key in bm.block_keys.items())
         host = bm.host
         if host is not None:  # exclusive tiers: a hash lives on the device or on the host, never both
             assert {b: h for h, b in host.cached.items()} == host.block_hash
-            assert set(host.block_tokens) == set(host.block_hash) and set(host.free) == set(range(host.num_blocks))
+            assert set(host.block_keys) == set(host.block_hash) and set(host.free) == set(range(host.num_blocks))
             assert not set(host.cached) & set(bm.cached)
         for seq in self.live_sequences():
             for i in range(seq.num_hashed_blocks):
                 block = seq.block_table[i]
                 tokens = tuple(seq.token_ids[i * BLOCK:(i + 1) * BLOCK])
-                assert bm.block_tokens.get(block) in (None, tokens), f"{seq} block {i} holds other tokens"
+                key = bm.block_keys.get(block)
+                assert key is None or key[1] == tokens, f"{seq} block {i} holds other tokens"
 
     @invariant()
     def running_adapters_are_resident(self) -> None:

@@ -3,6 +3,8 @@ aborts, preemption and the outputs the core sends, without a model (each test ru
 
 from __future__ import annotations
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from unit.fakes import EOS, add, default_script, make_core, request, request_samples, run, samples
@@ -195,6 +197,25 @@ def test_every_sample_ends_exactly_once_and_the_pool_is_whole_after(num_blocks, 
         for tokens, reasons in got.values():
             assert len(reasons) == 1 and len(tokens) <= max_tokens
     assert _all_free(core)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 8])
+def test_an_adapter_that_cannot_be_read_leaves_no_kv_in_the_prefix_cache(host_blocks):
+    """The failed step computed its prompt's full blocks with the adapter's slot empty, under the adapter's key: they
+    leave the prefix cache, so once the folder is back the same prompt is computed again (from neither tier)."""
+    prompt = list(range(10, 50))  # two full blocks of 16 and a tail
+    core = make_core(max_loras=1, num_host_blocks=host_blocks, num_blocks=6)
+    core.executor.unreadable.add("/adapters/1")
+    add(core, request("bad", prompt, lora_id=1, max_tokens=2, ignore_eos=True))
+    assert run(core)["bad"][-1].error == "lora adapter /adapters/1: no such folder"
+    for i in range(3 if host_blocks else 0):  # other prompts take every device block: cached ones go to the host
+        add(core, request(f"other{i}", list(range(500 + 40 * i, 540 + 40 * i)), max_tokens=2, ignore_eos=True))
+    run(core)
+    core.executor.unreadable.clear()
+    add(core, request("good", prompt, lora_id=1, max_tokens=2, ignore_eos=True))
+    run(core)
+    new = [m for m in core.executor.messages if m.new][-1].new[0]
+    assert new.num_computed_tokens == 0 and core.block_manager.host_hit_tokens == 0
 
 
 def test_an_adapter_that_cannot_be_read_ends_only_its_requests():

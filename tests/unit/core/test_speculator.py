@@ -47,7 +47,7 @@ def _cached_blocks_are_real(core, finished_tokens: list[list[int]]) -> None:
     """Every block in the prefix cache holds tokens that some request really has at that block's place."""
     bs = core.block_manager.block_size
     real = {tuple(t[i:i + bs]) for t in finished_tokens for i in range(0, len(t) - bs + 1, bs)}
-    for block, tokens in core.block_manager.block_tokens.items():
+    for block, (_, tokens, _) in core.block_manager.block_keys.items():
         assert tokens in real, (block, tokens)
 
 
