@@ -34,6 +34,18 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="module")
+def avx512():
+    """The AVX512-BF16 kernels: this machine's, or emulated where it has no AVX-512 (a test file needing more of
+    the CPU, VBMI say, defines its own)."""
+    from ember.kernels import cpu_kernels, emulated_kernels
+
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("the CPU kernels could not be built on this machine")
+    return k if k.has_avx512_bf16() else emulated_kernels()
+
+
 def default_gguf() -> str:
     from ember.config import default_model_path
 

@@ -168,7 +168,7 @@ struct PairScales {
 };
 
 // KQuantScales: GGUF Q4_K / Q5_K's scales as the file stores them, w = d sc q + e m with d and e (-dmin) f16 a
-// super-block of 256 inputs and sc, m 6-bit integers a group of 32 (pack_k_scales): per super-block, the 64
+// super-block of 256 inputs and sc, m a byte a group of 32 (6 bits used in Q4_K; pack_k_scales): per super-block, the 64
 // columns' d, then their e (f16), then per group the columns' sc, then their m (a byte each). 4.625 bits a
 // weight with the values where the pairs take 5, and s = d sc, e m exact in float32 (the pairs round them to bf16).
 // A group's (s, off = e m - 128 s) come from the bytes (group_scales, d and e in registers a super-block), or,
@@ -255,6 +255,20 @@ inline void int5_high(const Int4Consts& c, const uint32_t* hi, __m512i b[4]) {
   for (int j = 0; j < 4; ++j) b[j] = _mm512_mask_add_epi16(b[j], static_cast<__mmask32>(hi[j]), b[j], c.sixteen);
 }
 
+// Row pair kp of a block into R rows' partial sums part[r][j] (xw: the rows' inputs as bf16 pairs, kw a row).
+template <int R, bool HI>
+EMBER_INLINE void int4_pair_step(const Int4Consts& c, const int32_t* xw, int64_t kw, int64_t kp, const uint8_t* blk,
+                                 const uint32_t* hib, __m512 part[R][4]) {
+  __m512i b[4];
+  _mm_prefetch(reinterpret_cast<const char*>(blk + kp * 64 + INT4_PREFETCH), _MM_HINT_T0);
+  int4_unpack(c, blk + kp * 64, b);
+  if constexpr (HI) int5_high(c, hib + kp * 4, b);
+  for (int r = 0; r < R; ++r) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
+    for (int j = 0; j < 4; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], a, (__m512bh)b[j]);
+  }
+}
+
 // y[0 : R, 0 : 64] of one block (blk: its K x 32 bytes; szb: the block's (scale, zero) pairs, [groups, 64, 2]). U
 // interleaved chains of group sums (one row through the 120 int4 weights of the default model's shapes, 66 MB, 2
 // threads: U = 1 2.08-2.20 ms, U = 2 1.89-1.98 ms when first measured; within noise of each other on an AMD
@@ -274,14 +288,7 @@ inline void int4_block_rows(const Int4Consts& c, const int32_t* xw, int64_t kw, 
     for (int64_t kp0 = g * gw; kp0 < (g + 1) * gw; kp0 += U)  // gw is a multiple of U (groups of 32 or more)
       for (int u = 0; u < U; ++u) {
         const int64_t kp = kp0 + u;
-        __m512i b[4];
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kp * 64 + INT4_PREFETCH), _MM_HINT_T0);
-        int4_unpack(c, blk + kp * 64, b);
-        if constexpr (HI) int5_high(c, hib + kp * 4, b);
-        for (int r = 0; r < R; ++r) {
-          const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
-          for (int j = 0; j < 4; ++j) part[u][r][j] = _mm512_dpbf16_ps(part[u][r][j], a, (__m512bh)b[j]);
-        }
+        int4_pair_step<R, HI>(c, xw, kw, kp, blk, hib, part[u]);
       }
     for (int u = 1; u < U; ++u)
       for (int r = 0; r < R; ++r)
@@ -317,16 +324,7 @@ inline void int4_block_rows_kq(const Int4Consts& c, const int32_t* xw, int64_t k
       __m512 part[R][4];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
-      for (int64_t kp = g * 16; kp < (g + 1) * 16; ++kp) {
-        __m512i b[4];
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kp * 64 + INT4_PREFETCH), _MM_HINT_T0);
-        int4_unpack(c, blk + kp * 64, b);
-        if constexpr (HI) int5_high(c, hib + kp * 4, b);
-        for (int r = 0; r < R; ++r) {
-          const __m512bh a = (__m512bh)_mm512_set1_epi32(xw[r * kw + kp]);
-          for (int j = 0; j < 4; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], a, (__m512bh)b[j]);
-        }
-      }
+      for (int64_t kp = g * 16; kp < (g + 1) * 16; ++kp) int4_pair_step<R, HI>(c, xw, kw, kp, blk, hib, part);
       for (int j = 0; j < 4; ++j) {
         __m512 sc, off;
         ks.group_scales(su, g, j, sc, off);

@@ -39,14 +39,6 @@ def _native_avx512() -> bool:
     return k is not None and k.has_avx512_bf16()
 
 
-@pytest.fixture(scope="module")
-def avx512():
-    """The AVX512-BF16 kernels: this machine's, or emulated where it has no AVX-512."""
-    if cpu_kernels() is None:
-        pytest.skip("the CPU kernels could not be built on this machine")
-    return cpu_kernels() if _native_avx512() else emulated_kernels()
-
-
 def _rows_alone(fn, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
 

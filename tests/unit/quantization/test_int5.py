@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.kernels import cpu_kernels, emulated_kernels
 from ember.layers.linear import Linear
 from ember.quantization import QuantConfig, QuantizedMatmul, QuantizedTensor, cpu_holds_int5
 from ember.quantization import kernels as qkernels
@@ -22,15 +21,6 @@ def _int5(n: int, k: int, seed: int) -> QuantizedTensor:
     q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g)
     d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
     return QuantizedTensor("int5", q, d, -16 * d, 32)
-
-
-@pytest.fixture(scope="module")
-def avx512():
-    """The AVX512-BF16 kernels: this machine's, or emulated where it has no AVX-512."""
-    k = cpu_kernels()
-    if k is None:
-        pytest.skip("the CPU kernels could not be built on this machine")
-    return k if k.has_avx512_bf16() else emulated_kernels()
 
 
 def test_the_fifth_bits_lie_where_the_kernel_reads_them():

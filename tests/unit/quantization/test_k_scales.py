@@ -11,20 +11,11 @@ import torch
 import torch.nn.functional as F
 from gguf_writer import quantize_q4_k
 
-from ember.kernels import cpu_kernels, emulated_kernels
+from ember.kernels import cpu_kernels
 from ember.quantization import QuantizedMatmul, QuantizedTensor
 from ember.quantization.kernels import (_scale_zeros, block_scale_zeros, pack_cpu_int4, pack_cpu_int5_high,
                                         pack_k_scales, unpack_k_scales)
 from ember.quantization.tensor import concat_rows, from_gguf, pack_int4
-
-
-@pytest.fixture(scope="module")
-def avx512():
-    """The AVX512-BF16 kernels: this machine's, or emulated where it has no AVX-512."""
-    k = cpu_kernels()
-    if k is None:
-        pytest.skip("the CPU kernels could not be built on this machine")
-    return k if k.has_avx512_bf16() else emulated_kernels()
 
 
 def _k_quant(n: int, k: int, seed: int, kind: str = "int4") -> QuantizedTensor:
