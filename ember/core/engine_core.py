@@ -112,7 +112,7 @@ class EngineCore:
         spec = resolved.speculative
         self.speculator = None if window is not None else Speculator(
             spec or SpeculativeConfig(), lookup=spec is not None, draft_cost=info.draft_cost,
-            verify_costs=info.verify_costs)
+            verify_costs=info.verify_costs, catch_up=info.draft_catch_up)
         self.decoding = Decoding(self.scheduler, self.block_manager, sched.max_model_len, self.speculator)
         self.guides = Guides(grammars)
         self.writer = StepWriter()
@@ -213,6 +213,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.guides)
         batch = self.scheduler.schedule()
+        catch_up = self.speculator.catch_up_orders(batch.seqs, batch.preempted) if self.speculator is not None else {}
         outputs: dict[str, EngineOutput] = {}
         for seq in batch.interrupted:
             self.decoding.interrupted(seq, outputs)
@@ -229,6 +230,7 @@ class EngineCore:
                 if seq.request.first_scheduled_time is None:
                     seq.request.first_scheduled_time = now
             message, sampled = self.writer.write(batch, released, self.loras)
+            message.draft_catch_up = catch_up  # handles are sequence ids
             message.token_masks = self.guides.masks(sampled)  # computed while the model runs
             result = self.executor.execute_model(message)
             self.guides.advance(sampled, result.token_ids, message.token_masks)

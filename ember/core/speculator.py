@@ -33,7 +33,11 @@ tokens drafts those (a copy costs nothing to draft; the model would spend a step
 decides k for the model, counting each drafted token's cost to make (``WorkerInfo.draft_cost``, measured at
 start-up), and sends k placeholders: the worker's drafter fills them in the step and returns its tokens with the
 sampled ones (``worker.drafter``). Free drafts (prediction, lookup) share one acceptance estimate per request, the
-model has its own; while free drafts run, the model's estimate stands still.
+model has its own; while free drafts run, the model's estimate stands still. The draft model's KV lacks what it was
+never fed (a new sequence's whole prompt; the tokens of steps that drafted otherwise): where a sequence lacks more
+than the step's catch-up budget (``WorkerInfo.draft_catch_up`` tokens, about a decode step's worth, shared by the
+step's rows) it drafts nothing and is ordered that many tokens fed (``SchedulerOutput.draft_catch_up``), so a long
+prompt's catch-up spreads over steps instead of stalling one for every row of the batch.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ class _SeqState:
     lookup: _Estimate = field(default_factory=_Estimate)  # drafts free to make: the prediction's, the lookup's
     model: _Estimate | None = None  # the draft model's (None: no draft model)
     pending: _Estimate | None = None  # the source of the draft being verified
+    fed: int = 0  # the sequence's first tokens the draft model's KV holds, as this core ordered them
 
 
 @dataclass(slots=True)
@@ -169,11 +174,12 @@ class DraftCheck(Protocol):
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, lookup: bool = True, draft_cost: float | None = None,
-                 verify_costs: tuple[float, ...] | None = None) -> None:
+                 verify_costs: tuple[float, ...] | None = None, catch_up: int | None = None) -> None:
         """lookup: draft from the sequence's own tokens (speculative_config given); False: only predictions.
         draft_cost: a draft model's step against the target's (``WorkerInfo.draft_cost``); None: no draft model.
         verify_costs: a step verifying k drafted tokens against a decode step (``WorkerInfo.verify_costs``); None:
-        the constants."""
+        the constants. catch_up: the tokens a step may feed the draft model's KV (``WorkerInfo.draft_catch_up``);
+        None: no limit."""
         self.config = config
         self.lookup = lookup
         self.draft_cost = draft_cost
@@ -188,11 +194,17 @@ class Speculator:
         self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
         self.states: dict[int, _SeqState] = {}  # sequence id -> its lookup index and acceptance
         self.counts = SpeculationCounts(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.catch_up = catch_up
+        self.room = 0  # this step's catch-up budget left
+        self.orders: dict[int, int] = {}  # sequence id -> tokens to feed the draft model's KV this step
+        self.placeholders: dict[int, int] = {}  # sequence id -> its ``fed`` before this step's draft-model draft
 
     def propose(self, running: list[Sequence], check: DraftCheck | None = None) -> None:
         """Set ``draft_token_ids`` of every running sequence: a draft for those that decode and may speculate,
         nothing for the others; a guided sequence's cut to what its grammar takes (check)."""
         decoding = []
+        self.orders, self.placeholders = {}, {}
+        self.room = self.catch_up if self.catch_up is not None else 1 << 62
         for seq in running:
             seq.draft_token_ids = []
             if seq.num_tokens - seq.num_computed_tokens == 1:
@@ -233,8 +245,36 @@ class Speculator:
         if k <= 0:
             st.model.idle()
             return []
+        lacking = seq.num_tokens - 1 - st.fed  # the tokens before its last the draft's KV was never fed
+        if lacking > self.room:  # it drafts once it has caught up: a share of them now, the rest in later steps
+            if self.room > 0:
+                self.orders[seq.seq_id] = self.room
+                st.fed += self.room
+                self.room = 0
+            return []
+        self.room -= max(lacking, 0)
+        self.placeholders[seq.seq_id] = st.fed
+        st.fed = seq.num_tokens  # the draft feeds all it lacks and the last token
         st.pending = st.model
         return [DRAFT_PLACEHOLDER] * k
+
+    def catch_up_orders(self, scheduled: list[Sequence], preempted: list[Sequence]) -> dict[int, int]:
+        """This step's catch-up orders for the sequences it runs (the others' are taken back, as are the draft
+        model's drafts the scheduler dropped); a preempted sequence's draft KV went with its blocks (the workers
+        drop it), so it starts again from nothing."""
+        orders, placeholders, self.orders, self.placeholders = self.orders, self.placeholders, {}, {}
+        running = {seq.seq_id: seq for seq in scheduled}
+        for i, m in orders.items():
+            if i not in running and (st := self.states.get(i)) is not None:
+                st.fed -= m
+        for i, fed in placeholders.items():
+            seq = running.get(i)
+            if (seq is None or not seq.draft_token_ids) and (st := self.states.get(i)) is not None:
+                st.fed = fed
+        for seq in preempted:
+            if (st := self.states.get(seq.seq_id)) is not None:
+                st.fed = 0
+        return {i: m for i, m in orders.items() if i in running}
 
     def _free(self, seq: Sequence, st: _SeqState, k: int) -> list[int]:
         """Up to k tokens from the prediction, else from the sequence's own tokens, else from recent outputs."""

@@ -6,6 +6,7 @@ native_quantization() (the quantized layout it stores, if any), tokenizer()."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -207,6 +208,27 @@ def load_tokenizer(config: ModelConfig) -> TokenizerInfo:
     return TokenizerInfo(tokenizer, generation_config, eos)
 
 
+def shared_vocabulary(draft: ModelConfig, target: ModelConfig, draft_rows: int, target_rows: int) -> int:
+    """The ids a draft model may propose for a target: those both embed (their rows may differ where the tokenizer
+    is one: Qwen2.5's 0.5B pads its 151,665 tokens to 151,936 rows, its 7B to 152,064). The two tokenizers must
+    spell every id the smaller holds alike (one may add tokens after the other's), else the draft's ids would mean
+    other text: ConfigError naming the first that differs."""
+    def source(config: ModelConfig) -> str:
+        return config.tokenizer or config.path
+
+    limit = min(draft_rows, target_rows)
+    if os.path.realpath(source(draft)) == os.path.realpath(source(target)):
+        return limit
+    ours, theirs = (open_checkpoint(source(c)).tokenizer() for c in (target, draft))
+    n = min(ours.vocab_size, theirs.vocab_size)
+    for i in range(n):
+        a, b = ours.convert_id(i), theirs.convert_id(i)
+        if a != b:
+            raise ConfigError(f"speculative_config.model={draft.path!r}: its tokenizer has {b!r} at id {i} where "
+                              f"the model's has {a!r}: a draft model must share the model's tokenizer")
+    return min(limit, n)
+
+
 def check_tokenizer(path: str, tokenizer: Tokenizer, vocab_size: int) -> None:
     """A tokenizer whose BOS / EOS ids lie past the model's embedding rows is another model's: every prompt would
     be refused, no output would end. A larger vocabulary alone is allowed (test models use the first ids of a real
@@ -286,4 +308,4 @@ def _eos_ids(tokenizer: Tokenizer, hf_config: Any, gen: dict[str, Any]) -> tuple
 
 __all__ = ["Checkpoint", "HFCheckpoint", "LoadedModel", "TRTLLMCheckpoint", "TokenizerInfo", "check_parallel",
            "finalize", "load_model", "load_tokenizer", "model_config", "needs_calibration", "open_checkpoint",
-           "read_shape", "resolve_quantization"]
+           "read_shape", "resolve_quantization", "shared_vocabulary"]

@@ -122,6 +122,9 @@ class SchedulerOutput:
     # tokens and samples each; only the last token counts as computed until the core says what was kept). A draft
     # of placeholders (-1) is the worker's draft model's to fill (``WorkerOutput.drafts`` says with what)
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # handle -> tokens of its own to feed the draft model's KV this step, which it lacks (a new sequence's prompt,
+    # spread over steps before its first draft)
+    draft_catch_up: dict[int, int] = field(default_factory=dict)
     # handle -> its computed tokens, sent when the core's count is not what the worker can know (a verified draft:
     # the kept tokens' KV stays, the rest is overwritten later)
     num_computed_tokens: dict[int, int] = field(default_factory=dict)

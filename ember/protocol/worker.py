@@ -18,6 +18,9 @@ class WorkerInfo:
     kv_bytes_per_block: int  # one block of this rank's KV pool (its stage's layers, its KV heads)
     # a draft model's decode step against the model's at batch 1, timed at start-up; None: no draft model
     draft_cost: float | None = None
+    # the prompt tokens a step may feed a new sequence's draft KV for about one decode step's time (its catch-up,
+    # spread over steps), timed at start-up; None: no draft model
+    draft_catch_up: int | None = None
     # a step verifying k drafted tokens against a decode step at batch 1, k = 0 .. the longest draft, timed at
     # start-up (worker.verify_cost); None: not measured (no speculative_config, several ranks, CUDA)
     verify_costs: tuple[float, ...] | None = None

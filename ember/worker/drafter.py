@@ -10,10 +10,14 @@ position), so a stale entry (a block shared through the prefix cache or copied o
 correctness.
 
 Per sequence the drafter knows how many leading positions of its draft KV hold the sequence's tokens. A draft
-feeds the positions after those (the whole prompt the first time, the draft's KV not being shared through the
-prefix cache; afterwards the tokens added since its last draft, often just the last), in passes of at most
+feeds the positions after those (the tokens added since its last draft, often just the last), in passes of at most
 ``max_tokens`` (the step's budget), the last pass giving the first drafted token; then it decodes greedily, one
-batched decode step per further drafted token.
+batched decode step per further drafted token. A new sequence's draft KV holds nothing (it is not shared through
+the prefix cache): the core orders its prompt fed a share a step (``catch_up``; ``DraftCosts.catch_up_tokens`` a
+step, about one target decode step's worth) before it sends the sequence's first draft.
+
+The models' rows may differ where the tokenizer is one (Qwen2.5's 0.5B pads its 151,665 tokens to 151,936 rows,
+its 7B to 152,064): a draft proposes only ids below ``limit``, those both models embed (``shared_vocabulary``).
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ class _Row:
 
 class Drafter:
     def __init__(self, loaded: LoadedModel, device: torch.device, block_size: int, kv_cache_dtype: str,
-                 batch_invariant: bool, max_tokens: int = 2048) -> None:
+                 batch_invariant: bool, limit: int, max_tokens: int = 2048) -> None:
         self.loaded, self.model, self.device, self.block_size = loaded, loaded.model, device, block_size
-        self.kv_cache_dtype, self.max_tokens = kv_cache_dtype, max_tokens
+        self.kv_cache_dtype, self.limit = kv_cache_dtype, limit
+        self.max_tokens = max_tokens  # tokens a pass holds: the step's budget
+        self.catch_up_tokens: int | None = None  # what the core may order fed a step (measured at start-up)
         self.layers = self.model.attention_layers()
         self.kv_format = fmt = kv_format(loaded, kv_cache_dtype)
         for layer in self.layers:
@@ -94,7 +100,8 @@ class Drafter:
         """handle -> k greedy draft tokens after its sequence's tokens, for every (handle, k) in ``wants``. The
         scheduler gave each such sequence blocks for k more tokens than it holds, where the draft's KV goes."""
         held = {h: batch.seqs[h] for h in wants}
-        drafts = {h: [t] for h, t in self._first(held, tables).items()}
+        spans = {h: (self._lacking(h, seq), len(seq.token_ids)) for h, seq in held.items()}
+        drafts = {h: [t] for h, t in self._first(held, spans, tables).items()}
         for step in range(1, max(wants.values())):
             live = [h for h in wants if wants[h] > step]
             rows = [_Row(held[h], [drafts[h][-1]], len(held[h].token_ids) - 1 + step) for h in live]
@@ -103,6 +110,22 @@ class Drafter:
         for h in wants:
             self.cached[h] = _Cached(len(held[h].token_ids), drafts[h][:-1])
         return drafts
+
+    @torch.inference_mode()
+    def catch_up(self, batch: InputBatch, tables: torch.Tensor, orders: dict[int, int]) -> None:
+        """Feed each (handle, m) of ``orders`` the next m tokens its draft KV lacks (never its last: the draft that
+        follows feeds that), in one pass: the core spreads a new sequence's prompt over steps in which it drafts
+        nothing (``Speculator``), so that no step stalls for a long prompt's catch-up."""
+        rows = []
+        for h, m in orders.items():
+            seq = batch.seqs[h]
+            a = self._lacking(h, seq)
+            end = min(a + m, len(seq.token_ids) - 1)
+            if end > a:
+                rows.append(_Row(seq, seq.token_ids[a:end], a))
+                self.cached[h] = _Cached(end, [])
+        if rows:
+            self._pass(rows, tables)
 
     def _lacking(self, h: int, seq: HeldSequence) -> int:
         """The first position of ``seq`` its draft KV lacks (at most its last token's)."""
@@ -117,13 +140,14 @@ class Drafter:
             valid += 1
         return valid
 
-    def _first(self, held: dict[int, HeldSequence], tables: torch.Tensor) -> dict[int, int]:
-        """Feed every sequence's tokens from the first its draft KV lacks through its last; handle -> the greedy
-        token after them. A pass holds at most ``max_tokens`` tokens: while more are left, passes feed the
-        earliest (never a span's last token, as chunked prefill cuts a prompt); the last pass feeds the rest and
-        gives the first drafted tokens, so a step whose drafts were all kept costs no pass more than one whose
-        draft was cut."""
-        spans = {h: [self._lacking(h, seq), len(seq.token_ids)] for h, seq in held.items()}
+    def _first(self, held: dict[int, HeldSequence], spans: dict[int, tuple[int, int]], tables: torch.Tensor
+               ) -> dict[int, int]:
+        """Feed each sequence's tokens [a, b) of ``spans`` (from the first its draft KV lacks through its last);
+        handle -> the greedy token after them. A pass holds at most ``max_tokens`` tokens: while more are left,
+        passes feed the earliest (never a span's last token, as chunked prefill cuts a prompt); the last pass feeds
+        the rest and gives the first drafted tokens, so a step whose drafts were all kept costs no pass more than
+        one whose draft was cut."""
+        spans = {h: list(span) for h, span in spans.items()}
         while sum(b - a for a, b in spans.values()) > self.max_tokens:
             rows, room = [], self.max_tokens
             for h, span in spans.items():
@@ -142,7 +166,8 @@ class Drafter:
     def _greedy(self, rows: list[_Row], tables: torch.Tensor) -> list[int]:
         """One pass over ``rows``; the greedy token after each row's last, in the rows' order."""
         hidden, order, last = self._pass(rows, tables)
-        tokens = greedy_tokens(self.model.compute_logits(hidden[self._tensor(last)])).tolist()
+        logits = self.model.compute_logits(hidden[self._tensor(last)])
+        tokens = greedy_tokens(logits[:, :self.limit] if logits.shape[-1] > self.limit else logits).tolist()
         out = [0] * len(rows)
         for i, t in zip(order, tokens):
             out[i] = t
@@ -187,25 +212,50 @@ class Drafter:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
+@dataclass(frozen=True, slots=True)
+class DraftCosts:
+    """What the draft model costs on this machine against a target decode step: a drafted token (one batched decode
+    step of the draft), and how many prompt tokens its catch-up feeds for the price of one target step."""
+
+    token: float
+    catch_up_tokens: int
+
+
 @torch.inference_mode()
-def measure_draft_cost(target: torch.nn.Module, draft: torch.nn.Module, device: torch.device, block_size: int,
-                       context: int = 64, repeats: int = 7) -> float:
-    """A draft token's cost against a target decode step: the median ratio of their batch-1 decode steps (forward
-    and logits) at ``context`` tokens, run in turn, measured on this machine at start-up (a small model's step costs
-    more than its bytes say: per-layer overheads and the full vocabulary's logits). Writes blocks 0 ..
+def measure_draft_costs(target: torch.nn.Module, draft: torch.nn.Module, device: torch.device, block_size: int,
+                        context: int = 64, max_tokens: int = 2048, repeats: int = 7) -> DraftCosts:
+    """Measured at start-up, steps run in turn, medians: a draft token is the ratio of the two models' batch-1
+    decode steps (forward and logits) at ``context`` tokens (a small model's step costs more than its bytes say:
+    per-layer overheads and the full vocabulary's logits); the catch-up's tokens a step are those a draft prefill
+    of ``context`` tokens feeds in one target step's time (at least 16, at most ``max_tokens``). Writes blocks 0 ..
     context / block_size of both pools: the caller clears them."""
     width = -(-context // block_size)
     table = torch.arange(width, device=device)[None, :]
     pos = torch.tensor([context - 1], dtype=torch.long, device=device)
     meta = AttentionMetadata(table[:, -1] * block_size + (context - 1) % block_size, 1, table, pos + 1, [])
     token = torch.zeros(1, dtype=torch.long, device=device)
+    prompt = torch.zeros(context, dtype=torch.long, device=device)
+    positions = torch.arange(context, device=device)
+    slots = table[0].repeat_interleave(block_size)[:context] * block_size + positions % block_size
+    prefill = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, context, context, table[0])])
 
-    def step(model: torch.nn.Module) -> float:
+    def timed(run) -> float:
         start = time.perf_counter()
-        model.compute_logits(model(token, pos, meta))
+        run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    step(target), step(draft)  # warm-up
-    return statistics.median(step(draft) / step(target) for _ in range(repeats))
+    def step(model: torch.nn.Module) -> float:
+        return timed(lambda: model.compute_logits(model(token, pos, meta)))
+
+    def catch_up() -> float:
+        return timed(lambda: draft.compute_logits(draft(prompt, positions, prefill)[-1:]))
+
+    step(target), step(draft), catch_up()  # warm-up
+    ratios, tokens = [], []
+    for _ in range(repeats):
+        t = step(target)
+        ratios.append(step(draft) / t)
+        tokens.append(context * t / catch_up())
+    return DraftCosts(statistics.median(ratios), min(max_tokens, max(16, int(statistics.median(tokens)))))

@@ -125,6 +125,8 @@ class ModelRunner:
         drafter = self.drafter
         if drafter is None:
             return {}
+        if out.draft_catch_up:
+            drafter.catch_up(self.batch, self.tables, out.draft_catch_up)
         wants = {h: len(d) for h, d in out.draft_token_ids.items() if d and d[0] == DRAFT_PLACEHOLDER}
         if not wants:
             return {}

@@ -19,7 +19,7 @@ from ember.kernels import kernels_for
 from ember.layers.attention import AttentionMetadata, bind_attention_backend
 from ember.layers.embedding import VocabEmbedding
 from ember.layers.linear import Linear
-from ember.model_loader import LoadedModel, load_model
+from ember.model_loader import LoadedModel, load_model, shared_vocabulary
 from ember.protocol import (
     BlockCopy,
     CopyKind,
@@ -33,7 +33,7 @@ from ember.protocol import (
 from ember.quantization.held import HELD_KINDS, describe_held, held_kinds, takes_int8_activations
 from ember.worker import startup
 from ember.worker.cuda_graph import DecodeGraphs
-from ember.worker.drafter import Drafter, measure_draft_cost
+from ember.worker.drafter import Drafter, measure_draft_costs
 from ember.worker.model_runner import ModelRunner
 from ember.worker.memory import memory_now
 from ember.worker.verify_cost import MAX_TIMED_DRAFT, measure_verify_costs
@@ -91,8 +91,10 @@ class Worker:
                                   window)
         draft = model_config.draft
         if draft is not None:  # speculative decoding's draft model: its own weights and KV pool, the target's blocks
-            self.runner.drafter = Drafter(load_draft(draft, self.loaded), self.device, cache.block_size,
-                                          cache.kv_cache_dtype, model_config.batch_invariant)
+            drafting = load_draft(draft)
+            limit = shared_vocabulary(draft, model_config, drafting.shape.vocab_size, self.loaded.shape.vocab_size)
+            self.runner.drafter = Drafter(drafting, self.device, cache.block_size, cache.kv_cache_dtype,
+                                          model_config.batch_invariant, limit)
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -107,6 +109,7 @@ class Worker:
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
                                                                         self.cache_config.kv_cache_dtype),
                           draft_cost=self.draft_cost, verify_costs=self.verify_costs,
+                          draft_catch_up=self.runner.drafter.catch_up_tokens if self.runner.drafter else None,
                           hidden_size=loaded.shape.hidden_size, encoder_only=self.encoder_only,
                           image_token_id=getattr(self.model, "image_token_id", None),
                           image_tokens=getattr(self.model, "image_tokens", None),
@@ -125,13 +128,16 @@ class Worker:
             return self.plan
         self.plan, self.kv_cache, self.host_cache = startup.start(self, self.cache_config, sched)
         if drafter is not None:  # a draft token's cost against a target step, measured here and now
-            drafter.max_tokens = sched.max_num_batched_tokens  # its catch-up passes: a step's budget at most
+            drafter.max_tokens = sched.max_num_batched_tokens  # its passes: a step's budget at most
             context = min(64, self.plan.num_blocks * self.block_size)
-            self.draft_cost = measure_draft_cost(self.model, drafter.model, self.device, self.block_size, context)
+            costs = measure_draft_costs(self.model, drafter.model, self.device, self.block_size, context,
+                                        sched.max_num_batched_tokens)
+            self.draft_cost, drafter.catch_up_tokens = costs.token, costs.catch_up_tokens
             width = -(-context // self.block_size)
             self.kv_cache[:, :, :width].zero_()
             drafter.pool[:, :, :width].zero_()
-            logger.info("draft model: a draft token costs %.2f of a decode step", self.draft_cost)
+            logger.info("draft model: a draft token costs %.2f of a decode step; a catch-up feeds %d prompt tokens "
+                        "a step", self.draft_cost, drafter.catch_up_tokens)
         context = min(128, self.plan.num_blocks * self.block_size, sched.max_model_len)
         most = min(self.verify_tokens, MAX_TIMED_DRAFT)  # longer drafts: extrapolated by the speculator
         if most and self.parallel.world_size == 1 and self.device.type == "cpu" and context > most:
@@ -267,10 +273,14 @@ class Worker:
         """This rank's place, its bytes of weights and KV, and its time in collectives since the last reset (for
         docs/parallel.md)."""
         weights = weight_bytes(self.model)
-        p = self.parallel
+        p, drafter = self.parallel, self.runner.drafter
+        draft = {} if drafter is None else {  # each rank holds the whole draft model and its pool
+            "draft_weight_bytes": weight_bytes(drafter.model),
+            "draft_kv_cache_bytes": drafter.pool.numel() * drafter.pool.element_size()}
         return {"rank": p.world_rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank, "layers": self.loaded.local_layers,
                 "kv_heads": self.loaded.local_kv_heads, "weight_bytes": weights,
-                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(), **comm.COMM.snapshot(reset)}
+                "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(), **draft,
+                **comm.COMM.snapshot(reset)}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -286,16 +296,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def load_draft(config: ModelConfig, target: LoadedModel) -> LoadedModel:
-    """The draft model, checked against the target: one vocabulary (the same tokenizer's ids)."""
+def load_draft(config: ModelConfig) -> LoadedModel:
+    """The draft model, whole on this rank."""
     try:
-        draft = load_model(config, ParallelContext())
+        return load_model(config, ParallelContext())
     except ValueError as e:  # the layout asked for does not fit the file: named as the user wrote it
         if str(e).startswith("quantization="):
             raise ConfigError(f"speculative_config.{e}") from None
         raise
-    if draft.shape.vocab_size != target.shape.vocab_size:
-        raise ConfigError(f"speculative_config.model={config.path!r} has a vocabulary of {draft.shape.vocab_size} "
-                          f"tokens and the model {target.shape.vocab_size}: a draft model must share the model's "
-                          "tokenizer")
-    return draft

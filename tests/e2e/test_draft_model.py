@@ -6,12 +6,15 @@ every sequence exactly (catch-up, rollback of rejected tokens, preemption, chunk
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import hf_float32, hf_greedy, make_tiny_model, random_prompts, save_random_model
 
 import ember.core.speculator as speculator
 from ember.core.ngram import NgramIndex, RecentOutputs
 from ember import LLM, SamplingParams
 from ember.errors import ConfigError
+from ember.worker import worker as worker_module
+from ember.worker.drafter import DraftCosts, Drafter
 
 
 def _always_draft(monkeypatch, lookup: bool = False) -> None:
@@ -149,6 +152,85 @@ def test_draft_model_config_errors(llama_dir, tmp_path, tokenizer_dir):
     short = make_tiny_model("llama", str(tmp_path / "short"), tokenizer_dir, max_position=64)
     with pytest.raises(ConfigError, match=r"speculative_config.model supports 64 positions, fewer than max_model_len"):
         LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", speculative_config={"model": short})
-    other = save_random_model("LlamaConfig", str(tmp_path / "v"), tokenizer_dir, vocab_size=50000)
-    with pytest.raises(ConfigError, match=r"vocabulary of 50000 tokens and the model 49152: a draft model must "):
+    other = _with_tokens_swapped(llama_dir, str(tmp_path / "swapped"), 1000, 1001)
+    with pytest.raises(ConfigError, match=r"speculative_config.model=.*: its tokenizer has .* at id 1000 where the "
+                                          r"model's has .*: a draft model must share the model's tokenizer"):
         LLM(llama_dir, dtype="float32", kv_cache_memory="64MiB", speculative_config={"model": other})
+
+
+def _with_tokens_swapped(src: str, dst: str, a: int, b: int) -> str:
+    """A copy of the model folder src whose tokenizer gives ids a and b each other's token: another tokenizer."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = f"{dst}/tokenizer.json"
+    with open(path) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    ta, tb = (next(t for t, i in vocab.items() if i == x) for x in (a, b))
+    vocab[ta], vocab[tb] = b, a
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return dst
+
+
+def _padded(src: str, dst: str, rows: int, extra) -> str:
+    """src (untied embeddings) with its vocabulary padded to ``rows`` rows, as Qwen2.5's checkpoints pad their
+    151,665 tokens to 151,936 or 152,064 rows: the LM head's new rows are ``extra(head)`` of the old ones."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    n = model.config.vocab_size
+    model.resize_token_embeddings(rows, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[n:] = extra(head[:n])[:rows - n]
+        model.get_input_embeddings().weight[n:] = 0
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def test_a_draft_with_more_or_fewer_rows_than_the_model(tiny_models, tmp_path, monkeypatch):
+    """The same tokenizer over padded vocabularies (Qwen2.5-Coder-0.5B drafting for Qwen2.5-7B): a draft whose
+    padding rows would win nearly every argmax (twice the first 848 rows) proposes only ids the model embeds, and a
+    model padded with rows that never win takes a draft without them; each draft is the model's own function on
+    the shared ids, so every drafted token is kept and the tokens are those of the model alone."""
+    _always_draft(monkeypatch)
+    base = tiny_models["llama-mha-untied"]
+    wide_draft = _padded(base, str(tmp_path / "wide-draft"), 50000, lambda head: 2 * head)
+    wide_model = _padded(base, str(tmp_path / "wide-model"), 50000, lambda head: 0 * head)
+    prompts = random_prompts(4, 5, 30, 49152, 21)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for model, draft in ((base, wide_draft), (wide_model, base)):
+        want, _, _ = _run(model, prompts, sp)
+        got, _, stats = _run(model, prompts, sp, speculative_config=_draft(draft))
+        assert got == want, (model, draft)
+        assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+    assert want == [[hf_greedy(hf_float32(base), p, 20)] for p in prompts]
+
+
+def test_a_long_prompt_catches_up_a_share_a_step(llama_dir, monkeypatch):
+    """A draft model's KV holds nothing of a new sequence: with a catch-up of 16 tokens a step, no pass of the draft
+    feeds a sequence more than 16 tokens behind its last (plus that last), the rows decode without drafts until
+    caught up, and then draft; the tokens are the model's own, every draft of the target drafting for itself
+    kept."""
+    _always_draft(monkeypatch)
+    monkeypatch.setattr(worker_module, "measure_draft_costs", lambda *a, **k: DraftCosts(0.1, 16))
+    fed: list[int] = []
+    real = Drafter._pass
+
+    def counting(self, rows, tables):
+        fed.extend(len(r.tokens) for r in rows)
+        return real(self, rows, tables)
+
+    monkeypatch.setattr(Drafter, "_pass", counting)
+    prompts = random_prompts(3, 60, 90, 49152, 22)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want, _, _ = _run(llama_dir, prompts, sp)
+    got, _, stats = _run(llama_dir, prompts, sp, speculative_config=_draft(llama_dir))
+    assert got == want
+    assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+    assert fed and max(fed) <= 17, fed
+    assert sum(fed) >= sum(map(len, prompts)), fed  # every prompt token reached the draft's KV

@@ -337,3 +337,56 @@ def test_with_a_draft_model_lookup_drafts_first_and_the_model_where_it_finds_not
     model, lookup = spec.states[new.seq_id].model, spec.states[new.seq_id].lookup
     assert model.tried > 0 and model.acceptance < 0.7 and lookup.tried == 0
     assert spec.states[copy.seq_id].lookup.accepted == 4 and spec.states[copy.seq_id].model.tried == 0
+
+
+def test_a_draft_models_catch_up_is_spread_over_steps(always_draft):
+    """The draft model's KV holds nothing of a new sequence: while it lacks more than the step's catch-up budget
+    (``WorkerInfo.draft_catch_up``, here 8 tokens shared by the step's rows) the sequence drafts nothing and is
+    ordered 8 of its tokens fed; once what it lacks fits, it drafts. An order the step does not run is taken back,
+    and a preemption (its draft KV goes with its blocks) starts the count again."""
+    prompt = [200 + i for i in range(29)]
+    c = make_core(num_blocks=64, script=copying_script({0: [90 + i for i in range(40)]}), speculative=NGRAM)
+    c.add(request("r", prompt, max_tokens=30, temperature=0.0, seed=0))
+    c.step()  # the prompt, then its first output token
+    spec = c.speculator
+    spec.draft_cost, spec.catch_up, spec.states = 0.1, 8, {}
+    seq = c.scheduler.running[0]
+    for want in (8, 8, 8):  # 29 tokens lacked before the last (30 tokens): 8 a step, none drafted
+        spec.propose([seq])
+        assert seq.draft_token_ids == [] and spec.catch_up_orders([seq], []) == {seq.seq_id: want}
+    spec.propose([seq])  # 5 lacked: they fit, and the draft follows
+    assert seq.draft_token_ids == [DRAFT_PLACEHOLDER] * 4 and spec.catch_up_orders([seq], []) == {}
+    assert spec.states[seq.seq_id].fed == seq.num_tokens
+    spec.states[seq.seq_id].fed = 0
+    spec.propose([seq])
+    assert spec.catch_up_orders([], []) == {}  # not scheduled: taken back
+    assert spec.states[seq.seq_id].fed == 0
+    spec.propose([seq])
+    spec.catch_up_orders([seq], [])
+    assert spec.states[seq.seq_id].fed == 8
+    spec.catch_up_orders([], [seq])  # preempted
+    assert spec.states[seq.seq_id].fed == 0
+
+
+def test_catch_up_orders_reach_the_worker_and_the_output_is_unchanged(always_draft):
+    """Over the scripted executor (its 'draft model' drafts nothing useful), a catch-up budget changes only when
+    drafts are sent: the messages carry orders of at most the budget a step, and every request's tokens are those
+    decoding without speculation gives."""
+    prompts = [[300 + 40 * r + i for i in range(20 + 7 * r)] for r in range(3)]
+    patterns = {r: [90 + 3 * r + i for i in range(30)] for r in range(3)}
+    base, want = _run(patterns, prompts, None, [24] * 3)
+    c = make_core(num_blocks=64, script=copying_script(patterns), speculative=NGRAM)
+    c.speculator.draft_cost, c.speculator.catch_up = 0.1, 8
+    for i, p in enumerate(prompts):
+        c.add(request(f"r{i}", p, max_tokens=24, temperature=0.0, seed=i))
+    sent = []
+    execute = c.executor.execute_model
+
+    def spy(message):
+        sent.append(dict(message.draft_catch_up))
+        return execute(message)
+
+    c.executor.execute_model = spy
+    got = {rid: samples(o)[0] for rid, o in run(c).items()}
+    assert got == want
+    assert any(sent) and all(sum(o.values()) <= 8 for o in sent), sent
