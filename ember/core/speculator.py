@@ -245,16 +245,18 @@ class Speculator:
         if k <= 0:
             st.model.idle()
             return []
-        lacking = seq.num_tokens - 1 - st.fed  # the tokens before its last the draft's KV was never fed
-        if lacking > self.room:  # it drafts once it has caught up: a share of them now, the rest in later steps
+        # the tokens before its last the draft's KV was never fed: 0 or 1 for a sequence that drafted last step
+        # (the token sampled after a kept draft), a new one's whole prompt
+        lacking = seq.num_tokens - 1 - st.fed
+        if lacking > self.room + 1:  # it drafts once it has caught up: a share of them now, the rest later
             if self.room > 0:
                 self.orders[seq.seq_id] = self.room
                 st.fed += self.room
                 self.room = 0
             return []
-        self.room -= max(lacking, 0)
+        self.room -= max(lacking - 1, 0)
         self.placeholders[seq.seq_id] = st.fed
-        st.fed = seq.num_tokens  # the draft feeds all it lacks and the last token
+        st.fed = seq.num_tokens  # the draft feeds all it lacks and the last token (``record`` adds what it kept)
         st.pending = st.model
         return [DRAFT_PLACEHOLDER] * k
 
@@ -297,6 +299,8 @@ class Speculator:
         """seq verified a draft of ``drafted`` tokens and kept the first ``accepted``."""
         st = self.states.get(seq.seq_id)
         if st is not None:
+            if st.pending is not None and st.pending is st.model:  # the drafter fed its drafted tokens but the last
+                st.fed += min(accepted, drafted - 1)
             (st.pending or st.lookup).record(drafted, accepted)
         c = self.counts
         c.drafts += 1

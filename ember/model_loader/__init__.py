@@ -212,14 +212,25 @@ def shared_vocabulary(draft: ModelConfig, target: ModelConfig, draft_rows: int, 
     """The ids a draft model may propose for a target: those both embed (their rows may differ where the tokenizer
     is one: Qwen2.5's 0.5B pads its 151,665 tokens to 151,936 rows, its 7B to 152,064). The two tokenizers must
     spell every id the smaller holds alike (one may add tokens after the other's), else the draft's ids would mean
-    other text: ConfigError naming the first that differs."""
+    other text: ConfigError naming the first that differs. A draft without a tokenizer of its own is taken for the
+    model's where the rows agree."""
     def source(config: ModelConfig) -> str:
         return config.tokenizer or config.path
 
     limit = min(draft_rows, target_rows)
     if os.path.realpath(source(draft)) == os.path.realpath(source(target)):
         return limit
-    ours, theirs = (open_checkpoint(source(c)).tokenizer() for c in (target, draft))
+    ours = open_checkpoint(source(target)).tokenizer()
+    try:
+        theirs = open_checkpoint(source(draft)).tokenizer()
+    except ConfigError as e:
+        if draft_rows == target_rows:
+            logger.info("speculative_config.model=%r: no tokenizer read (%s); its rows are the model's, taken as "
+                        "the same tokenizer", draft.path, e)
+            return limit
+        raise ConfigError(f"speculative_config.model={draft.path!r}: its tokenizer cannot be read and its "
+                          f"{draft_rows} vocabulary rows differ from the model's {target_rows}: a draft model must "
+                          f"share the model's tokenizer ({e})") from None
     n = min(ours.vocab_size, theirs.vocab_size)
     for i in range(n):
         a, b = ours.convert_id(i), theirs.convert_id(i)

@@ -58,6 +58,7 @@ class Drafter:
                  batch_invariant: bool, limit: int, max_tokens: int = 2048) -> None:
         self.loaded, self.model, self.device, self.block_size = loaded, loaded.model, device, block_size
         self.kv_cache_dtype, self.limit = kv_cache_dtype, limit
+        self.rows = loaded.shape.vocab_size  # the ids its embedding holds
         self.max_tokens = max_tokens  # tokens a pass holds: the step's budget
         self.catch_up_tokens: int | None = None  # what the core may order fed a step (measured at start-up)
         self.layers = self.model.attention_layers()
@@ -199,7 +200,10 @@ class Drafter:
             decode_tables = tables[which, :width].to(self.device)
             context_lens = self._tensor([r.start + 1 for r in decodes])
         meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, context_lens, prefills)
-        return self.model(self._tensor(ids), self._tensor(positions), meta), order, last
+        tokens = self._tensor(ids)
+        if max(ids) >= self.rows:  # an id of the model's past the draft's rows (a prompt's, a padding id sampled):
+            tokens = torch.where(tokens < self.rows, tokens, 0)  # another token there costs acceptance, not output
+        return self.model(tokens, self._tensor(positions), meta), order, last
 
     def _slot(self, seq: HeldSequence, position: int) -> int:
         bs = self.block_size

@@ -117,9 +117,13 @@ def kv_pool_budget(cache: CacheConfig, device: torch.device, activation_bytes: i
 
 
 def host_tier_bytes(cache: CacheConfig, device: torch.device) -> int:
-    """Bytes of the host tier: only on CUDA (on a CPU engine the KV already lives in host memory)."""
+    """Bytes of the host tier: only on CUDA (on a CPU engine the KV already lives in host memory), and only with
+    prefix caching (the tier holds evicted prefix blocks: the core uses none without it)."""
     value = cache.cpu_cache_memory
     if value is None:
+        return 0
+    if not cache.enable_prefix_caching:
+        logger.info("host KV tier is off: prefix caching is off (cpu_cache_memory=%r ignored)", value)
         return 0
     if device.type != "cuda" and not envs.host_tier_on_cpu():
         logger.info("host KV tier is off on a CPU engine: the KV cache already lives in host memory "

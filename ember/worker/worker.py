@@ -92,7 +92,9 @@ class Worker:
         draft = model_config.draft
         if draft is not None:  # speculative decoding's draft model: its own weights and KV pool, the target's blocks
             drafting = load_draft(draft)
-            limit = shared_vocabulary(draft, model_config, drafting.shape.vocab_size, self.loaded.shape.vocab_size)
+            rows = drafting.shape.vocab_size, self.loaded.shape.vocab_size
+            # TP rank 0 checks the tokenizers (its drafts are every rank's: broadcast), the others take the rows
+            limit = shared_vocabulary(draft, model_config, *rows) if parallel.tp_rank == 0 else min(rows)
             self.runner.drafter = Drafter(drafting, self.device, cache.block_size, cache.kv_cache_dtype,
                                           model_config.batch_invariant, limit)
 
@@ -186,25 +188,20 @@ class Worker:
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Run the block copies queued by the block manager (host tier, copy-on-write), in order (runs of one kind
-        together)."""
-        i = 0
-        while i < len(copies):
-            j = i
-            while j < len(copies) and copies[j].kind is copies[i].kind:
-                j += 1
-            src = torch.tensor([c.src for c in copies[i:j]], dtype=torch.long)
-            dst = torch.tensor([c.dst for c in copies[i:j]], dtype=torch.long)
-            if copies[i].kind is CopyKind.COPY:  # within the pool: every layer's K and V of the block
+        together, ``copy_runs``)."""
+        for kind, sources, destinations in copy_runs(copies):
+            src = torch.tensor(sources, dtype=torch.long)
+            dst = torch.tensor(destinations, dtype=torch.long)
+            if kind is CopyKind.COPY:  # within the pool: every layer's K and V of the block
                 self.kv_cache.index_copy_(2, dst.to(self.device), self.kv_cache.index_select(2, src.to(self.device)))
                 if self.runner.drafter is not None:
                     self.runner.drafter.copy_blocks(src, dst)
-            elif copies[i].kind is CopyKind.SWAP_OUT:
+            elif kind is CopyKind.SWAP_OUT:
                 blocks = self.kv_cache.index_select(2, src.to(self.device)).to("cpu")
                 self.host_cache.index_copy_(2, dst, blocks)
             else:
                 blocks = self.host_cache.index_select(2, src).to(self.device, non_blocking=True)
                 self.kv_cache.index_copy_(2, dst.to(self.device), blocks)
-            i = j
 
     def stats(self) -> WorkerStats:
         """Memory now and the peak since warm-up, next to the warm-up's peak (CUDA: allocator; CPU: RSS)."""
@@ -281,6 +278,23 @@ class Worker:
                 "kv_heads": self.loaded.local_kv_heads, "weight_bytes": weights,
                 "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(), **draft,
                 **comm.COMM.snapshot(reset)}
+
+
+def copy_runs(copies: list[BlockCopy]) -> list[tuple[CopyKind, list[int], list[int]]]:
+    """The copies as runs of one kind, in order, each run's sources and destinations, a destination written once:
+    by the run's last copy to it (a step that evicts more blocks than the host tier holds stores two in one host
+    block, the second replacing the first, and ``index_copy_`` leaves the order of a repeated index undefined: the
+    tier could hold the first block's KV under the second's hash)."""
+    runs = []
+    i = 0
+    while i < len(copies):
+        j = i
+        while j < len(copies) and copies[j].kind is copies[i].kind:
+            j += 1
+        last = {c.dst: c.src for c in copies[i:j]}  # a later copy to a destination replaces an earlier one
+        runs.append((copies[i].kind, list(last.values()), list(last.keys())))
+        i = j
+    return runs
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

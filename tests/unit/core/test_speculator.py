@@ -356,7 +356,16 @@ def test_a_draft_models_catch_up_is_spread_over_steps(always_draft):
         assert seq.draft_token_ids == [] and spec.catch_up_orders([seq], []) == {seq.seq_id: want}
     spec.propose([seq])  # 5 lacked: they fit, and the draft follows
     assert seq.draft_token_ids == [DRAFT_PLACEHOLDER] * 4 and spec.catch_up_orders([seq], []) == {}
-    assert spec.states[seq.seq_id].fed == seq.num_tokens
+    n = seq.num_tokens
+    assert spec.states[seq.seq_id].fed == n
+    spec.states[seq.seq_id].pending = spec.states[seq.seq_id].model
+    spec.record(seq, 4, 2)  # the drafter fed its drafted tokens but the last: two of them kept are held
+    assert spec.states[seq.seq_id].fed == n + 2
+    spec.propose([seq])
+    assert seq.draft_token_ids == [DRAFT_PLACEHOLDER] * 4
+    seq.draft_token_ids = []  # the scheduler dropped the placeholders: fed as it was
+    assert spec.catch_up_orders([seq], []) == {}
+    assert spec.states[seq.seq_id].fed == n + 2
     spec.states[seq.seq_id].fed = 0
     spec.propose([seq])
     assert spec.catch_up_orders([], []) == {}  # not scheduled: taken back

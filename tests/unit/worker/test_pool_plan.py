@@ -68,3 +68,18 @@ def test_the_dummy_step_holds_every_token_in_prompts_from_position_zero():
     assert meta.slot_mapping.shape == (600,) and int(meta.slot_mapping.max()) < 40 * 16  # inside the pool
     dummy_prefill(w, 300, 4)  # one prompt of all the tokens
     assert [(s.start, s.length) for s in w.seen[2].prefills] == [(0, 300)]
+
+
+def test_the_host_tier_is_sized_only_with_prefix_caching(monkeypatch):
+    """It holds evicted prefix blocks: with prefix caching off the core uses none, so none is allocated (pinned
+    memory on CUDA)."""
+    import torch
+
+    from ember.config import CacheConfig
+    from ember.worker.memory import host_tier_bytes
+
+    monkeypatch.setenv("EMBER_HOST_TIER_ON_CPU", "1")
+    on = CacheConfig(16, "auto", None, None, "default", None, "1MiB", True, None)
+    assert host_tier_bytes(on, torch.device("cpu")) == 2**20
+    off = CacheConfig(16, "auto", None, None, "default", None, "1MiB", False, None)
+    assert host_tier_bytes(off, torch.device("cpu")) == 0
