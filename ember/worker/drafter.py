@@ -14,7 +14,8 @@ feeds the positions after those (the tokens added since its last draft, often ju
 ``max_tokens`` (the step's budget), the last pass giving the first drafted token; then it decodes greedily, one
 batched decode step per further drafted token. A new sequence's draft KV holds nothing (it is not shared through
 the prefix cache): the core orders its prompt fed a share a step (``catch_up``; ``DraftCosts.catch_up_tokens`` a
-step, about one target decode step's worth) before it sends the sequence's first draft.
+step, about one target decode step's worth, ``WorkerInfo.draft_catch_up``) before it sends the sequence's first
+draft.
 
 The models' rows may differ where the tokenizer is one (Qwen2.5's 0.5B pads its 151,665 tokens to 151,936 rows,
 its 7B to 152,064): a draft proposes only ids below ``limit``, those both models embed (``shared_vocabulary``).
@@ -60,7 +61,6 @@ class Drafter:
         self.kv_cache_dtype, self.limit = kv_cache_dtype, limit
         self.rows = loaded.shape.vocab_size  # the ids its embedding holds
         self.max_tokens = max_tokens  # tokens a pass holds: the step's budget
-        self.catch_up_tokens: int | None = None  # what the core may order fed a step (measured at start-up)
         self.layers = self.model.attention_layers()
         self.kv_format = fmt = kv_format(loaded, kv_cache_dtype)
         for layer in self.layers:
@@ -101,8 +101,7 @@ class Drafter:
         """handle -> k greedy draft tokens after its sequence's tokens, for every (handle, k) in ``wants``. The
         scheduler gave each such sequence blocks for k more tokens than it holds, where the draft's KV goes."""
         held = {h: batch.seqs[h] for h in wants}
-        spans = {h: (self._lacking(h, seq), len(seq.token_ids)) for h, seq in held.items()}
-        drafts = {h: [t] for h, t in self._first(held, spans, tables).items()}
+        drafts = {h: [t] for h, t in self._first(held, tables).items()}
         for step in range(1, max(wants.values())):
             live = [h for h in wants if wants[h] > step]
             rows = [_Row(held[h], [drafts[h][-1]], len(held[h].token_ids) - 1 + step) for h in live]
@@ -141,14 +140,13 @@ class Drafter:
             valid += 1
         return valid
 
-    def _first(self, held: dict[int, HeldSequence], spans: dict[int, tuple[int, int]], tables: torch.Tensor
-               ) -> dict[int, int]:
-        """Feed each sequence's tokens [a, b) of ``spans`` (from the first its draft KV lacks through its last);
-        handle -> the greedy token after them. A pass holds at most ``max_tokens`` tokens: while more are left,
-        passes feed the earliest (never a span's last token, as chunked prefill cuts a prompt); the last pass feeds
-        the rest and gives the first drafted tokens, so a step whose drafts were all kept costs no pass more than
-        one whose draft was cut."""
-        spans = {h: list(span) for h, span in spans.items()}
+    def _first(self, held: dict[int, HeldSequence], tables: torch.Tensor) -> dict[int, int]:
+        """Feed every sequence's tokens from the first its draft KV lacks through its last; handle -> the greedy
+        token after them. A pass holds at most ``max_tokens`` tokens: while more are left, passes feed the
+        earliest (never a span's last token, as chunked prefill cuts a prompt); the last pass feeds the rest and
+        gives the first drafted tokens, so a step whose drafts were all kept costs no pass more than one whose
+        draft was cut."""
+        spans = {h: [self._lacking(h, seq), len(seq.token_ids)] for h, seq in held.items()}
         while sum(b - a for a, b in spans.values()) > self.max_tokens:
             rows, room = [], self.max_tokens
             for h, span in spans.items():
@@ -167,8 +165,7 @@ class Drafter:
     def _greedy(self, rows: list[_Row], tables: torch.Tensor) -> list[int]:
         """One pass over ``rows``; the greedy token after each row's last, in the rows' order."""
         hidden, order, last = self._pass(rows, tables)
-        logits = self.model.compute_logits(hidden[self._tensor(last)])
-        tokens = greedy_tokens(logits[:, :self.limit] if logits.shape[-1] > self.limit else logits).tolist()
+        tokens = greedy_tokens(self.model.compute_logits(hidden[self._tensor(last)])[:, :self.limit]).tolist()
         out = [0] * len(rows)
         for i, t in zip(order, tokens):
             out[i] = t

@@ -6,6 +6,7 @@ Everything a worker gets is plain and picklable, which is what lets it run in an
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -84,6 +85,7 @@ class Worker:
         self.host_cache: torch.Tensor | None = None
         self.plan: PoolPlan | None = None
         self.draft_cost: float | None = None  # a draft model's decode step against this model's (init_cache)
+        self.draft_catch_up: int | None = None  # the prompt tokens a step may feed its KV (init_cache)
         self.verify_costs: tuple[float, ...] | None = None  # a step verifying k drafted tokens (init_cache)
         self.verify_tokens = model_config.verify_tokens
         window = KVWindow(cache.attention_window, cache.sink_tokens) if cache.attention_window else None
@@ -111,7 +113,7 @@ class Worker:
                           kv_bytes_per_block=startup.kv_bytes_per_block(loaded, self.block_size,
                                                                         self.cache_config.kv_cache_dtype),
                           draft_cost=self.draft_cost, verify_costs=self.verify_costs,
-                          draft_catch_up=self.runner.drafter.catch_up_tokens if self.runner.drafter else None,
+                          draft_catch_up=self.draft_catch_up,
                           hidden_size=loaded.shape.hidden_size, encoder_only=self.encoder_only,
                           image_token_id=getattr(self.model, "image_token_id", None),
                           image_tokens=getattr(self.model, "image_tokens", None),
@@ -134,12 +136,12 @@ class Worker:
             context = min(64, self.plan.num_blocks * self.block_size)
             costs = measure_draft_costs(self.model, drafter.model, self.device, self.block_size, context,
                                         sched.max_num_batched_tokens)
-            self.draft_cost, drafter.catch_up_tokens = costs.token, costs.catch_up_tokens
+            self.draft_cost, self.draft_catch_up = costs.token, costs.catch_up_tokens
             width = -(-context // self.block_size)
             self.kv_cache[:, :, :width].zero_()
             drafter.pool[:, :, :width].zero_()
             logger.info("draft model: a draft token costs %.2f of a decode step; a catch-up feeds %d prompt tokens "
-                        "a step", self.draft_cost, drafter.catch_up_tokens)
+                        "a step", self.draft_cost, self.draft_catch_up)
         context = min(128, self.plan.num_blocks * self.block_size, sched.max_model_len)
         most = min(self.verify_tokens, MAX_TIMED_DRAFT)  # longer drafts: extrapolated by the speculator
         if most and self.parallel.world_size == 1 and self.device.type == "cpu" and context > most:
@@ -286,14 +288,9 @@ def copy_runs(copies: list[BlockCopy]) -> list[tuple[CopyKind, list[int], list[i
     block, the second replacing the first, and ``index_copy_`` leaves the order of a repeated index undefined: the
     tier could hold the first block's KV under the second's hash)."""
     runs = []
-    i = 0
-    while i < len(copies):
-        j = i
-        while j < len(copies) and copies[j].kind is copies[i].kind:
-            j += 1
-        last = {c.dst: c.src for c in copies[i:j]}  # a later copy to a destination replaces an earlier one
-        runs.append((copies[i].kind, list(last.values()), list(last.keys())))
-        i = j
+    for kind, run in itertools.groupby(copies, key=lambda c: c.kind):
+        last = {c.dst: c.src for c in run}  # a later copy to a destination replaces an earlier one
+        runs.append((kind, list(last.values()), list(last.keys())))
     return runs
 
 
