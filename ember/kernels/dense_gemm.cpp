@@ -29,6 +29,7 @@ namespace {
 // float32: chunks of 16 inputs, one FMA a chunk and output
 struct F32 {
   using T = float;
+  using O = float;  // the output's element
   using V = __m512;
   static constexpr int64_t KC = 16;
   static EMBER_INLINE V load(const T* p) { return _mm512_loadu_ps(p); }
@@ -36,12 +37,13 @@ struct F32 {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
   }
   static EMBER_INLINE __m512 step(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
-  static EMBER_INLINE void store16(const __m512 sums, T* out) { _mm512_storeu_ps(out, sums); }
+  static EMBER_INLINE void store16(const __m512 sums, O* out) { _mm512_storeu_ps(out, sums); }
 };
 
 // bf16: chunks of 32 inputs, one vdpbf16ps (two products a lane, each exact in float32) a chunk and output
 struct BF16 {
   using T = c10::BFloat16;
+  using O = c10::BFloat16;
   using V = __m512i;
   static constexpr int64_t KC = 32;
   static EMBER_INLINE V load(const T* p) { return _mm512_loadu_si512(p); }
@@ -49,9 +51,15 @@ struct BF16 {
     return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1u << n) - 1), p);
   }
   static EMBER_INLINE __m512 step(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
-  static EMBER_INLINE void store16(const __m512 sums, T* out) {  // rounded to nearest even, once
+  static EMBER_INLINE void store16(const __m512 sums, O* out) {  // rounded to nearest even, once
     _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(sums));
   }
+};
+
+// bf16 inputs, float32 outputs (logits): BF16's chains, the sums not rounded
+struct BF16F : BF16 {
+  using O = float;
+  static EMBER_INLINE void store16(const __m512 sums, O* out) { _mm512_storeu_ps(out, sums); }
 };
 
 constexpr int64_t PF = 2;  // rows kernel: prefetch the weight rows this many blocks ahead
@@ -63,7 +71,7 @@ constexpr int64_t PANEL_BYTES = 256 * 1024;  // from 5 rows: x rows a thread run
 // pf: elements ahead of each weight chunk to prefetch (0: none).
 template <class E, int MR, int B>
 EMBER_INLINE void block(const typename E::T* const* xr, const typename E::T* const* wr, int64_t K, int64_t pf,
-                        int64_t nr, typename E::T* y, int64_t ldy) {
+                        int64_t nr, typename E::O* y, int64_t ldy) {
   static_assert(MR * B <= 16, "16 sums at most");
   using V = typename E::V;
   const int64_t full = K / E::KC, rem = K % E::KC;
@@ -86,16 +94,16 @@ EMBER_INLINE void block(const typename E::T* const* xr, const typename E::T* con
       for (int m = 0; m < MR; ++m) acc[m * B + j] = E::step(acc[m * B + j], xv[m], wv);
     }
   }
-  alignas(64) typename E::T out[16];
+  alignas(64) typename E::O out[16];
   E::store16(ember_avx512::reduce16(acc), out);
-  for (int m = 0; m < MR; ++m) std::memcpy(y + m * ldy, out + m * B, nr * sizeof(typename E::T));
+  for (int m = 0; m < MR; ++m) std::memcpy(y + m * ldy, out + m * B, nr * sizeof(typename E::O));
 }
 
 // y[:, n0:n1] for M <= 4 rows: the weight read once, front to back, B = 16 / M weight rows a block (a row past N
 // points at the last row; its output is dropped), the rows a few blocks ahead prefetched
 template <class E, int M>
 EMBER_INLINE void rows_range(const typename E::T* x, int64_t K, const typename E::T* w, int64_t N, int64_t n0,
-                             int64_t n1, typename E::T* y) {
+                             int64_t n1, typename E::O* y) {
   constexpr int B = 16 / M;
   const typename E::T* xr[M];
   for (int m = 0; m < M; ++m) xr[m] = x + m * K;
@@ -110,7 +118,7 @@ EMBER_INLINE void rows_range(const typename E::T* x, int64_t K, const typename E
 // y[:, n0:n1] from 5 rows: 4 x 4 tiles, a panel of x rows (about 256 KiB) against each block of 4 weight rows
 template <class E>
 void tiles_range(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, int64_t n0,
-                 int64_t n1, typename E::T* y) {
+                 int64_t n1, typename E::O* y) {
   const int64_t panel = ember_fixed::max<int64_t>(TILE, PANEL_BYTES / (K * sizeof(typename E::T)) / TILE * TILE);
   for (int64_t p0 = 0; p0 < M; p0 += panel) {
     const int64_t p1 = ember_fixed::min<int64_t>(M, p0 + panel);
@@ -121,7 +129,7 @@ void tiles_range(const typename E::T* x, int64_t M, int64_t K, const typename E:
       for (int64_t m0 = p0; m0 < p1; m0 += TILE) {
         const typename E::T* xr[TILE];
         for (int m = 0; m < TILE; ++m) xr[m] = x + ember_fixed::min<int64_t>(m0 + m, M - 1) * K;
-        typename E::T* yt = y + m0 * N + r;
+        typename E::O* yt = y + m0 * N + r;
         switch (ember_fixed::min<int64_t>(TILE, p1 - m0)) {
           case 1: block<E, 1, TILE>(xr, wr, K, 0, nr, yt, N); break;
           case 2: block<E, 2, TILE>(xr, wr, K, 0, nr, yt, N); break;
@@ -135,7 +143,7 @@ void tiles_range(const typename E::T* x, int64_t M, int64_t K, const typename E:
 
 // M <= 4 rows: each thread a range of B-row weight blocks
 template <class E, int M>
-void gemm_rows(const typename E::T* x, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
+void gemm_rows(const typename E::T* x, int64_t K, const typename E::T* w, int64_t N, typename E::O* y) {
   constexpr int B = 16 / M;
   at::parallel_for(0, (N + B - 1) / B, 4, [&](int64_t begin, int64_t end) {
     rows_range<E, M>(x, K, w, N, begin * B, ember_fixed::min<int64_t>(N, end * B), y);
@@ -144,14 +152,14 @@ void gemm_rows(const typename E::T* x, int64_t K, const typename E::T* w, int64_
 
 // from 5 rows: each thread a range of 4-row weight blocks, every panel of x against them
 template <class E>
-void gemm_tiles(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
+void gemm_tiles(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::O* y) {
   at::parallel_for(0, (N + TILE - 1) / TILE, 4, [&](int64_t begin, int64_t end) {
     tiles_range<E>(x, M, K, w, N, begin * TILE, ember_fixed::min<int64_t>(N, end * TILE), y);
   });
 }
 
 template <class E>
-void gemm(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::T* y) {
+void gemm(const typename E::T* x, int64_t M, int64_t K, const typename E::T* w, int64_t N, typename E::O* y) {
   switch (M) {
     case 1: gemm_rows<E, 1>(x, K, w, N, y); break;
     case 2: gemm_rows<E, 2>(x, K, w, N, y); break;
@@ -169,7 +177,7 @@ constexpr int64_t CH = 64;  // weight rows a task
 
 template <class E>
 void grouped_gemm(const typename E::T* x, const int64_t* off, int64_t experts, int64_t K, const typename E::T* w,
-                  int64_t N, typename E::T* y) {
+                  int64_t N, typename E::O* y) {
   std::vector<int64_t> task_expert, task_row;  // (expert, first weight row) of each task
   for (int64_t e = 0; e < experts; ++e) {
     if (off[e + 1] == off[e]) continue;
@@ -184,7 +192,7 @@ void grouped_gemm(const typename E::T* x, const int64_t* off, int64_t experts, i
       const int64_t m = off[e + 1] - off[e];
       const typename E::T* xe = x + off[e] * K;
       const typename E::T* we = w + e * N * K;
-      typename E::T* ye = y + off[e] * N;
+      typename E::O* ye = y + off[e] * N;
       switch (m) {
         case 1: rows_range<E, 1>(xe, K, we, N, n0, n1, ye); break;
         case 2: rows_range<E, 2>(xe, K, we, N, n0, n1, ye); break;
@@ -206,9 +214,9 @@ static void check_float_pair(const char* fn, const torch::Tensor& x, const torch
               ": x and w must be both float32 or both bf16, got x ", t, " and w ", w.scalar_type());
 }
 
-// x [M, K] and w [N, K], both float32 or both bf16. Returns y [M, N] in their dtype, every output one fixed-order
-// chain over K whatever M is (batch invariant).
-torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w) {
+// x [M, K] and w [N, K], both float32 or both bf16. Returns y [M, N] in their dtype (float32 with float_out:
+// logits, bf16 sums not rounded), every output one fixed-order chain over K whatever M is (batch invariant).
+torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w, bool float_out) {
   using namespace ember_check;
   constexpr const char* fn = "dense_gemm";
   cpu(fn, "x", x);
@@ -220,11 +228,13 @@ torch::Tensor dense_gemm(torch::Tensor x, torch::Tensor w) {
   x = x.contiguous();
   auto wc = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = wc.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
   if (x.scalar_type() == at::kFloat)
     gemm<F32>(x.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>());
+  else if (float_out)
+    gemm<BF16F>(x.data_ptr<c10::BFloat16>(), M, K, wc.data_ptr<c10::BFloat16>(), N, y.data_ptr<float>());
   else
     gemm<BF16>(x.data_ptr<c10::BFloat16>(), M, K, wc.data_ptr<c10::BFloat16>(), N, y.data_ptr<c10::BFloat16>());
   return y;

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_util.h"
@@ -83,9 +84,9 @@ struct Int6Super {
 // added to the output's total (the unpacked values are 128 + q: w = (128 + q - 160) d sc). xoff[r * groups + g] =
 // -160 * the row's sum over group g. Each output's chain is the same at every R, J0 and NJ: more rows a pass over
 // half the columns (NJ = 2) unpack each pair step once for twice the rows.
-template <int R, int J0 = 0, int NJ = 4>
+template <int R, int J0 = 0, int NJ = 4, typename T>
 inline void int6_block_rows(const Int6Consts& c, const int32_t* xw, int64_t kw, const float* xoff, int64_t supers,
-                            const uint8_t* blk, int64_t N, c10::BFloat16* y) {
+                            const uint8_t* blk, int64_t N, T* y) {
   __m512 acc[R][NJ];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -118,13 +119,16 @@ inline void int6_block_rows(const Int6Consts& c, const int32_t* xw, int64_t kw, 
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NJ; ++j)
-      _mm256_storeu_si256((__m256i*)(y + r * N + 16 * (J0 + j)), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+      if constexpr (std::is_same_v<T, float>)  // logits
+        _mm512_storeu_ps(y + r * N + 16 * (J0 + j), acc[r][j]);
+      else
+        _mm256_storeu_si256((__m256i*)(y + r * N + 16 * (J0 + j)), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
 // rows 7..12 of a pass: the block's two column halves in turn
-template <int R>
+template <int R, typename T>
 inline void int6_half_passes(const Int6Consts& c, const int32_t* xw, int64_t kw, const float* xoff, int64_t supers,
-                             const uint8_t* blk, int64_t N, c10::BFloat16* y) {
+                             const uint8_t* blk, int64_t N, T* y) {
   int6_block_rows<R, 0, 2>(c, xw, kw, xoff, supers, blk, N, y);
   int6_block_rows<R, 2, 2>(c, xw, kw, xoff, supers, blk, N, y);
 }
@@ -152,7 +156,8 @@ void int6_panel(const Int6Consts& c, const uint8_t* blk, int64_t supers, uint32_
 }
 
 // every row in passes of up to INV_PASS rows against each block (work items: a block and a span of ROW_SPAN rows)
-void int6_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, c10::BFloat16* y) {
+template <typename T>
+void int6_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y) {
   const int64_t supers = K / 256, groups = K / 16, kw = K / 2;
   std::vector<float> xoff = group_sums(x, M, K, 16);
   for (float& v : xoff) v *= -160.f;
@@ -163,7 +168,7 @@ void int6_rows(const c10::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, i
       rows = ember_fixed::min<int64_t>(INT6_HALF_PASS, m1 - m);
       const int32_t* xr = xw + m * kw;
       const float* orow = xoff.data() + m * groups;
-      c10::BFloat16* yr = y + m * N + nb * NB;
+      T* yr = y + m * N + nb * NB;
       switch (rows) {
         case 1: int6_block_rows<1>(c, xr, kw, orow, supers, blk, N, yr); break;
         case 2: int6_block_rows<2>(c, xr, kw, orow, supers, blk, N, yr); break;
@@ -195,9 +200,9 @@ bool has_int6() {
 }
 
 // x bf16 [M, K]; w uint8 [N/64, K/256, INT6_SUPER_BYTES] (ember.quantization.kernels.pack_cpu_int6: a 64-row block's
-// super-blocks one after another). Returns bf16 [M, N]. invariant: no bf16 panel from 128 rows (the same chain at
-// every row count).
-torch::Tensor int6_gemm(torch::Tensor x, torch::Tensor w, bool invariant) {
+// super-blocks one after another). Returns bf16 [M, N], or float32 with float_out (logits: the sums not rounded to
+// bf16; the panel's bf16 widened). invariant: no bf16 panel from 128 rows (the same chain at every row count).
+torch::Tensor int6_gemm(torch::Tensor x, torch::Tensor w, bool invariant, bool float_out) {
 #if defined(EMBER_AVX512_BF16) && defined(EMBER_AVX512_VBMI)
   using namespace ember_check;
   constexpr const char* fn = "int6_gemm";
@@ -214,16 +219,21 @@ torch::Tensor int6_gemm(torch::Tensor x, torch::Tensor w, bool invariant) {
   size(fn, "w", w, 1, K / 256, "K / 256 from x");
   auto wc = w.contiguous();
   const uint8_t* wp = wc.data_ptr<uint8_t>();
-  if (x.size(0) == 0) return torch::empty({0, N}, x.options());
+  const auto out = x.options().dtype(float_out ? at::kFloat : at::kBFloat16);
+  if (x.size(0) == 0) return torch::empty({0, N}, out);
   const int64_t supers = K / 256;
   if (!invariant && x.size(0) >= INT4_PANEL_MIN_ROWS) {
     const Int6Consts c;
-    return panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
+    auto y = panel_gemm(x, N, [&](int64_t nb, uint32_t* panel) {
       int6_panel(c, wp + nb * supers * INT6_SUPER_BYTES, supers, panel);
     }, [](int64_t) -> const float* { return nullptr; });
+    return float_out ? y.to(at::kFloat) : y;
   }
-  auto y = torch::empty({x.size(0), N}, x.options());
-  int6_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, N, y.data_ptr<c10::BFloat16>());
+  auto y = torch::empty({x.size(0), N}, out);
+  if (float_out)
+    int6_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, N, y.data_ptr<float>());
+  else
+    int6_rows(x.data_ptr<c10::BFloat16>(), x.size(0), K, wp, N, y.data_ptr<c10::BFloat16>());
   return y;
 #else
   TORCH_CHECK(false, "int6_gemm needs AVX512-BF16 and AVX512-VBMI (has_int6())");

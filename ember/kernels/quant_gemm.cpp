@@ -626,14 +626,23 @@ EMBER_INLINE __m256 exact_half(__m256i s0, __m256i s1, __m256i s2, __m256i ws, _
   return _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi64_pd(t), _mm512_cvtps_pd(sc)), p2));
 }
 
-EMBER_INLINE __m256i exact_out16(__m512i s0, __m512i s1, __m512i s2, __m512i ws, __m512 sc, double p2) {
+EMBER_INLINE __m512 exact_out16(__m512i s0, __m512i s1, __m512i s2, __m512i ws, __m512 sc, double p2) {
   const __m512d p = _mm512_set1_pd(p2);
   const __m256 lo = exact_half(_mm512_castsi512_si256(s0), _mm512_castsi512_si256(s1), _mm512_castsi512_si256(s2),
                                _mm512_castsi512_si256(ws), _mm512_castps512_ps256(sc), p);
   const __m256 hi = exact_half(_mm512_extracti64x4_epi64(s0, 1), _mm512_extracti64x4_epi64(s1, 1),
                                _mm512_extracti64x4_epi64(s2, 1), _mm512_extracti64x4_epi64(ws, 1),
                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sc), 1)), p);
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+// the 16 outputs v of one row where mask says, as T (bf16, or float32 for logits)
+template <typename T>
+EMBER_INLINE void store16(T* y, __mmask16 mask, __m512 v) {
+  if constexpr (std::is_same_v<T, float>)
+    _mm512_mask_storeu_ps(y, mask, v);
+  else
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // x's limbs as B tiles (where xb is not null): xb[((s * 3 + l) * kt + t) * 256 + q * 16 + m] = limb l of inputs
@@ -716,9 +725,9 @@ void exact_x_limbs(const c10::BFloat16* x, int64_t M, int64_t K, int64_t kt, uin
 // registers, they keep one row near memory speed where the tile loads did not. One row through the 1.5B's
 // 151936 x 1536 LM head, 2 threads: 13.0 ms against 18.7 on tiles and 15.2 with the AVX512-BF16 path; Gemma 3's
 // 262144 x 640: 7.7 against 11.2 and 10.4.
-template <int M>
+template <int M, typename T>
 void int8_exact_rows(const uint8_t* xr, int64_t kt, int64_t K, const int8_t* w, const int32_t* wsum,
-                     const float* scales, const double* p2, int64_t N, c10::BFloat16* y) {
+                     const float* scales, const double* p2, int64_t N, T* y) {
   constexpr int R = M <= 2 ? 4 / M : 1;  // weight rows a pass: R * 3 M <= 12 accumulators
   const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
@@ -754,10 +763,9 @@ void int8_exact_rows(const uint8_t* xr, int64_t kt, int64_t K, const int8_t* w, 
       const __m512i ws = _mm512_maskz_loadu_epi32(mask, wsum + n0);
       const __m512 sc = _mm512_maskz_loadu_ps(mask, scales + n0);
       for (int m = 0; m < M; ++m)
-        _mm256_mask_storeu_epi16(y + m * N + n0, mask,
-                                 exact_out16(_mm512_maskz_load_epi32(mask, sums[0][m]),
-                                             _mm512_maskz_load_epi32(mask, sums[1][m]),
-                                             _mm512_maskz_load_epi32(mask, sums[2][m]), ws, sc, p2[m]));
+        store16(y + m * N + n0, mask,
+                exact_out16(_mm512_maskz_load_epi32(mask, sums[0][m]), _mm512_maskz_load_epi32(mask, sums[1][m]),
+                            _mm512_maskz_load_epi32(mask, sums[2][m]), ws, sc, p2[m]));
     }
   });
 }
@@ -778,8 +786,9 @@ void int8_exact_rows(const uint8_t* xr, int64_t kt, int64_t K, const int8_t* w, 
     _tile_dpbsud(2, a, 6);                                             \
   } while (0)
 
+template <typename T>
 void int8_exact_amx(const c10::BFloat16* x, int64_t M, int64_t K, const int8_t* w, const int32_t* wsum,
-                    const float* scales, int64_t N, c10::BFloat16* y) {
+                    const float* scales, int64_t N, T* y) {
   const int64_t kt = (K + XT - 1) / XT, kpad = kt * XT, spans = (M + 15) / 16, blocks = (N + 15) / 16;
   std::vector<double> p2(M);
   // the few-row path where it is faster (2 threads: up to 2 rows always; 3-4 rows on a weight of 4 MB or more,
@@ -855,8 +864,7 @@ void int8_exact_amx(const c10::BFloat16* x, int64_t M, int64_t K, const int8_t* 
         ember_avx512::transpose16(c[l]);  // c[l][m]: row m's sums
       }
       for (int64_t m = 0; m < mr; ++m)
-        _mm256_mask_storeu_epi16(y + (s * 16 + m) * N + n0, mask,
-                                 exact_out16(c[0][m], c[1][m], c[2][m], ws, sc, p2[s * 16 + m]));
+        store16(y + (s * 16 + m) * N + n0, mask, exact_out16(c[0][m], c[1][m], c[2][m], ws, sc, p2[s * 16 + m]));
     }
     _tile_release();
   });
@@ -878,10 +886,10 @@ struct PaddedRows {
   }
 };
 
-// sums[m * B + j] (slots of reduce16) times the row scales -> y rows
-template <int M, int B>
-inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64_t rows, int64_t N,
-                       c10::BFloat16* y, int64_t ldy) {
+// sums[m * B + j] (slots of reduce16) times the row scales -> y rows (T: bf16, or float32 for logits)
+template <int M, int B, typename T>
+inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64_t rows, int64_t N, T* y,
+                       int64_t ldy) {
   static_assert(M * B <= 16 && 16 % B == 0, "one slot a sum");
   // slot m * B + j takes scale j: the rows' scales (zeros past the last row) repeated, built in registers (filled
   // slot by slot in memory, the vector load waited on the 16 stores: int8_groups_inv's 4 x 4 tiles before their
@@ -890,13 +898,16 @@ inline void store_sums(const __m512 sums, const float* scales, int64_t n0, int64
   const __m512i lane = _mm512_set_epi32(15 % B, 14 % B, 13 % B, 12 % B, 11 % B, 10 % B, 9 % B, 8 % B, 7 % B, 6 % B,
                                         5 % B, 4 % B, 3 % B, 2 % B, 1 % B, 0);
   const __m512 s = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << rows) - 1), scales + n0);
-  alignas(64) c10::BFloat16 out[16];
+  alignas(64) T out[16];
   const __m512 scaled = _mm512_mul_ps(sums, _mm512_permutexvar_ps(lane, s));
-  _mm256_store_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(scaled));
-  if (rows == B)
-    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, B * sizeof(c10::BFloat16));
+  if constexpr (std::is_same_v<T, float>)
+    _mm512_store_ps(out, scaled);
   else
-    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, rows * sizeof(c10::BFloat16));
+    _mm256_store_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(scaled));
+  if (rows == B)
+    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, B * sizeof(T));
+  else
+    for (int m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, out + m * B, rows * sizeof(T));
 }
 
 // Chunk c of weight row n (chunks = full + a partial last one): in place, or its zero-padded copy in int8_tails'.
@@ -908,9 +919,9 @@ EMBER_INLINE const int8_t* int8_chunk_at(const int8_t* w, const int8_t* tails, i
 // weight chunk is converted where it lies (int8_rows_inv), or comes converted already with CONV (conv[c * B + j]:
 // chunk c of weight row n0 + j, int8_convert_rows; int8_groups_inv), then dot with every row; M * B <= 24 sums stay
 // in registers, reduced 16 at a time by the one transposing add tree.
-template <int M, int B, bool CONV = false>
+template <int M, int B, bool CONV = false, typename T>
 EMBER_INLINE void int8_block_inv(const PaddedRows& x, int64_t m0, int64_t K, const int8_t* w, const int8_t* tails,
-                                 const float* scales, int64_t N, int64_t n0, bool prefetch, c10::BFloat16* y,
+                                 const float* scales, int64_t N, int64_t n0, bool prefetch, T* y,
                                  const __m512i* conv = nullptr) {
   static_assert(M * B <= 24 && (M * B <= 16 || B == 2), "24 sums at most; rows 8 on in the second tree");
   constexpr int PF = 2;
@@ -955,8 +966,9 @@ std::vector<int8_t> int8_tails(const int8_t* w, int64_t N, int64_t K) {
 // (its chunks in order into one accumulator, the same reduce16 slot), so the bits are int8_block_inv's. 2 threads,
 // AMD Zen 4 (2026-11-29, a stand-alone loop of the same instructions, weights from memory): 8 rows side by side
 // 18-22 GB/s, one at a time 30-34 on the 151936 x 1536, 262144 x 640 and 49152 x 576 LM heads and 4864 x 896.
+template <typename T>
 EMBER_INLINE void int8_row_in_turn(const PaddedRows& x, int64_t K, const int8_t* w, const int8_t* tails,
-                                   const float* scales, int64_t N, int64_t n0, c10::BFloat16* y) {
+                                   const float* scales, int64_t N, int64_t n0, T* y) {
   constexpr int B = 16, PF = 2;  // weight rows a call; rows ahead each row asks for
   const int64_t chunks = (K + KC - 1) / KC, full = K / KC, rows = ember_fixed::min<int64_t>(B, N - n0);
   __m512 acc[B];
@@ -974,9 +986,8 @@ EMBER_INLINE void int8_row_in_turn(const PaddedRows& x, int64_t K, const int8_t*
   store_sums<1, B>(ember_avx512::reduce16(acc), scales, n0, rows, N, y, N);
 }
 
-template <int M>
-void int8_rows_inv(const PaddedRows& x, int64_t K, const int8_t* w, const float* scales, int64_t N,
-                   c10::BFloat16* y) {
+template <int M, typename T>
+void int8_rows_inv(const PaddedRows& x, int64_t K, const int8_t* w, const float* scales, int64_t N, T* y) {
   // up to 12 rows (a row verifying up to 11 drafted tokens) each weight row is converted once for every x row; 4 x 4
   // tiles of weights converted into a buffer first were slower from 5 rows (a version converting them for every tile
   // of x rows; int8_groups_inv's at 13 rows 3.3-3.6 ms against 12 rows here 2.6-2.9, AMD Zen 4). The 49152 x 576 LM
@@ -1034,8 +1045,9 @@ EMBER_INLINE void int8_convert_rows(const int8_t* w, const int8_t* tails, int64_
 // rows level; K = 3072 and 4864 level; K = 2048 at 64 rows 6.9-7.1 against 4.3, K = 1536 5.6-5.8 against 4.4-4.6.
 constexpr int64_t INT8_TILE_MAX_K = 4096;
 constexpr int64_t INT8_TILE_PAIRS = 16;
+template <typename T>
 void int8_pairs_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
-                    c10::BFloat16* y) {
+                    T* y) {
   const std::vector<int8_t> tails = int8_tails(w, N, K);
   const int64_t pairs = (N + 1) / 2;
   at::parallel_for(0, (pairs + INT8_TILE_PAIRS - 1) / INT8_TILE_PAIRS, 1, [&](int64_t begin, int64_t end) {
@@ -1061,8 +1073,9 @@ void int8_pairs_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w, 
 // pairs had beaten an earlier 4 x 4 version that converted the weights again for every tile of x rows.) The same
 // chains and trees: the same bits.
 constexpr int INT8_TB = 4;  // weight rows (and x rows) of a tile
+template <typename T>
 void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
-                     c10::BFloat16* y) {
+                     T* y) {
   const std::vector<int8_t> tails = int8_tails(w, N, K);
   const int64_t blocks = (N + INT8_TB - 1) / INT8_TB, chunks = (K + KC - 1) / KC, per = INT8_TB * chunks;
   const int64_t tile = ember_fixed::max<int64_t>(1, 16384 / (ember_fixed::max<int64_t>(per, 1) * 64));  // blocks
@@ -1090,8 +1103,9 @@ void int8_groups_inv(const PaddedRows& x, int64_t M, int64_t K, const int8_t* w,
   });
 }
 
+template <typename T>
 void int8_gemm_inv(const c10::BFloat16* xp, int64_t M, int64_t K, const int8_t* w, const float* scales, int64_t N,
-                   c10::BFloat16* y) {
+                   T* y) {
   const PaddedRows x(xp, M, K);
   if (M < 1) return;
   if (M > 12 && K > INT8_TILE_MAX_K)
@@ -1226,10 +1240,11 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scale_ze
 #endif
 }
 
-// x bf16 [M, K]; w int8 [N, K]; scales float32 [N]. Returns bf16 [M, N]. invariant: every output the same chain
-// at every row count (int8_gemm_inv); otherwise row-wise float dots up to 4 rows, bf16 panels from 5 (which need
-// N % 64 == 0 and an even K).
-torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant) {
+// x bf16 [M, K]; w int8 [N, K]; scales float32 [N]. Returns bf16 [M, N], or float32 with float_out (logits: the
+// sums rounded once, not to bf16; the invariant path writes them so, the others' bf16 is widened). invariant:
+// every output the same chain at every row count (int8_gemm_inv); otherwise row-wise float dots up to 4 rows, bf16
+// panels from 5 (which need N % 64 == 0 and an even K).
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool invariant, bool float_out) {
 #ifdef EMBER_AVX512_BF16
   using namespace ember_check;
   constexpr const char* fn = "int8_gemm";
@@ -1244,11 +1259,14 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, 
   const int8_t* wp = wc.data_ptr<int8_t>();
   const int64_t M = x.size(0);
   if (invariant) {
-    auto y = torch::empty({M, N}, x.options());
-    if (M > 0)
+    auto y = torch::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+    if (M > 0 && float_out)
+      int8_gemm_inv(x.data_ptr<c10::BFloat16>(), M, K, wp, sc.data_ptr<float>(), N, y.data_ptr<float>());
+    else if (M > 0)
       int8_gemm_inv(x.data_ptr<c10::BFloat16>(), M, K, wp, sc.data_ptr<float>(), N, y.data_ptr<c10::BFloat16>());
     return y;
   }
+  if (float_out) return int8_gemm(x, w, scales, false, false).to(at::kFloat);
   if (M == 0) return torch::empty({M, N}, x.options());
   if (M <= INT8_ROWS_MAX) {
     auto y = torch::empty({M, N}, x.options());
@@ -1270,10 +1288,11 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor scales, 
 #endif
 }
 
-// x bf16 [M, K]; w int8 [N, K]; row_sums int32 [N] (sum_k w[n, k]); scales float32 [N]. Returns bf16 [M, N]: x in
-// exact integer parts against the weight on AMX (int8_exact_amx), the same bits at every row count. Needs AMX
-// granted (has_amx) and K < 65536 (the limb sums stay in int32).
-torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales) {
+// x bf16 [M, K]; w int8 [N, K]; row_sums int32 [N] (sum_k w[n, k]); scales float32 [N]. Returns bf16 [M, N], or
+// float32 with float_out (logits): x in exact integer parts against the weight on AMX (int8_exact_amx), the same
+// bits at every row count. Needs AMX granted (has_amx) and K < 65536 (the limb sums stay in int32).
+torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor row_sums, torch::Tensor scales,
+                              bool float_out) {
 #ifdef EMBER_AMX
   TORCH_CHECK(ember_amx::granted(), "int8_exact_gemm needs AMX (has_amx())");
   constexpr const char* fn = "int8_exact_gemm";
@@ -1288,8 +1307,11 @@ torch::Tensor int8_exact_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor ro
   auto wc = w.contiguous();
   auto rs = row_sums.contiguous();
   auto sc = scales.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  if (M > 0 && N > 0)
+  auto y = torch::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (M > 0 && N > 0 && float_out)
+    int8_exact_amx(x.data_ptr<c10::BFloat16>(), M, K, wc.data_ptr<int8_t>(), rs.data_ptr<int32_t>(),
+                   sc.data_ptr<float>(), N, y.data_ptr<float>());
+  else if (M > 0 && N > 0)
     int8_exact_amx(x.data_ptr<c10::BFloat16>(), M, K, wc.data_ptr<int8_t>(), rs.data_ptr<int32_t>(),
                    sc.data_ptr<float>(), N, y.data_ptr<c10::BFloat16>());
   return y;

@@ -121,10 +121,13 @@ class LMHead(VocabEmbedding):
             self.prepacked = PrepackedWeight(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits in float32 (the sampler and logprobs need the precision whatever the model dtype); under tensor
-        parallelism the whole vocabulary on TP rank 0 and None on the others."""
+        """Logits in float32 (the sampler and logprobs need the precision whatever the model dtype), written so by
+        ember's kernels where they run (bf16 logits step by 0.125 at |logit| ~ 20: near ties that greedy decoding
+        breaks by token id); under tensor parallelism the whole vocabulary on TP rank 0 and None on the others."""
         if self.qmm is not None:
-            logits = self.qmm(hidden).float()
+            logits = self.qmm.logits(hidden)
+        elif self.dense is not None and hidden.dim() == 2 and hidden.dtype == self.weight.dtype:
+            logits = self.dense.dense_gemm(hidden, self.weight, True)  # float32 sums, not rounded to bf16
         else:
             logits = linear(hidden, self.weight, None, self.prepacked, self.dense).float()
         if self.parallel.tp_size == 1:

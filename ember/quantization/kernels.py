@@ -335,6 +335,11 @@ class MatmulPath:
         """x [..., K] -> [..., N] in x's dtype."""
         raise NotImplementedError
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, K] -> float32 [rows, N]: an LM head's product. Paths whose kernel writes float32 override it, so
+        that the logits are not rounded to bf16 (ties a greedy step breaks by token id)."""
+        return self.matmul(x).float()
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] as this path holds it, in dtype."""
         raise NotImplementedError
@@ -396,6 +401,7 @@ class _CpuWeightOnly(_WeightOnlyPath):
     __slots__ = ()
     ember_min_rows: ClassVar[int]
     ember_max_small_rows: ClassVar[int] = 0  # batches this small take ember's kernel too
+    writes_float: ClassVar[bool] = False  # ember_mm takes float_out (float32 logits)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -410,8 +416,15 @@ class _CpuWeightOnly(_WeightOnlyPath):
             return F.linear(x.to(dtype), self.dequantized(dtype)).to(x.dtype)
         return super().matmul(x)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.writes_float and self.invariant and x.dim() == 2 and x.dtype is torch.bfloat16 and \
+                (kernels := _ember_gemm()) is not None:
+            return self.ember_mm(kernels, x, float_out=True)
+        return super().logits(x)
+
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
-        """bf16 [rows, K] -> bf16 [rows, N] through ember's kernel."""
+        """bf16 [rows, K] -> bf16 [rows, N] through ember's kernel (float32 with ``float_out`` where
+        ``writes_float``)."""
         raise NotImplementedError
 
 
@@ -440,6 +453,7 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
     __slots__ = ("s32", "row_sums", "x8")
     name = "cpu-int8"
     takes_int8_x = True
+    writes_float = True
     ember_min_rows = EMBER_INT8_MIN_ROWS
     ember_max_small_rows = EMBER_INT8_ROWS_MAX
 
@@ -460,15 +474,16 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
                        and self.k % W4A8_BLOCK == 0)
         self.x8 = pack_x8(self.w) if self.int8_x else None
 
-    def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
+    def ember_mm(self, kernels, xb: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         if self.x8 is not None:
-            return kernels.int8_x8_gemm(xb, *self.x8, self.s32)
+            y = kernels.int8_x8_gemm(xb, *self.x8, self.s32)
+            return y.float() if float_out else y
         if self.row_sums is not None:
-            return kernels.int8_exact_gemm(xb, self.w, self.row_sums, self.s32)
+            return kernels.int8_exact_gemm(xb, self.w, self.row_sums, self.s32, float_out)
         if not self.invariant and xb.shape[0] > EMBER_INT8_ROWS_MAX and (self.n % _INT4_BLOCK_N or self.k % 2):
             # no 64-row panels for this shape: torch's op where it takes K, else the invariant kernel
             return self.packed_mm(xb) if _torch_int8pack_ok(self.k) else kernels.int8_gemm(xb, self.w, self.s32)
-        return kernels.int8_gemm(xb, self.w, self.s32, self.invariant)
+        return kernels.int8_gemm(xb, self.w, self.s32, self.invariant, float_out)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*super().tensors(), self.s32, self.row_sums, *(self.x8 or ())) if t is not None]
@@ -651,6 +666,7 @@ class CpuInt6Path(_CpuWeightOnly):
     __slots__ = ()
     name = "cpu-int6"
     ember_min_rows = 1
+    writes_float = True
 
     def prepare(self, qt: QuantizedTensor) -> None:
         if qt.super_scales is None:
@@ -665,8 +681,8 @@ class CpuInt6Path(_CpuWeightOnly):
         self.w = torch.cat([pack_cpu_int6(qt.data[i:i + step], sc[i:i + step], d[i:i + step])
                             for i in range(0, self.n, step)])
 
-    def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
-        return kernels.int6_gemm(xb, self.w, self.invariant)
+    def ember_mm(self, kernels, xb: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        return kernels.int6_gemm(xb, self.w, self.invariant, float_out)
 
     def packed_mm(self, xb: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("6-bit weights run on ember's CPU kernel only (cpu_holds_int6)")
@@ -832,6 +848,10 @@ class QuantizedMatmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.impl.matmul(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """An LM head's product, float32 [rows, N] (not rounded to bf16 where the path's kernel writes float32)."""
+        return self.impl.logits(x)
 
     def tensors(self) -> list[torch.Tensor]:
         """What this weight holds in memory."""

@@ -135,6 +135,10 @@ def test_int6_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
     scale = sc.float() * d.repeat_interleave(16, dim=1)
     ref = F.linear(x.float(), ((q.float() - 32).view(n, -1, 16) * scale[..., None]).view(n, k))
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3
+    logits = _rows_alone(lambda r: avx512.int6_gemm(r, w, True, True), x)  # float32 out: the same sums, unrounded
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), alone)
+    for m in (5, 13, 130):
+        assert torch.equal(avx512.int6_gemm(x[:m], w, True, True), logits[:m]), f"{m} rows"
 
 
 @pytest.mark.parametrize("n,k", [(192, 256), (77, 100), (64, 32), (130, 576), (9, 40), (75, 64), (21, 4130)])
@@ -151,6 +155,12 @@ def test_int8_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, n, k):
         assert torch.equal(avx512.int8_gemm(x[-m:], qt.data, s32), alone[-m:]), f"last {m} rows"
     ref = F.linear(x.float(), qt.dequantize(torch.float32))
     assert ((alone.float() - ref).norm() / ref.norm()).item() < 4e-3
+    # float32 out (logits): the same sums, not rounded to bf16, so their bf16 is the bf16 path's bits
+    logits = _rows_alone(lambda r: avx512.int8_gemm(r, qt.data, s32, True, True), x)
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), alone)
+    for m in (5, 13, 70):
+        assert torch.equal(avx512.int8_gemm(x[:m], qt.data, s32, True, True), logits[:m]), f"{m} rows"
+    assert (logits - ref).norm() < 0.5 * (alone.float() - ref).norm()
 
 
 @pytest.mark.parametrize("n,k", [(192, 256), (77, 100), (16, 64), (130, 576), (9, 40), (3000, 1500)])
@@ -173,10 +183,12 @@ def test_int8_exact_kernel_is_the_exact_product_at_every_row_count(n, k):
     _, e = torch.frexp(x.float().abs().amax(dim=1, keepdim=True))  # the row's largest |x| < 2^e
     step = torch.pow(2.0, (e - 23).double())
     grid = torch.round(x.double() / step) * step  # round half to even, as the kernel's conversion
-    exact = ((grid @ w.double().t()) * scales.double()).float().bfloat16()
+    exact_f = ((grid @ w.double().t()) * scales.double()).float()  # float32 out (logits): rounded once
+    exact = exact_f.bfloat16()
     for m in (1, 2, 3, 4, 5, 17, 40):
         assert torch.equal(k8.int8_exact_gemm(x[:m], w, sums, scales), exact[:m]), f"{m} rows"
         assert torch.equal(k8.int8_exact_gemm(x[-m:], w, sums, scales), exact[-m:]), f"last {m} rows"
+        assert torch.equal(k8.int8_exact_gemm(x[-m:], w, sums, scales, True), exact_f[-m:]), f"last {m} rows"
     bad = x[:20].clone()
     bad[3, 1] = float("nan")
     y = k8.int8_exact_gemm(bad, w, sums, scales)
@@ -211,6 +223,10 @@ def test_dense_kernel_rows_do_not_depend_on_the_rows_beside_them(avx512, dtype, 
         assert torch.equal(avx512.dense_gemm(x[-m:], w), alone[-m:]), f"last {m} rows"
     ref = x.double() @ w.double().t()
     bound = 2e-5 * (x.double().abs() @ w.double().abs().t())
+    logits = _rows_alone(lambda r: avx512.dense_gemm(r, w, True), x)  # float32 out: the sums, not rounded to bf16
+    assert logits.dtype == torch.float32 and torch.equal(logits.to(dtype), alone)
+    assert torch.equal(avx512.dense_gemm(x[:13], w, True), logits[:13])
+    assert ((logits.double() - ref).abs() <= bound).all()
     if dtype == torch.bfloat16:
         bound += 2.0 ** -8 * ref.abs()
     assert ((alone.double() - ref).abs() <= bound).all()
@@ -309,7 +325,9 @@ def test_float_layers_of_an_invariant_model_use_the_dense_kernel_on_avx512(avx51
         module.finalize(cpu, mkldnn_prepack_available(dtype), batch_invariant=True)
     assert head.dense is avx512
     logits = head(x)
-    assert logits.dtype == torch.float32 and torch.equal(logits, avx512.dense_gemm(x, emb.weight).float())
+    # float32 sums as the kernel writes them for logits (bf16: not rounded to bf16 first)
+    assert logits.dtype == torch.float32 and torch.equal(logits, avx512.dense_gemm(x, emb.weight, True))
+    assert torch.equal(logits.to(dtype), avx512.dense_gemm(x, emb.weight))
 
     variant = Linear(100, 77, False, dtype)
     variant.weight.data.copy_(merged.weight)
