@@ -417,9 +417,8 @@ class _CpuWeightOnly(_WeightOnlyPath):
         return super().matmul(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.writes_float and self.invariant and x.dim() == 2 and x.dtype is torch.bfloat16 and \
-                (kernels := _ember_gemm()) is not None:
-            return self.ember_mm(kernels, x, float_out=True)
+        if self.writes_float and self.invariant and x.dim() == 2 and (kernels := _ember_gemm()) is not None:
+            return self.ember_mm(kernels, x.to(torch.bfloat16), float_out=True)  # the kernels take bf16 rows
         return super().logits(x)
 
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
@@ -482,8 +481,15 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
             return kernels.int8_exact_gemm(xb, self.w, self.row_sums, self.s32, float_out)
         if not self.invariant and xb.shape[0] > EMBER_INT8_ROWS_MAX and (self.n % _INT4_BLOCK_N or self.k % 2):
             # no 64-row panels for this shape: torch's op where it takes K, else the invariant kernel
-            return self.packed_mm(xb) if _torch_int8pack_ok(self.k) else kernels.int8_gemm(xb, self.w, self.s32)
+            y = self.packed_mm(xb) if _torch_int8pack_ok(self.k) else kernels.int8_gemm(xb, self.w, self.s32)
+            return y.float() if float_out else y
         return kernels.int8_gemm(xb, self.w, self.s32, self.invariant, float_out)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_sums is not None and x.dim() == 2 and (kernels := _ember_gemm()) is not None:
+            # AMX's exact product whether or not the engine is batch invariant: exact, and the fastest int8 path there
+            return kernels.int8_exact_gemm(x.to(torch.bfloat16), self.w, self.row_sums, self.s32, True)
+        return super().logits(x)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*super().tensors(), self.s32, self.row_sums, *(self.x8 or ())) if t is not None]
