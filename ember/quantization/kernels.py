@@ -401,7 +401,6 @@ class _CpuWeightOnly(_WeightOnlyPath):
     __slots__ = ()
     ember_min_rows: ClassVar[int]
     ember_max_small_rows: ClassVar[int] = 0  # batches this small take ember's kernel too
-    writes_float: ClassVar[bool] = False  # ember_mm takes float_out (float32 logits)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -417,13 +416,17 @@ class _CpuWeightOnly(_WeightOnlyPath):
         return super().matmul(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.writes_float and self.invariant and x.dim() == 2 and (kernels := _ember_gemm()) is not None:
+        if x.dim() == 2 and self.float_logits() and (kernels := _ember_gemm()) is not None:
             return self.ember_mm(kernels, x.to(torch.bfloat16), float_out=True)  # the kernels take bf16 rows
         return super().logits(x)
 
+    def float_logits(self) -> bool:
+        """Whether ember_mm runs every row count here and takes ``float_out`` (float32 logits)."""
+        return False
+
     def ember_mm(self, kernels, xb: torch.Tensor) -> torch.Tensor:
         """bf16 [rows, K] -> bf16 [rows, N] through ember's kernel (float32 with ``float_out`` where
-        ``writes_float``)."""
+        ``float_logits``)."""
         raise NotImplementedError
 
 
@@ -452,7 +455,6 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
     __slots__ = ("s32", "row_sums", "x8")
     name = "cpu-int8"
     takes_int8_x = True
-    writes_float = True
     ember_min_rows = EMBER_INT8_MIN_ROWS
     ember_max_small_rows = EMBER_INT8_ROWS_MAX
 
@@ -485,11 +487,9 @@ class CpuInt8Path(_CpuWeightOnly, _Int8PackPath):
             return y.float() if float_out else y
         return kernels.int8_gemm(xb, self.w, self.s32, self.invariant, float_out)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_sums is not None and x.dim() == 2 and (kernels := _ember_gemm()) is not None:
-            # AMX's exact product whether or not the engine is batch invariant: exact, and the fastest int8 path there
-            return kernels.int8_exact_gemm(x.to(torch.bfloat16), self.w, self.row_sums, self.s32, True)
-        return super().logits(x)
+    def float_logits(self) -> bool:
+        # AMX's exact product whether or not the engine is batch invariant: exact, and the fastest int8 path there
+        return self.invariant or self.row_sums is not None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*super().tensors(), self.s32, self.row_sums, *(self.x8 or ())) if t is not None]
@@ -672,7 +672,6 @@ class CpuInt6Path(_CpuWeightOnly):
     __slots__ = ()
     name = "cpu-int6"
     ember_min_rows = 1
-    writes_float = True
 
     def prepare(self, qt: QuantizedTensor) -> None:
         if qt.super_scales is None:
@@ -686,6 +685,9 @@ class CpuInt6Path(_CpuWeightOnly):
         step = _INT4_BLOCK_N * 64  # rows a pack call: its int32 temporaries stay small (a 151936-row LM head)
         self.w = torch.cat([pack_cpu_int6(qt.data[i:i + step], sc[i:i + step], d[i:i + step])
                             for i in range(0, self.n, step)])
+
+    def float_logits(self) -> bool:
+        return self.invariant
 
     def ember_mm(self, kernels, xb: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         return kernels.int6_gemm(xb, self.w, self.invariant, float_out)

@@ -12,15 +12,21 @@ from ember.quantization import quantize_int8
 from ember.quantization import kernels as qkernels
 
 
-@pytest.mark.parametrize("invariant", [True, False])
-def test_an_int8_head_writes_float32_logits_where_its_kernel_can(invariant):
-    g = torch.Generator().manual_seed(3)
+def _int8_head(dtype: torch.dtype, g: torch.Generator, invariant: bool = True):
+    """A tied LM head over a random int8 table of 300 x 128, finalized for the CPU; (head, table)."""
     table = quantize_int8(torch.randn(300, 128, generator=g))
-    emb = VocabEmbedding(300, 128, torch.bfloat16, quantized=True)
-    head = LMHead(300, 128, torch.bfloat16, tied_to=emb, quantized=True)
+    emb = VocabEmbedding(300, 128, dtype, quantized=True)
+    head = LMHead(300, 128, dtype, tied_to=emb, quantized=True)
     emb.load_weight(table)
     for layer in (emb, head):
         layer.finalize(torch.device("cpu"), prepack=False, batch_invariant=invariant)
+    return head, table
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_an_int8_head_writes_float32_logits_where_its_kernel_can(invariant):
+    g = torch.Generator().manual_seed(3)
+    head, table = _int8_head(torch.bfloat16, g, invariant)
     hidden = (torch.randn(5, 128, generator=g) * 4).bfloat16()
     logits = head(hidden)
     assert logits.dtype == torch.float32 and logits.shape == (5, 300)
@@ -58,12 +64,7 @@ def test_a_float32_model_gets_unrounded_logits_from_its_int8_head():
     """quantize_embeddings in a float32 model: the head's rows go in as bf16, as every quantized layer's, and its
     sums come back unrounded."""
     g = torch.Generator().manual_seed(5)
-    table = quantize_int8(torch.randn(300, 128, generator=g))
-    emb = VocabEmbedding(300, 128, torch.float32, quantized=True)
-    head = LMHead(300, 128, torch.float32, tied_to=emb, quantized=True)
-    emb.load_weight(table)
-    for layer in (emb, head):
-        layer.finalize(torch.device("cpu"), prepack=False)
+    head, table = _int8_head(torch.float32, g)
     hidden = torch.randn(3, 128, generator=g) * 4
     logits = head(hidden)
     assert logits.dtype == torch.float32
